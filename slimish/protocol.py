@@ -1,0 +1,366 @@
+"""The HTTP bodies of ../shared/PROTOCOL.md (SGLang 0.5.23 native protocol + OpenAI subset).
+
+Every part of slimish that sends or reads one of these bodies (the built-in engine, the router,
+the client, the trainer's weight sync) uses these models, so a protocol field has one owner.
+
+Request models are strict (a JSON `1.0` is not an int, `"1"` is not a number), as SGLang's schema
+gate is. Top-level keys we do not know are ignored (sglang-router adds several); unknown
+`sampling_params` keys are rejected with the field named.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_WEIGHT_VERSION = "default"
+DEFAULT_GROUP_NAME = "weight_update_group"
+TOP_K_OFF = 1 << 30
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+# --------------------------------------------------------------------------------------------
+# /generate
+# --------------------------------------------------------------------------------------------
+
+
+class SamplingParams(BaseModel):
+    """One request's sampling parameters (PROTOCOL.md 1.2). Unknown keys are an error."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    max_new_tokens: int = Field(128, ge=0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = TOP_K_OFF
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1)
+    min_new_tokens: int = Field(0, ge=0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    sampling_seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    stream_interval: int | None = None
+    # Accepted by SGLang; the built-in engine rejects the constrained-decoding ones when set
+    # (see `unsupported`), and ignores the rest as SGLang itself does.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    custom_params: Any = None
+    beam_width: Any = None
+    watermark: Any = None
+    choice: Any = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError("top_k must be -1 (off) or a positive int")
+        return TOP_K_OFF if v == -1 else v
+
+    def unsupported(self) -> str | None:
+        """Name the first set field that the built-in engine cannot honour, else None."""
+        for name in ("json_schema", "regex", "ebnf", "structural_tag"):
+            if getattr(self, name) is not None:
+                return name
+        return None
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def stop_regexes(self) -> list[str]:
+        return [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex or [])
+
+
+class GenerateReqInput(_Strict):
+    """Body of `POST /generate` (PROTOCOL.md 1.1)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    token_ids_logprob: list[int] | list[list[int]] | None = None
+    return_text_in_logprobs: bool = False
+    # Keys sglang-router 0.3.2 injects; accepted and otherwise unused.
+    model: str | None = None
+    log_metrics: bool = True
+    background: bool = False
+    no_logs: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
+    return_hidden_states: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt_kind(self) -> "GenerateReqInput":
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of `text` or `input_ids`")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch items, text or ids, before `n` expansion."""
+        items = self.text if self.text is not None else self.input_ids
+        return list(items) if self.is_batch else [items]  # type: ignore[list-item]
+
+    def per_item(self, field: str, i: int) -> Any:
+        """A field that may be given once for the batch or once per item."""
+        value = getattr(self, field)
+        if field == "token_ids_logprob":
+            if value and isinstance(value[0], list):
+                return value[i]
+            return value
+        if field == "sampling_params":
+            if isinstance(value, list):
+                return value[i]
+            return value or SamplingParams()
+        return value[i] if isinstance(value, list) else value
+
+
+class FinishReason(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | list[int] | None = None
+    length: int | None = None
+    message: str | None = None
+    status_code: int | None = None
+    err_type: str | None = None
+
+
+class MetaInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+    weight_version: str = DEFAULT_WEIGHT_VERSION
+    num_retractions: int = 0
+    e2e_latency: float | None = None
+    input_token_logprobs: list[list[Any]] | None = None
+    output_token_logprobs: list[list[Any]] | None = None
+    output_token_logprobs_length: int | None = None
+    input_top_logprobs: list[Any] | None = None
+    output_top_logprobs: list[Any] | None = None
+    input_token_ids_logprobs: list[Any] | None = None
+    output_token_ids_logprobs: list[Any] | None = None
+
+
+class GenerateResponse(BaseModel):
+    """One item of a `/generate` reply (PROTOCOL.md 1.3); `index` is set on streamed batches."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text: str = ""
+    output_ids: list[int]
+    meta_info: MetaInfo
+    index: int | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Weight sync and control (PROTOCOL.md 2)
+# --------------------------------------------------------------------------------------------
+
+
+class InitWeightsUpdateGroupReq(_Strict):
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = DEFAULT_GROUP_NAME
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedReq(_Strict):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = DEFAULT_GROUP_NAME
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: Literal["flattened_bucket"] | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "UpdateWeightsFromDistributedReq":
+        if not (len(self.names) == len(self.dtypes) == len(self.shapes)):
+            raise ValueError(
+                f"names, dtypes and shapes must have equal lengths, got "
+                f"{len(self.names)}, {len(self.dtypes)}, {len(self.shapes)}"
+            )
+        return self
+
+
+class DestroyWeightsUpdateGroupReq(_Strict):
+    group_name: str = DEFAULT_GROUP_NAME
+
+
+class UpdateWeightsFromDiskReq(_Strict):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+    is_async: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    torch_empty_cache: bool = False
+    manifest: dict[str, Any] | None = None
+
+
+class BeginWeightUpdateReq(_Strict):
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class UpdateWeightVersionReq(_Strict):
+    new_version: str
+    abort_all_requests: bool = True
+
+
+class PauseGenerationReq(_Strict):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationReq(_Strict):
+    torch_empty_cache: bool = True
+
+
+class AbortReq(_Strict):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class GetWeightsByNameReq(_Strict):
+    name: str
+    truncate_size: int = Field(100, ge=1)
+
+
+class MemoryOccupationReq(_Strict):
+    tags: list[str] | None = None
+
+
+class ControlResult(BaseModel):
+    """The `{"success", "message"}` reply of control endpoints."""
+
+    model_config = ConfigDict(extra="allow")
+
+    success: bool
+    message: str = ""
+
+
+# --------------------------------------------------------------------------------------------
+# OpenAI-compatible (PROTOCOL.md 3). Lax types: SDKs send floats and ints freely.
+# --------------------------------------------------------------------------------------------
+
+
+class _OpenAISampling(BaseModel):
+    """Fields the two OpenAI request kinds share, with SGLang's extras."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    return_token_ids: bool = False
+    rid: str | None = None
+
+    def sampling_params(self, max_new_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=float(self.temperature),
+            top_p=float(self.top_p),
+            top_k=self.top_k,
+            min_p=float(self.min_p),
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            no_stop_trim=self.no_stop_trim,
+            skip_special_tokens=self.skip_special_tokens,
+            min_new_tokens=self.min_tokens,
+            repetition_penalty=float(self.repetition_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            presence_penalty=float(self.presence_penalty),
+            logit_bias=self.logit_bias,
+            sampling_seed=self.seed,
+        )
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_prompt_token_ids: bool = False
+    return_meta_info: bool = False
+
+
+def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    """One line per problem, each naming the field path, e.g. `sampling_params.top_k: ...`."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
+        where = f"{prefix}{loc}" if loc else (prefix.rstrip(".") or "body")
+        got = err.get("input")
+        shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+        parts.append(f"{where}: {err['msg']} (got {shown})")
+    return "; ".join(dict.fromkeys(parts))
+
+
+def _is_union_tag(part: Any) -> bool:
+    """pydantic names the union member it tried (`list[int]`, `str`); the user wants the field."""
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "SamplingParams"})
