@@ -350,11 +350,21 @@ class ChatCompletionRequest(_OpenAISampling):
 
 
 def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:
-    """One line per problem, each naming the field path, e.g. `sampling_params.top_k: ...`."""
+    """One line per problem, each naming the field path, e.g. `sampling_params.top_k: ...`.
+
+    For a union field pydantic reports why every member failed; the user wants the member that
+    got furthest (`sampling_params.max_new_tokens: ...`), not "sampling_params: not a list".
+    """
+    errors = [(tuple(p for p in e["loc"] if not _is_union_tag(p)), e) for e in exc.errors()]
+    deepest: dict[Any, int] = {}
+    for loc, _ in errors:
+        root = loc[:1]
+        deepest[root] = max(deepest.get(root, 0), len(loc))
     parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
-        where = f"{prefix}{loc}" if loc else (prefix.rstrip(".") or "body")
+    for loc, err in errors:
+        if len(loc) < deepest[loc[:1]]:
+            continue
+        where = prefix + ".".join(str(p) for p in loc) if loc else (prefix.rstrip(".") or "body")
         got = err.get("input")
         shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
         parts.append(f"{where}: {err['msg']} (got {shown})")

@@ -1,0 +1,35 @@
+"""The `slimish` console command. Each subcommand lives in the module that does the work.
+
+A module listed here provides `add_arguments(parser)` and `run(args) -> int | None`; it is
+imported only when its subcommand runs, so `slimish --help` stays fast and CPU-only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "make-tiny-model": ("slimish.tiny_model", "write a random-init HF causal LM and a locally trained tokenizer"),
+    "engine": ("slimish.engine.server", "run the built-in engine (SGLang native protocol)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="slimish", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] not in COMMANDS:
+        parser.parse_args(argv)  # prints usage / the error for an unknown command
+        return 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    cmd_parser = argparse.ArgumentParser(prog=f"slimish {argv[0]}", description=COMMANDS[argv[0]][1])
+    module.add_arguments(cmd_parser)
+    return module.run(cmd_parser.parse_args(argv[1:])) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

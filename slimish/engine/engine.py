@@ -1,0 +1,255 @@
+"""The asyncio face of the built-in engine: turns validated requests into scheduled sequences and
+their progress back into PROTOCOL.md reply objects.
+
+The HTTP layers (native `/generate` in server.py, OpenAI routes in openai_api.py) both go
+through `Engine.submit`, so validation, tokenisation and reply building exist once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from slimish.config import EngineConfig
+from slimish.engine.runner import Runner, load_model
+from slimish.engine.scheduler import LogprobWish, Request, Scheduler
+from slimish.engine.weights import WeightUpdater
+from slimish.protocol import GenerateReqInput, SamplingParams
+
+
+class RequestError(ValueError):
+    """Bad input found after schema validation; the message names the field."""
+
+
+@dataclass
+class Item:
+    """One sequence to generate, as the HTTP layers describe it."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    rid: str
+    wish: LogprobWish
+
+
+@dataclass
+class Update:
+    """Progress of item `index`: its first `n` output tokens exist; `finished` once done."""
+
+    index: int
+    n: int
+    finished: bool
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.model_path = str(Path(cfg.model).resolve())
+        torch.manual_seed(cfg.seed)
+        self.model = load_model(self.model_path, cfg.dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.vocab_size = self.model.config.vocab_size
+        self.context_length = cfg.context_length or self.model.config.max_position_embeddings
+        self.eos_ids = _eos_ids(self.model_path, self.tokenizer)
+        self.served_model_name = cfg.served_model_name or self.model_path
+        self.weights = WeightUpdater(self.model)
+        self.scheduler = Scheduler(
+            Runner(self.model),
+            max_running_requests=cfg.max_running_requests,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+        )
+        self.started_at = time.time()
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    async def run(self, fn: Any, needs_idle: bool = False) -> Any:
+        """Run `fn` on the scheduler thread (between steps) and await its result."""
+        return await asyncio.wrap_future(self.scheduler.call(fn, needs_idle))
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def items_from_generate(self, body: GenerateReqInput) -> list[Item]:
+        """Expand a `/generate` body into items: batch order, then `n` copies of each prompt."""
+        prompts = body.prompts()
+        params = [body.per_item("sampling_params", i) for i in range(len(prompts))]
+        if len({p.n for p in params}) > 1:
+            raise RequestError("sampling_params.n: every item of a batch must use the same n")
+        if isinstance(body.rid, list) and len(body.rid) != len(prompts):
+            raise RequestError(f"rid: got {len(body.rid)} ids for {len(prompts)} prompts")
+        n = params[0].n
+        batch = body.is_batch or n > 1
+        base = body.rid if isinstance(body.rid, str) else uuid.uuid4().hex
+        items = []
+        for i, prompt in enumerate(prompts):
+            ids = self.tokenize(prompt, field="text" if isinstance(prompt, str) else "input_ids")
+            wish = LogprobWish(
+                return_logprob=body.per_item("return_logprob", i),
+                logprob_start_len=body.per_item("logprob_start_len", i),
+                top_logprobs_num=body.per_item("top_logprobs_num", i),
+                token_ids_logprob=body.per_item("token_ids_logprob", i),
+            )
+            for j in range(n):
+                if isinstance(body.rid, list):
+                    rid = body.rid[i] if n == 1 else f"{body.rid[i]}-{j}"
+                else:
+                    rid = f"{base}-{i * n + j}" if batch else base
+                items.append(Item(ids, params[i], rid, wish))
+        for item in items:
+            self.check(item)
+        return items
+
+    def tokenize(self, prompt: str | list[int], field: str) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise RequestError(f"{field}: {field} cannot be empty.")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"{field}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def check(self, item: Item) -> None:
+        p, w, n_in = item.params, item.wish, len(item.input_ids)
+        if (name := p.unsupported()) is not None:
+            raise RequestError(f"sampling_params.{name}: constrained decoding is not supported by the built-in engine")
+        if n_in + p.max_new_tokens > self.context_length:
+            raise RequestError(
+                f"input_ids: the prompt ({n_in} tokens) plus sampling_params.max_new_tokens ({p.max_new_tokens}) "
+                f"exceeds the model's context length ({self.context_length} tokens)"
+            )
+        if w.logprob_start_len >= n_in:
+            raise RequestError(f"logprob_start_len: {w.logprob_start_len} must be smaller than the prompt length {n_in}")
+        if w.top_logprobs_num < 0:
+            raise RequestError("top_logprobs_num: must be >= 0")
+        for t in [*(w.token_ids_logprob or []), *(int(k) for k in (p.logit_bias or {}) if k.lstrip("-").isdigit())]:
+            if not 0 <= t < self.vocab_size:
+                raise RequestError(f"token_ids_logprob/logit_bias: token id {t} is outside the vocabulary")
+        if any(not k.lstrip("-").isdigit() for k in (p.logit_bias or {})):
+            raise RequestError("sampling_params.logit_bias: keys must be token ids written as strings")
+
+    async def submit(self, items: list[Item], stream: bool) -> AsyncIterator[tuple[list[Request], Update]]:
+        """Schedule the items; yield progress (every token when streaming, else only finishes).
+
+        If the consumer stops early (client gone), the unfinished items are aborted.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Update] = asyncio.Queue()
+        interval = max(1, self.cfg.stream_interval)
+
+        def emitter(index: int):
+            def emit(req: Request, finished: bool) -> None:
+                if finished or (stream and len(req.output_ids) % interval == 0):
+                    loop.call_soon_threadsafe(queue.put_nowait, Update(index, len(req.output_ids), finished))
+
+            return emit
+
+        stop_base = set(self.eos_ids)
+        reqs = [
+            Request(
+                rid=it.rid,
+                input_ids=it.input_ids,
+                params=it.params,
+                stop_ids=(set() if it.params.ignore_eos else stop_base) | set(it.params.stop_token_ids or []),
+                wish=it.wish,
+                emit=emitter(i),
+                decode_text=self.decode,
+            )
+            for i, it in enumerate(items)
+        ]
+        for r in reqs:
+            self.scheduler.submit(r)
+        done = 0
+        try:
+            while done < len(reqs):
+                update = await queue.get()
+                done += update.finished
+                yield reqs, update
+        finally:
+            if done < len(reqs):
+                rids = [r.rid for r in reqs if r.finish_reason is None]
+                self.scheduler.call(lambda: [self.scheduler.abort(rid) for rid in rids])
+
+    async def generate(self, items: list[Item]) -> list[Request]:
+        """Run to completion; the finished requests in item order."""
+        reqs: list[Request] = []
+        async for reqs, _ in self.submit(items, stream=False):
+            pass
+        return reqs
+
+    # ---- replies ------------------------------------------------------------------------------
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def text_of(self, req: Request, n: int, finished: bool) -> str:
+        text = self.decode(req.output_ids[:n], req.params.skip_special_tokens)
+        if finished and req.stop_text_at is not None:
+            text = text[: req.stop_text_at]
+        return text
+
+    def reply(self, req: Request, n: int, finished: bool, text_in_logprobs: bool = False) -> dict[str, Any]:
+        """The PROTOCOL.md 1.3 object for a request's first `n` tokens."""
+        ids = req.output_ids[:n]
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish_reason if finished else None,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": n,
+            "cached_tokens": 0,
+            "reasoning_tokens": 0,
+            "weight_version": self.scheduler.weight_version,
+            "weight_versions": _version_spans(req.versions[:n]),
+            "num_retractions": req.num_retractions,
+        }
+        if finished and req.finished_at is not None:
+            meta["e2e_latency"] = req.finished_at - req.created
+        w = req.wish
+        if w.return_logprob:
+            tok = self.decode if text_in_logprobs else None
+            triple = lambda lp, t: [lp, t, tok([t], False) if tok else None]  # noqa: E731
+            if req.input_logprobs is not None:
+                start = w.logprob_start_len
+                meta["input_token_logprobs"] = [triple(lp, t) for lp, t in zip(req.input_logprobs, req.input_ids[start:])]
+                if w.top_logprobs_num > 0:
+                    meta["input_top_logprobs"] = [None if e is None else [triple(lp, t) for lp, t in e] for e in req.input_top_logprobs]
+                if w.token_ids_logprob:
+                    meta["input_token_ids_logprobs"] = [None if e is None else [triple(lp, t) for lp, t in e] for e in req.input_ids_logprobs]
+            meta["output_token_logprobs"] = [triple(lp, t) for lp, t in zip(req.output_logprobs[:n], ids)]
+            meta["output_token_logprobs_length"] = n
+            if w.top_logprobs_num > 0:
+                meta["output_top_logprobs"] = [[triple(lp, t) for lp, t in e] for e in req.output_top_logprobs[:n]]
+            if w.token_ids_logprob:
+                meta["output_token_ids_logprobs"] = [[triple(lp, t) for lp, t in e] for e in req.output_ids_logprobs[:n]]
+        return {"text": self.text_of(req, n, finished), "output_ids": ids, "meta_info": meta}
+
+
+def _version_spans(versions: list[str]) -> list[dict[str, Any]]:
+    """Weight versions over output positions, as `[{"version", "start", "end"}]` (end exclusive)."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans
+
+
+def _eos_ids(model_path: str, tokenizer: Any) -> list[int]:
+    """EOS ids from generation_config.json (a list is allowed), else the tokenizer's."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

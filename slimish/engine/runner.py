@@ -1,0 +1,110 @@
+"""Model forward for the built-in engine: prefill one request, decode the whole running batch.
+
+The running batch keeps one HF `DynamicCache`, left-padded: row i's real tokens are the last
+`lens[i]` columns, earlier columns are zeros hidden by the attention mask. A request that joins
+is prefilled alone (no padding, so its prompt logits are exact) and then padded into the batch;
+a request that leaves is dropped by row, and columns that became padding for every row are cut.
+This is continuous batching on the stock HF model classes, with nothing model-specific here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+
+def load_model(path: str, dtype: str) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model.eval()
+    return model
+
+
+def _set_layer(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    if not layer.is_initialized:
+        layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+
+
+class KVBatch:
+    """The left-padded KV cache and attention mask of the running batch."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.mask = torch.zeros(0, 0, dtype=torch.long)
+        self.lens: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.lens)
+
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+    def add(self, caches: list[DynamicCache], lens: list[int]) -> None:
+        """Append prefilled single-row caches as new rows, padding everything to one width."""
+        width = max([self.width, *lens])
+        masks = [F.pad(self.mask, (width - self.width, 0))] if len(self) else []
+        masks += [F.pad(torch.ones(1, n, dtype=torch.long), (width - n, 0)) for n in lens]
+        for i, layer in enumerate(self.cache.layers):
+            parts_k, parts_v = [], []
+            if len(self):
+                parts_k.append(F.pad(layer.keys, (0, 0, width - self.width, 0)))
+                parts_v.append(F.pad(layer.values, (0, 0, width - self.width, 0)))
+            for c, n in zip(caches, lens):
+                parts_k.append(F.pad(c.layers[i].keys, (0, 0, width - n, 0)))
+                parts_v.append(F.pad(c.layers[i].values, (0, 0, width - n, 0)))
+            _set_layer(layer, torch.cat(parts_k), torch.cat(parts_v))
+        self.mask = torch.cat(masks)
+        self.lens += lens
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (in that order) and cut columns that are padding for all of them."""
+        self.lens = [self.lens[r] for r in rows]
+        if not rows:
+            self.cache = DynamicCache(config=self.model.config)
+            self.mask = torch.zeros(0, 0, dtype=torch.long)
+            return
+        start = self.width - max(self.lens)
+        index = torch.tensor(rows)
+        self.mask = self.mask[index, start:]
+        for layer in self.cache.layers:
+            _set_layer(layer, layer.keys[index, :, start:], layer.values[index, :, start:])
+
+
+@dataclass
+class PrefillOutput:
+    cache: DynamicCache
+    logits: torch.Tensor  # [positions, vocab] fp32: all prompt positions, or just the last one
+
+
+class Runner:
+    """Stateless forwards over a model; the scheduler owns the batch."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: list[int], all_logits: bool) -> PrefillOutput:
+        cache = DynamicCache(config=self.model.config)
+        ids = torch.tensor([input_ids])
+        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
+        return PrefillOutput(cache=cache, logits=out.logits[0].float())
+
+    @torch.inference_mode()
+    def decode(self, batch: KVBatch, tokens: list[int]) -> torch.Tensor:
+        """Feed one token per row; returns next-token logits [rows, vocab] in fp32."""
+        batch.mask = torch.cat([batch.mask, torch.ones(len(batch), 1, dtype=torch.long)], dim=1)
+        out = self.model(
+            input_ids=torch.tensor(tokens).unsqueeze(1),
+            attention_mask=batch.mask,
+            position_ids=torch.tensor(batch.lens).unsqueeze(1),
+            cache=batch.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        batch.lens = [n + 1 for n in batch.lens]
+        return out.logits[:, -1, :].float()

@@ -1,0 +1,70 @@
+"""Next-token choice and logprobs for a batch of rows, each with its own sampling params.
+
+Logprobs follow SGLang's default (PROTOCOL.md 1.3): `log_softmax(logits / T)` after penalties and
+logit bias, before top-k/top-p/min-p truncation, with T = 1 for greedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slimish.protocol import TOP_K_OFF, SamplingParams
+
+
+@dataclass
+class RowState:
+    """What sampling needs to know about one running request."""
+
+    params: SamplingParams
+    seen_ids: list[int]  # prompt + output so far (repetition penalty)
+    output_ids: list[int]  # output so far (frequency / presence penalty, min_new_tokens)
+    stop_ids: set[int]
+    generator: torch.Generator | None
+
+
+def _adjust_logits(logits: torch.Tensor, rows: list[RowState]) -> None:
+    """In place: penalties, logit bias, and no stop token before `min_new_tokens`."""
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.repetition_penalty != 1.0 and r.seen_ids:
+            ids = torch.tensor(sorted(set(r.seen_ids)))
+            vals = logits[i, ids]
+            logits[i, ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
+            counts = torch.bincount(torch.tensor(r.output_ids), minlength=logits.shape[1])[: logits.shape[1]].float()
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        if p.logit_bias:
+            for tok, bias in p.logit_bias.items():
+                logits[i, int(tok)] += bias
+        if len(r.output_ids) < p.min_new_tokens and r.stop_ids:
+            logits[i, torch.tensor(sorted(r.stop_ids))] = float("-inf")
+
+
+def _truncate(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """top-k, then top-p, then min-p on one row of probabilities (not renormalised)."""
+    if p.top_k < TOP_K_OFF and p.top_k < probs.numel():
+        kth = torch.topk(probs, p.top_k).values[-1]
+        probs = torch.where(probs < kth, 0.0, probs)
+    if p.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        drop = (torch.cumsum(sorted_p, 0) - sorted_p) > p.top_p
+        probs = probs.scatter(0, order[drop], 0.0)
+    if p.min_p > 0.0:
+        probs = torch.where(probs < p.min_p * probs.max(), 0.0, probs)
+    return probs
+
+
+def sample(logits: torch.Tensor, rows: list[RowState]) -> tuple[list[int], torch.Tensor]:
+    """Pick one token per row; returns the tokens and the rows' logprob distributions [B, V]."""
+    logits = logits.clone()
+    _adjust_logits(logits, rows)
+    temps = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows])
+    logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
+    tokens = logits.argmax(dim=-1).tolist()
+    for i, r in enumerate(rows):
+        if r.params.temperature > 0:
+            probs = _truncate(logprobs[i].exp(), r.params)
+            tokens[i] = int(torch.multinomial(probs, 1, generator=r.generator))
+    return tokens, logprobs

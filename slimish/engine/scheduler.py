@@ -1,0 +1,310 @@
+"""Continuous batching for the built-in engine, on one thread that owns the model.
+
+Each loop turn: run control commands (abort, pause, weight updates), admit waiting requests
+within a prefill-token budget (each is prefilled alone and joins the batch at once), then one
+decode step for the whole batch; finished requests leave right after the step that ended them.
+Because admission happens between decode steps and the prefill budget is bounded, a short
+request never waits for a long one to finish.
+
+Everything that touches the model or the batch runs on this thread; other threads talk to it
+through `submit` and `call`, so the weight-update code needs no locks of its own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import re
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from slimish.engine.runner import KVBatch, Runner
+from slimish.engine.sampling import RowState, sample
+from slimish.protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LogprobWish:
+    """What a request asked to get back besides tokens."""
+
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+
+
+@dataclass
+class Request:
+    """One sequence being generated. Lists only grow, so readers on other threads may slice them."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    stop_ids: set[int]
+    wish: LogprobWish
+    emit: Callable[["Request", bool], None]  # (request, finished); called on the scheduler thread
+    decode_text: Callable[[list[int], bool], str]  # (ids, skip_special_tokens) -> text
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    input_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
+    versions: list[str] = field(default_factory=list)  # weight version of each output token
+    finish_reason: dict[str, Any] | None = None
+    stop_text_at: int | None = None  # where a matched stop string starts in the text
+    num_retractions: int = 0
+    created: float = field(default_factory=time.monotonic)
+    finished_at: float | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.sampling_seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.sampling_seed)
+
+    def row_state(self) -> RowState:
+        return RowState(self.params, self.input_ids + self.output_ids, self.output_ids, self.stop_ids, self.generator)
+
+
+@dataclass
+class _Command:
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future
+    needs_idle: bool  # wait until no request runs, or generation is paused (SGLang's writer lock)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: Runner,
+        max_running_requests: int,
+        max_prefill_tokens: int,
+        on_step: Callable[["Scheduler"], None] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.batch = KVBatch(runner.model)
+        self.max_running = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.on_step = on_step
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # row i of the batch is running[i]
+        self.paused: str | None = None  # None, or the pause mode
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.last_gen_throughput = 0.0
+        self._inbox: deque[Request] = deque()
+        self._commands: deque[_Command] = deque()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="slimish-scheduler", daemon=True)
+
+    # ---- thread-safe entry points ------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    def submit(self, req: Request) -> None:
+        with self._wake:
+            self._inbox.append(req)
+            self._wake.notify()
+
+    def call(self, fn: Callable[[], Any], needs_idle: bool = False) -> concurrent.futures.Future:
+        """Run `fn` on the scheduler thread between steps; the future holds its result."""
+        cmd = _Command(fn, concurrent.futures.Future(), needs_idle)
+        with self._wake:
+            self._commands.append(cmd)
+            self._wake.notify()
+        return cmd.future
+
+    # ---- commands (run on the scheduler thread via `call`) ------------------------------------
+
+    def abort(self, rid: str = "", abort_all: bool = False, message: str = "Abort by request.") -> int:
+        hit = [r for r in [*self.waiting, *self.running] if abort_all or r.rid == rid]
+        for r in hit:
+            self._finish(r, {"type": "abort", "message": message, "status_code": None, "err_type": None})
+        self._drop_finished()
+        return len(hit)
+
+    def pause(self, mode: str) -> None:
+        if mode == "abort":
+            self.abort(abort_all=True, message="Abort by pause_generation.")
+        elif mode == "retract":
+            for r in reversed(self.running):
+                r.num_retractions += 1
+                self.waiting.appendleft(r)
+            self.running = []
+            self.batch.keep([])
+        self.paused = mode
+
+    def resume(self) -> None:
+        self.paused = None
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def _has_work(self) -> bool:
+        if self._commands or self._inbox:
+            return True
+        return self.paused is None and bool(self.waiting or self.running)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopped and not self._has_work():
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                self.waiting.extend(self._inbox)
+                self._inbox.clear()
+            try:
+                blocked = self._run_commands()
+                if self.paused is None:
+                    if not blocked:
+                        self._admit()
+                    if self.running:
+                        self._decode()
+            except Exception as exc:  # a bug must not kill the server: fail what is running
+                log.error("scheduler step failed:\n%s", traceback.format_exc())
+                for r in [*self.running, *self.waiting]:
+                    self._finish(r, {"type": "abort", "message": f"engine error: {exc}", "status_code": 500, "err_type": "internal"})
+                self._drop_finished()
+            if self.on_step:
+                self.on_step(self)
+
+    def _run_commands(self) -> bool:
+        """Run what can run now; True while an idle-needing command waits (admission stops)."""
+        while self._commands:
+            cmd = self._commands[0]
+            if cmd.needs_idle and self.paused is None and self.running:
+                return True
+            self._commands.popleft()
+            try:
+                cmd.future.set_result(cmd.fn())
+            except Exception as exc:
+                cmd.future.set_exception(exc)
+        return False
+
+    def _admit(self) -> None:
+        budget = self.max_prefill_tokens
+        joined: list[Request] = []
+        caches = []
+        while self.waiting and len(self.running) + len(joined) < self.max_running:
+            req = self.waiting[0]
+            cost = len(req.input_ids) + len(req.output_ids)
+            if joined and cost > budget:
+                break
+            self.waiting.popleft()
+            budget -= cost
+            cache = self._prefill(req)
+            if cache is not None:
+                joined.append(req)
+                caches.append(cache)
+        if joined:
+            self.batch.add(caches, [c.get_seq_length() for c in caches])
+            self.running += joined
+
+    def _prefill(self, req: Request) -> DynamicCache | None:
+        """Prefill one request; its cache if it joins the batch. A retracted one resumes its output."""
+        if req.output_ids:  # resuming: the last output token is not in the cache yet
+            return self.runner.prefill(req.input_ids + req.output_ids[:-1], all_logits=False).cache
+        want_input = req.wish.return_logprob and req.wish.logprob_start_len >= 0
+        out = self.runner.prefill(req.input_ids, all_logits=want_input)
+        if want_input:
+            self._input_logprobs(req, out.logits)
+        tokens, logprobs = sample(out.logits[-1:], [req.row_state()])
+        self._append(req, tokens[0], logprobs[0])
+        return out.cache if req.finish_reason is None else None
+
+    def _decode(self) -> None:
+        t0 = time.monotonic()
+        logits = self.runner.decode(self.batch, [r.output_ids[-1] for r in self.running])
+        tokens, logprobs = sample(logits, [r.row_state() for r in self.running])
+        for i, r in enumerate(self.running):
+            self._append(r, tokens[i], logprobs[i])
+        self.last_gen_throughput = len(self.running) / max(time.monotonic() - t0, 1e-9)
+        self._drop_finished()
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, r in enumerate(self.running) if r.finish_reason is None]
+        if len(keep) < len(self.running):
+            self.batch.keep(keep)
+            self.running = [self.running[i] for i in keep]
+        self.waiting = deque(r for r in self.waiting if r.finish_reason is None)
+
+    # ---- per-token bookkeeping ----------------------------------------------------------------
+
+    def _append(self, req: Request, token: int, logprobs: torch.Tensor) -> None:
+        req.output_ids.append(token)
+        req.versions.append(self.weight_version)
+        w = req.wish
+        if w.return_logprob:
+            req.output_logprobs.append(float(logprobs[token]))
+            if w.top_logprobs_num > 0:
+                req.output_top_logprobs.append(_top(logprobs, w.top_logprobs_num))
+            if w.token_ids_logprob:
+                req.output_ids_logprobs.append(_pick(logprobs, w.token_ids_logprob))
+        reason = self._finish_reason(req, token)
+        if reason is not None:
+            self._finish(req, reason)
+        else:
+            req.emit(req, False)
+
+    def _finish_reason(self, req: Request, token: int) -> dict[str, Any] | None:
+        p = req.params
+        if token in req.stop_ids:  # sampling masks stop ids until min_new_tokens
+            return {"type": "stop", "matched": token}
+        stops, regexes = p.stop_strings(), p.stop_regexes()
+        if stops or regexes:
+            text = req.decode_text(req.output_ids, p.skip_special_tokens)
+            hits = [(text.find(s), s) for s in stops if s and s in text]
+            hits += [(m.start(), m.group(0)) for m in (re.search(rx, text) for rx in regexes) if m]
+            if hits:
+                at, matched = min(hits)
+                req.stop_text_at = None if p.no_stop_trim else at
+                return {"type": "stop", "matched": matched}
+        if len(req.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": p.max_new_tokens}
+        return None
+
+    def _finish(self, req: Request, reason: dict[str, Any]) -> None:
+        if req.finish_reason is not None:
+            return
+        req.finish_reason = reason
+        req.finished_at = time.monotonic()
+        req.emit(req, True)
+
+    def _input_logprobs(self, req: Request, logits: torch.Tensor) -> None:
+        """Logprobs of prompt tokens from `logprob_start_len` on; the first token has none."""
+        t = req.params.temperature if req.params.temperature > 0 else 1.0
+        lp = torch.log_softmax(logits / t, dim=-1)  # row j predicts token j+1
+        ids, start, w = req.input_ids, req.wish.logprob_start_len, req.wish
+        positions = range(start, len(ids))
+        req.input_logprobs = [None if j == 0 else float(lp[j - 1, ids[j]]) for j in positions]
+        if w.top_logprobs_num > 0:
+            req.input_top_logprobs = [None if j == 0 else _top(lp[j - 1], w.top_logprobs_num) for j in positions]
+        if w.token_ids_logprob:
+            req.input_ids_logprobs = [None if j == 0 else _pick(lp[j - 1], w.token_ids_logprob) for j in positions]
+
+
+def _top(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
+    vals, ids = torch.topk(logprobs, min(k, logprobs.numel()))
+    return list(zip(vals.tolist(), ids.tolist()))
+
+
+def _pick(logprobs: torch.Tensor, ids: list[int]) -> list[tuple[float, int]]:
+    return list(zip(logprobs[torch.tensor(ids)].tolist(), ids))

@@ -1,0 +1,386 @@
+"""`slimish engine`: the built-in engine's HTTP server, SGLang's native protocol (PROTOCOL.md).
+
+Routes parse bodies with `slimish.protocol`, hand work to `Engine`, and shape replies exactly as
+SGLang 0.5.23 does, including its error bodies, so that clients, sglang-router and the trainer
+cannot tell this server from SGLang on the paths RL uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+
+import slimish
+from slimish.config import EngineConfig, add_config_arguments, config_from_args
+from slimish.engine.engine import Engine, Item, RequestError
+from slimish.engine.scheduler import LogprobWish
+from slimish.protocol import (
+    AbortReq,
+    BeginWeightUpdateReq,
+    ContinueGenerationReq,
+    DestroyWeightsUpdateGroupReq,
+    GenerateReqInput,
+    GetWeightsByNameReq,
+    InitWeightsUpdateGroupReq,
+    MemoryOccupationReq,
+    PauseGenerationReq,
+    SamplingParams,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromDistributedReq,
+    UpdateWeightVersionReq,
+    describe_validation_error,
+)
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+
+OPEN_ROUTES = {"/health", "/health_generate", "/ready", "/metrics"}
+ADMIN_ROUTES = {
+    "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
+    "/update_weights_from_disk", "/begin_weight_update", "/end_weight_update", "/update_weight_version",
+    "/pause_generation", "/continue_generation", "/flush_cache", "/abort_request",
+    "/release_memory_occupation", "/resume_memory_occupation",
+}  # fmt: skip
+FLUSH_OK = "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
+
+
+class BadRequest(Exception):
+    """Carries a ready 400 reply (SGLang's two error body shapes)."""
+
+    def __init__(self, body: Any) -> None:
+        self.body = body
+
+
+def error_message(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+async def parse(request: Request, model: type[M], empty_ok: bool = True) -> M:
+    """Body -> model, or a 400 naming the field (malformed JSON included)."""
+    raw = await request.body()
+    if not raw.strip() and empty_ok:
+        data: Any = {}
+    else:
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise BadRequest({"error": {"message": f"body: malformed JSON ({exc})"}}) from None
+    if not isinstance(data, dict):
+        raise BadRequest({"error": f"body: expected a JSON object, got {type(data).__name__}"})
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise BadRequest({"error": describe_validation_error(exc)}) from None
+
+
+def control(success: bool, message: str, status: int | None = None, **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": success, "message": message, **extra}, status_code=status or (200 if success else 400))
+
+
+class Metrics:
+    """Prometheus metrics under SGLang's names, so existing dashboards read this engine too."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter("sglang:prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("sglang:generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter("sglang:num_requests", "Requests finished", registry=r)
+        self.aborted = Counter("sglang:num_aborted_requests", "Requests aborted", registry=r)
+        self.running = Gauge("sglang:num_running_reqs", "Requests in the running batch", registry=r)
+        self.queued = Gauge("sglang:num_queue_reqs", "Requests waiting", registry=r)
+        self.throughput = Gauge("sglang:gen_throughput", "Decode tokens/s of the last step", registry=r)
+        self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Request latency", registry=r,
+                             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))  # fmt: skip
+
+    def finished(self, engine: Engine, reqs: list[Any]) -> None:
+        for r in reqs:
+            self.prompt_tokens.inc(len(r.input_ids))
+            self.generation_tokens.inc(len(r.output_ids))
+            self.requests.inc()
+            if r.finish_reason and r.finish_reason["type"] == "abort":
+                self.aborted.inc()
+            if r.finished_at:
+                self.e2e.observe(r.finished_at - r.created)
+
+    def render(self, engine: Engine) -> bytes:
+        s = engine.scheduler
+        self.running.set(len(s.running))
+        self.queued.set(len(s.waiting))
+        self.throughput.set(s.last_gen_throughput)
+        return generate_latest(self.registry)
+
+
+def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
+    engine = engine or Engine(cfg)
+    metrics = Metrics()
+    session = {"open": False}  # the 0.5.23 begin/end weight-update session
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="slimish engine", version=slimish.__version__, lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        path = request.url.path
+        key = (cfg.admin_api_key or cfg.api_key) if path in ADMIN_ROUTES else cfg.api_key
+        if key and path not in OPEN_ROUTES:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return error_message("Unauthorized: send `Authorization: Bearer <key>`", 401)
+        return await call_next(request)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
+        return JSONResponse(exc.body, status_code=400)
+
+    @app.exception_handler(RequestError)
+    async def request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return error_message(str(exc))
+
+    # ---- generation -------------------------------------------------------------------------
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        body = await parse(request, GenerateReqInput, empty_ok=False)
+        items = engine.items_from_generate(body)
+        batch = body.is_batch or len(items) > 1
+        text_lp = body.return_text_in_logprobs
+        if body.stream:
+            return StreamingResponse(stream_native(items, batch, text_lp), media_type="text/event-stream")
+        reqs = await engine.generate(items)
+        metrics.finished(engine, reqs)
+        out = [engine.reply(r, len(r.output_ids), True, text_lp) for r in reqs]
+        return JSONResponse(out if batch else out[0])
+
+    async def stream_native(items: list[Item], batch: bool, text_lp: bool) -> AsyncIterator[str]:
+        reqs: list[Any] = []
+        async for reqs, up in engine.submit(items, stream=True):
+            chunk = engine.reply(reqs[up.index], up.n, up.finished, text_lp)
+            if batch:
+                chunk["index"] = up.index
+            yield f"data: {json.dumps(chunk)}\n\n"
+        metrics.finished(engine, reqs)
+        yield "data: [DONE]\n\n"
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        req = await parse(request, AbortReq)
+        await engine.run(lambda: engine.scheduler.abort(req.rid, req.abort_all))
+        return Response(status_code=200)
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> JSONResponse:
+        req = await parse(request, PauseGenerationReq)
+        await engine.run(lambda: engine.scheduler.pause(req.mode))
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> JSONResponse:
+        await parse(request, ContinueGenerationReq)
+        await engine.run(engine.scheduler.resume)
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> PlainTextResponse:
+        # There is no prefix cache to drop; like SGLang, refuse while requests are in flight.
+        busy = await engine.run(lambda: bool(engine.scheduler.running or engine.scheduler.waiting))
+        if busy:
+            return PlainTextResponse("Cache not flushed because there are pending requests.\n", status_code=400)
+        return PlainTextResponse(FLUSH_OK)
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> JSONResponse:
+        req = await parse(request, InitWeightsUpdateGroupReq)
+        try:  # blocks until every rank joined: off the scheduler thread, generation goes on
+            await asyncio.to_thread(engine.weights.init_group, req)
+        except Exception as exc:
+            return control(False, f"Failed to initialize custom process group: {exc}.")
+        return control(True, "Succeeded to initialize custom process group.")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> JSONResponse:
+        req = await parse(request, UpdateWeightsFromDistributedReq)
+        if req.abort_all_requests:
+            await engine.run(lambda: engine.scheduler.abort(abort_all=True))
+        try:
+            await engine.run(lambda: load_and_version(engine.weights.update_from_distributed, req, req.weight_version), needs_idle=True)
+        except Exception as exc:
+            return control(False, f"Failed to update parameter online: {exc}. Please discard the whole weights.")
+        return control(True, "Succeeded to update parameter online." + version_note(req.weight_version))
+
+    def load_and_version(load: Any, req: Any, version: str | None) -> None:
+        load(req)
+        if version is not None:
+            engine.scheduler.weight_version = version
+
+    def version_note(version: str | None) -> str:
+        return f" Weight version updated to {version}." if version is not None else ""
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> JSONResponse:
+        req = await parse(request, DestroyWeightsUpdateGroupReq)
+        try:
+            await engine.run(lambda: engine.weights.destroy_group(req.group_name))
+        except Exception as exc:
+            return control(False, str(exc))
+        return control(True, "Succeeded to destroy custom process group.")
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        req = await parse(request, UpdateWeightsFromDiskReq)
+        if req.abort_all_requests:
+            await engine.run(lambda: engine.scheduler.abort(abort_all=True))
+        try:
+            await engine.run(lambda: load_and_version(engine.weights.update_from_disk, req.model_path, req.weight_version), needs_idle=True)
+        except Exception as exc:
+            return control(False, f"Failed to update weights: {exc}. Rolled back to the previous weights.", num_paused_requests=0)
+        engine.model_path = req.model_path
+        return control(True, "Succeeded to update model weights." + version_note(req.weight_version), num_paused_requests=0)
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request) -> JSONResponse:
+        await parse(request, BeginWeightUpdateReq)
+        if session["open"]:
+            return control(False, "a weight-update session is already open; call end_weight_update() first")
+        session["open"] = True
+        return control(True, "Weight-update session opened.")
+
+    @app.post("/end_weight_update")
+    async def end_weight_update() -> JSONResponse:
+        if not session["open"]:
+            return control(False, "no weight-update session is open; call begin_weight_update() first")
+        session["open"] = False
+        return control(True, "Weight-update session closed.")
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> JSONResponse:
+        req = await parse(request, UpdateWeightVersionReq)
+
+        def apply() -> None:
+            if req.abort_all_requests:
+                engine.scheduler.abort(abort_all=True)
+            engine.scheduler.weight_version = req.new_version
+
+        await engine.run(apply)
+        return JSONResponse({"success": True, "message": f"Weight version updated to {req.new_version}", "new_version": req.new_version})
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request) -> JSONResponse:
+        req = await parse(request, GetWeightsByNameReq, empty_ok=False)
+        try:
+            return JSONResponse(await engine.run(lambda: engine.weights.get_weights_by_name(req.name, req.truncate_size)))
+        except ValueError as exc:
+            return control(False, str(exc))
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def memory_occupation(request: Request) -> JSONResponse:
+        await parse(request, MemoryOccupationReq)  # nothing to release on CPU; SGLang replies `null`
+        return JSONResponse(None)
+
+    # ---- health and info --------------------------------------------------------------------
+
+    @app.get("/health")
+    @app.get("/ready")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        s = engine.scheduler
+        if s.running or s.waiting:
+            return Response(status_code=200)
+        item = Item([0], SamplingParams(max_new_tokens=1, temperature=0.0), f"health-{time.monotonic_ns()}", LogprobWish())
+        try:
+            await asyncio.wait_for(engine.generate([item]), timeout=20)
+        except asyncio.TimeoutError:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        config = engine.model.config
+        return {
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.model_path,
+            "served_model_name": engine.served_model_name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": engine.scheduler.weight_version,
+            "load_format": None,
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": config.model_type,
+            "architectures": config.architectures,
+        }
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        s = engine.scheduler
+        args = {k: v for k, v in vars(cfg).items() if k not in ("api_key", "admin_api_key")}
+        return {
+            **args,
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.model_path,
+            "context_length": engine.context_length,
+            "tp_size": 1,
+            "dp_size": 1,
+            "max_total_num_tokens": engine.context_length * cfg.max_running_requests,
+            "startup_time": engine.started_at,
+            "internal_states": [{"last_gen_throughput": s.last_gen_throughput, "#running-req": len(s.running), "#queue-req": len(s.waiting)}],
+            "version": slimish.__version__,
+            "frontend": "python",
+            "launch_command": "slimish engine",
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        name = engine.served_model_name
+        card = {"id": name, "object": "model", "created": int(engine.started_at), "owned_by": "sglang",
+                "root": name, "parent": None, "max_model_len": engine.context_length}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(engine), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, EngineConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(EngineConfig, args)
+    logging.basicConfig(level=cfg.log_level.upper())
+    app = create_app(cfg)  # loads the model before listening: /health is 200 only when ready
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False)
+    return 0

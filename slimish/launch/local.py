@@ -1,0 +1,103 @@
+"""Start slimish servers (engines, routers) as child processes on this machine.
+
+Used by `slimish serve`, by the trainer's embedded mode and by the tests, so that all of them
+start, wait for and stop servers the same way: bounded waits, no orphans.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS considers free right now (the usual small race is accepted)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A `python -m slimish.cli <argv>` child serving HTTP on `host:port`."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        port: int,
+        host: str = "127.0.0.1",
+        health_path: str = "/health",
+        env: dict[str, str] | None = None,
+        log_path: str | Path | None = None,
+    ) -> None:
+        self.argv, self.host, self.port, self.health_path = argv, host, port, health_path
+        self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+        self.log_path = Path(log_path) if log_path else None
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 120.0) -> "ServerProcess":
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "slimish.cli", *self.argv], env=self.env, stdout=out, stderr=subprocess.STDOUT
+        )
+        self.wait_healthy(timeout)
+        return self
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.argv[0]} on port {self.port} exited with {self.proc.returncode}{self._log_tail()}")
+            try:
+                if httpx.get(self.url + self.health_path, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"{self.argv[0]} on port {self.port} not healthy within {timeout:.0f}s{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        if self.log_path and self.log_path.exists():
+            return "; log tail:\n" + self.log_path.read_text(errors="replace")[-3000:]
+        return ""
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (fault-injection tests)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def engine_process(model: str | Path, port: int | None = None, log_path: str | Path | None = None, **flags: object) -> ServerProcess:
+    """A built-in engine child; `flags` become `--flag value` (`max_running_requests=8`)."""
+    port = port or free_port()
+    argv = ["engine", "--model", str(model), "--port", str(port)]
+    for key, value in flags.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return ServerProcess(argv, port=port, log_path=log_path)
