@@ -259,6 +259,14 @@ def test_abort_mid_generation_returns_partial_tokens(engine):
     assert len(last["output_ids"]) == last["meta_info"]["completion_tokens"]
 
 
+def test_stream_client_disconnect_aborts(engine):
+    with httpx.stream("POST", engine + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": LONG, "stream": True}, timeout=60) as r:
+        for i, _ in enumerate(line for line in r.iter_lines() if line.startswith("data: {")):
+            if i == 3:
+                break
+    wait_for(lambda: server_state(engine)["#running-req"] == 0 and server_state(engine)["#queue-req"] == 0)
+
+
 def test_abort_all_non_streaming(engine):
     async def main():
         async with httpx.AsyncClient(timeout=60) as client:

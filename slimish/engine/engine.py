@@ -11,6 +11,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,14 +177,15 @@ class Engine:
                 yield reqs, update
         finally:
             if done < len(reqs):
-                rids = [r.rid for r in reqs if r.finish_reason is None]
-                self.scheduler.call(lambda: [self.scheduler.abort(rid) for rid in rids])
+                rids = {r.rid for r in reqs if r.finish_reason is None}
+                self.scheduler.call(lambda: self.scheduler.abort(rids=rids))
 
     async def generate(self, items: list[Item]) -> list[Request]:
         """Run to completion; the finished requests in item order."""
         reqs: list[Request] = []
-        async for reqs, _ in self.submit(items, stream=False):
-            pass
+        async with aclosing(self.submit(items, stream=False)) as updates:
+            async for reqs, _ in updates:
+                pass
         return reqs
 
     # ---- replies ------------------------------------------------------------------------------

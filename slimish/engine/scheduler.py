@@ -134,8 +134,8 @@ class Scheduler:
 
     # ---- commands (run on the scheduler thread via `call`) ------------------------------------
 
-    def abort(self, rid: str = "", abort_all: bool = False, message: str = "Abort by request.") -> int:
-        hit = [r for r in [*self.waiting, *self.running] if abort_all or r.rid == rid]
+    def abort(self, rid: str = "", abort_all: bool = False, rids: set[str] = frozenset(), message: str = "Abort by request.") -> int:
+        hit = [r for r in [*self.waiting, *self.running] if abort_all or r.rid == rid or r.rid in rids]
         for r in hit:
             self._finish(r, {"type": "abort", "message": message, "status_code": None, "err_type": None})
         self._drop_finished()

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any, TypeVar
 
 import uvicorn
@@ -174,11 +174,12 @@ def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
 
     async def stream_native(items: list[Item], batch: bool, text_lp: bool) -> AsyncIterator[str]:
         reqs: list[Any] = []
-        async for reqs, up in engine.submit(items, stream=True):
-            chunk = engine.reply(reqs[up.index], up.n, up.finished, text_lp)
-            if batch:
-                chunk["index"] = up.index
-            yield f"data: {json.dumps(chunk)}\n\n"
+        async with aclosing(engine.submit(items, stream=True)) as updates:  # a client gone aborts
+            async for reqs, up in updates:
+                chunk = engine.reply(reqs[up.index], up.n, up.finished, text_lp)
+                if batch:
+                    chunk["index"] = up.index
+                yield f"data: {json.dumps(chunk)}\n\n"
         metrics.finished(engine, reqs)
         yield "data: [DONE]\n\n"
 
@@ -371,6 +372,8 @@ def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(engine), media_type=CONTENT_TYPE_LATEST)
 
+    from slimish.engine.openai_api import build_openai_router
+    app.include_router(build_openai_router(engine))
     return app
 
 
