@@ -108,6 +108,15 @@ def test_input_logprobs_top_and_token_ids(engine, hf):
     assert len(meta["input_top_logprobs"]) == len(prompt) and meta["input_top_logprobs"][0] is None
 
 
+def test_max_new_tokens_zero_scores_the_prompt(engine, hf):
+    prompt = PROMPTS[2]
+    out = generate(engine, input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    ref = hf_logprobs(hf, prompt)
+    lps = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]]
+    assert lps[0] is None and max(abs(lps[j] - float(ref[j - 1, prompt[j]])) for j in range(1, len(prompt))) < 1e-4
+
+
 # ---- batches, n, concurrency -------------------------------------------------------------
 
 
@@ -190,6 +199,7 @@ def test_stop_token_ids_stop_strings_and_trim(engine, tok):
     first = ids.index(ids[k])
     assert stopped["output_ids"] == ids[: first + 1]
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[k]}
+    assert stopped["text"] == tok.decode(ids[:first], skip_special_tokens=True)  # the stop token's text is cut
     text = base["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip(), "the tiny model's text has a usable stop string"

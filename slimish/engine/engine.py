@@ -20,6 +20,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from slimish.config import EngineConfig
+from slimish.engine.metrics import Metrics
 from slimish.engine.runner import Runner, load_model
 from slimish.engine.scheduler import LogprobWish, Request, Scheduler
 from slimish.engine.weights import WeightUpdater
@@ -66,6 +67,7 @@ class Engine:
             max_running_requests=cfg.max_running_requests,
             max_prefill_tokens=cfg.max_prefill_tokens,
         )
+        self.metrics = Metrics()
         self.started_at = time.time()
 
     def start(self) -> None:
@@ -174,6 +176,8 @@ class Engine:
             while done < len(reqs):
                 update = await queue.get()
                 done += update.finished
+                if done == len(reqs):
+                    self.metrics.finished(reqs)
                 yield reqs, update
         finally:
             if done < len(reqs):
@@ -194,7 +198,13 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def text_of(self, req: Request, n: int, finished: bool) -> str:
-        text = self.decode(req.output_ids[:n], req.params.skip_special_tokens)
+        """The text of the first `n` output tokens. As SGLang, a matched stop (token or string) is
+        cut from the text unless `no_stop_trim`; the ids always keep the stop token."""
+        ids = req.output_ids[:n]
+        reason = req.finish_reason if finished else None
+        if reason and reason["type"] == "stop" and isinstance(reason.get("matched"), int) and not req.params.no_stop_trim:
+            ids = ids[:-1]
+        text = self.decode(ids, req.params.skip_special_tokens)
         if finished and req.stop_text_at is not None:
             text = text[: req.stop_text_at]
         return text

@@ -226,6 +226,9 @@ class Scheduler:
         out = self.runner.prefill(req.input_ids, all_logits=want_input)
         if want_input:
             self._input_logprobs(req, out.logits)
+        if req.params.max_new_tokens == 0:  # prompt scoring: input logprobs only
+            self._finish(req, {"type": "length", "length": 0})
+            return None
         tokens, logprobs = sample(out.logits[-1:], [req.row_state()])
         self._append(req, tokens[0], logprobs[0])
         return out.cache if req.finish_reason is None else None

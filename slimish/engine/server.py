@@ -20,13 +20,13 @@ from typing import Any, TypeVar
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 import slimish
 from slimish.config import EngineConfig, add_config_arguments, config_from_args
 from slimish.engine.engine import Engine, Item, RequestError
+from slimish.engine.openai_api import build_openai_router
 from slimish.engine.scheduler import LogprobWish
 from slimish.protocol import (
     AbortReq,
@@ -91,43 +91,8 @@ def control(success: bool, message: str, status: int | None = None, **extra: Any
     return JSONResponse({"success": success, "message": message, **extra}, status_code=status or (200 if success else 400))
 
 
-class Metrics:
-    """Prometheus metrics under SGLang's names, so existing dashboards read this engine too."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.prompt_tokens = Counter("sglang:prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("sglang:generation_tokens", "Tokens generated", registry=r)
-        self.requests = Counter("sglang:num_requests", "Requests finished", registry=r)
-        self.aborted = Counter("sglang:num_aborted_requests", "Requests aborted", registry=r)
-        self.running = Gauge("sglang:num_running_reqs", "Requests in the running batch", registry=r)
-        self.queued = Gauge("sglang:num_queue_reqs", "Requests waiting", registry=r)
-        self.throughput = Gauge("sglang:gen_throughput", "Decode tokens/s of the last step", registry=r)
-        self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Request latency", registry=r,
-                             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))  # fmt: skip
-
-    def finished(self, engine: Engine, reqs: list[Any]) -> None:
-        for r in reqs:
-            self.prompt_tokens.inc(len(r.input_ids))
-            self.generation_tokens.inc(len(r.output_ids))
-            self.requests.inc()
-            if r.finish_reason and r.finish_reason["type"] == "abort":
-                self.aborted.inc()
-            if r.finished_at:
-                self.e2e.observe(r.finished_at - r.created)
-
-    def render(self, engine: Engine) -> bytes:
-        s = engine.scheduler
-        self.running.set(len(s.running))
-        self.queued.set(len(s.waiting))
-        self.throughput.set(s.last_gen_throughput)
-        return generate_latest(self.registry)
-
-
 def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
     engine = engine or Engine(cfg)
-    metrics = Metrics()
     session = {"open": False}  # the 0.5.23 begin/end weight-update session
 
     @asynccontextmanager
@@ -168,7 +133,6 @@ def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
         if body.stream:
             return StreamingResponse(stream_native(items, batch, text_lp), media_type="text/event-stream")
         reqs = await engine.generate(items)
-        metrics.finished(engine, reqs)
         out = [engine.reply(r, len(r.output_ids), True, text_lp) for r in reqs]
         return JSONResponse(out if batch else out[0])
 
@@ -180,7 +144,6 @@ def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
                 if batch:
                     chunk["index"] = up.index
                 yield f"data: {json.dumps(chunk)}\n\n"
-        metrics.finished(engine, reqs)
         yield "data: [DONE]\n\n"
 
     @app.post("/abort_request")
@@ -370,9 +333,8 @@ def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(engine), media_type=CONTENT_TYPE_LATEST)
+        return Response(engine.metrics.render(engine.scheduler), media_type=CONTENT_TYPE_LATEST)
 
-    from slimish.engine.openai_api import build_openai_router
     app.include_router(build_openai_router(engine))
     return app
 

@@ -1,0 +1,161 @@
+"""The engine's receive side of weight updates (PROTOCOL.md 2.1-2.5, 4).
+
+A `WeightUpdater` maps HF checkpoint names onto one model's parameters and loads new values
+from a trainer's broadcast or from a checkpoint directory. Every update is all-or-nothing:
+requests are validated before the first receive (a receive the trainer never sends would
+desync the collective) and parameters are written only after every tensor arrived.
+The engine serialises calls, pauses generation and keeps the weight version; this class
+does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from slimish.distributed import (
+    ProcessGroup,
+    destroy_custom_process_group,
+    flattened_layout,
+    init_custom_process_group,
+    parse_dtype,
+)
+from slimish.protocol import InitWeightsUpdateGroupReq, UpdateWeightsFromDistributedReq
+
+
+class WeightUpdater:
+    def __init__(self, model: torch.nn.Module, timeout: timedelta | None = None) -> None:
+        # Tied weights appear under every name (lm_head.weight and model.embed_tokens.weight),
+        # so a push under either name lands in the one shared tensor.
+        self.params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+        self.timeout = timeout
+        self.groups: dict[str, ProcessGroup] = {}
+        # Receive buffers are kept between pushes: allocating fresh memory per receive costs
+        # as much as the transfer itself (notes/cpu-runtime.md 2).
+        self.recv_buffers: dict[str, torch.Tensor] = {}
+        self.bucket_buffer = torch.empty(0, dtype=torch.uint8)
+
+    # -- groups --------------------------------------------------------------------------
+
+    def init_group(self, req: InitWeightsUpdateGroupReq) -> None:
+        """Join `req.group_name` as rank `rank_offset` (tp_size is 1); blocks until all joined."""
+        if req.group_name in self.groups:
+            raise ValueError(f"group_name {req.group_name!r} already exists; destroy it first")
+        self.groups[req.group_name] = init_custom_process_group(
+            req.backend,
+            f"tcp://{req.master_address}:{req.master_port}",
+            world_size=req.world_size,
+            rank=req.rank_offset,
+            group_name=req.group_name,
+            timeout=self.timeout,
+        )
+
+    def destroy_group(self, name: str) -> None:
+        if name not in self.groups:
+            raise ValueError("The group to be destroyed does not exist.")
+        destroy_custom_process_group(self.groups.pop(name))
+
+    # -- updates -------------------------------------------------------------------------
+
+    def update_from_distributed(self, req: UpdateWeightsFromDistributedReq) -> None:
+        """Receive `req.names` from rank 0 of `req.group_name` and load them."""
+        group = self.groups.get(req.group_name)
+        if group is None:
+            raise ValueError(f"group_name {req.group_name!r} is not an initialised weight-update group")
+        if not req.names:
+            raise ValueError("names is empty")
+        dtypes = self._validate(req.names, req.dtypes, req.shapes)
+        if req.load_format == "flattened_bucket":
+            tensors = self._recv_flattened(group, req.names, dtypes, req.shapes)
+        else:
+            tensors = self._recv_each(group, req.names, dtypes, req.shapes)
+        self._load(zip(req.names, tensors))
+
+    def update_from_disk(self, model_path: str) -> None:
+        """Load every parameter from the `*.safetensors` files of an HF checkpoint directory."""
+        if not Path(model_path).is_dir():
+            raise ValueError(f"model_path {model_path!r} is not a directory")
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"model_path {model_path!r}: no *.safetensors files found")
+        state: dict[str, torch.Tensor] = {}
+        for file in files:
+            for name, tensor in load_file(file).items():
+                if name in state:
+                    raise ValueError(f"model_path {model_path!r}: {name!r} appears in more than one file")
+                state[name] = tensor
+        self._check_checkpoint(model_path, state)
+        self._load(state.items())
+
+    def get_weights_by_name(self, name: str, truncate_size: int) -> list:
+        """The first `truncate_size` rows of a parameter as float32 nested lists (as SGLang)."""
+        if name not in self.params:
+            raise ValueError(f"name {name!r} is not a parameter of this model")
+        return self.params[name].detach()[:truncate_size].to(torch.float32).tolist()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _validate(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[torch.dtype]:
+        resolved, seen = [], set()
+        for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes, strict=True)):
+            if name not in self.params:
+                raise ValueError(f"names[{i}]: {name!r} is not a parameter of this model")
+            if name in seen:
+                raise ValueError(f"names[{i}]: {name!r} is listed twice")
+            seen.add(name)
+            self._check_shape(f"shapes[{i}]", name, shape)
+            try:
+                resolved.append(parse_dtype(dtype))
+            except ValueError as e:
+                raise ValueError(f"dtypes[{i}] for {name!r}: {e}") from None
+        return resolved
+
+    def _check_shape(self, field: str, name: str, shape: Sequence[int]) -> None:
+        expected = list(self.params[name].shape)
+        if list(shape) != expected:
+            raise ValueError(f"{field}: {list(shape)} for {name!r} does not match the parameter's shape {expected}")
+
+    def _check_checkpoint(self, model_path: str, state: dict[str, torch.Tensor]) -> None:
+        extra = sorted(set(state) - set(self.params))
+        if extra:
+            raise ValueError(f"model_path {model_path!r}: names not in this model: {extra[:5]}")
+        by_tensor: dict[int, list[str]] = {}
+        for name, param in self.params.items():
+            by_tensor.setdefault(id(param), []).append(name)
+        missing = [names[0] for names in by_tensor.values() if not any(n in state for n in names)]
+        if missing:
+            raise ValueError(f"model_path {model_path!r}: parameters missing from the checkpoint: {missing[:5]}")
+        for name, tensor in state.items():
+            self._check_shape(f"model_path {model_path!r}", name, tensor.shape)
+
+    def _recv_each(self, group: ProcessGroup, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        buffers = []
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            buf = self.recv_buffers.get(name)
+            if buf is None or buf.dtype != dtype or list(buf.shape) != list(shape):
+                buf = self.recv_buffers[name] = torch.empty(shape, dtype=dtype)
+            buffers.append(buf)
+        # Issued in list order, as the trainer sends them; gloo matches them in that order.
+        works = [dist.broadcast(buf, src=0, group=group, async_op=True) for buf in buffers]
+        for work in works:
+            work.wait()
+        return buffers
+
+    def _recv_flattened(self, group: ProcessGroup, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        ranges = flattened_layout(names, dtypes, shapes)
+        total = ranges[-1][1]
+        if self.bucket_buffer.numel() < total:
+            self.bucket_buffer = torch.empty(total, dtype=torch.uint8)
+        flat = self.bucket_buffer[:total]
+        dist.broadcast(flat, src=0, group=group)
+        return [flat[start:end].view(dtype).view(shape) for (start, end), dtype, shape in zip(ranges, dtypes, shapes)]
+
+    @torch.no_grad()
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named_tensors:
+            self.params[name].copy_(tensor)
