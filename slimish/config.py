@@ -32,6 +32,7 @@ class EngineConfig:
     served_model_name: str | None = None  # default: the model path
     api_key: str | None = None  # Bearer key for every route except health and metrics
     admin_api_key: str | None = None  # Bearer key for weight and control routes (default: api_key)
+    weight_sync_timeout_s: int = 600  # a trainer gone mid-broadcast frees the engine after this
     stream_interval: int = 1  # decode steps between streamed chunks
     seed: int = 0  # torch seed for requests without `sampling_seed`
     log_level: str = "warning"

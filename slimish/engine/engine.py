@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from datetime import timedelta
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ class Engine:
         self.context_length = cfg.context_length or self.model.config.max_position_embeddings
         self.eos_ids = _eos_ids(self.model_path, self.tokenizer)
         self.served_model_name = cfg.served_model_name or self.model_path
-        self.weights = WeightUpdater(self.model)
+        self.weights = WeightUpdater(self.model, timeout=timedelta(seconds=cfg.weight_sync_timeout_s))
         self.scheduler = Scheduler(
             Runner(self.model),
             max_running_requests=cfg.max_running_requests,

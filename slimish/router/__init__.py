@@ -1,0 +1,10 @@
+"""The slimish router: a load-balancing gateway in front of SGLang-protocol engines.
+
+`config` holds the settings, `workers` the registry and health checks, `policy` the routing
+policies, `gate` the per-request checks, `proxy` the forwarding, `app` the HTTP routes and CLI.
+"""
+
+from slimish.router.app import create_app
+from slimish.router.config import RouterConfig
+
+__all__ = ["RouterConfig", "create_app"]

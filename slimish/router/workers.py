@@ -1,0 +1,169 @@
+"""The worker registry and its health checks.
+
+Shapes follow sglang-router 0.3.x (`GET /workers` entries), so tools written against it read ours.
+A worker is routable only while healthy; health checks bring it back on their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from slimish.router.config import RouterConfig
+
+log = logging.getLogger("slimish.router")
+
+
+def normalize_url(url: str) -> str:
+    """`http://h:p` without a trailing slash; a clear error for anything else."""
+    if not isinstance(url, str):
+        raise ValueError(f"url: expected a string like http://127.0.0.1:30000, got {url!r}")
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+        raise ValueError(f"url: expected http(s)://host:port, got {url!r}")
+    if parts.path not in ("", "/") or parts.query:
+        raise ValueError(f"url: expected no path or query after host:port, got {url!r}")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    healthy: bool = False
+    inflight: int = 0
+    failures: int = 0  # consecutive failed health checks
+    last_error: str = "not checked yet"
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The entry shape of sglang-router 0.3.x `GET /workers`."""
+        return {
+            "id": self.id,
+            "url": self.url,
+            "model_id": self.metadata.get("served_model_name", "unknown"),
+            "priority": 50,
+            "cost": 1.0,
+            "worker_type": "regular",
+            "is_healthy": self.healthy,
+            "load": self.inflight,
+            "connection_mode": "http",
+            "metadata": {k: self.metadata.get(k) for k in ("dp_size", "tp_size", "model_path")},
+            "disable_health_check": False,
+            "last_error": None if self.healthy else self.last_error,
+        }
+
+
+class WorkerRegistry:
+    """Registered workers in insertion order (round_robin relies on a stable order)."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self._workers: dict[str, Worker] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._pending: set[asyncio.Task] = set()
+        self._timeout = aiohttp.ClientTimeout(total=cfg.health_check_timeout)
+
+    def bind(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+
+    # ---- membership ------------------------------------------------------------------------
+
+    def all(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def healthy(self) -> list[Worker]:
+        return [w for w in self._workers.values() if w.healthy]
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self._workers.get(worker_id)
+
+    def by_url(self, url: str) -> Worker | None:
+        url = normalize_url(url)
+        return next((w for w in self._workers.values() if w.url == url), None)
+
+    def add(self, url: str) -> Worker:
+        """Register `url` (unhealthy until its first good check, which starts now)."""
+        url = normalize_url(url)
+        if (existing := self.by_url(url)) is not None:
+            raise KeyError(f"worker {url} is already registered as id {existing.id}")
+        worker = Worker(url)
+        self._workers[worker.id] = worker
+        if self._session is not None:
+            task = asyncio.get_running_loop().create_task(self.check(worker))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+        return worker
+
+    def remove(self, worker: Worker) -> None:
+        self._workers.pop(worker.id, None)
+
+    def mark_failed(self, worker: Worker, cause: str) -> None:
+        """A request could not reach `worker`: stop routing to it until a check passes."""
+        if worker.healthy:
+            log.warning("worker %s marked unhealthy: %s", worker.url, cause)
+        worker.healthy, worker.last_error = False, cause
+        worker.failures = max(worker.failures, self.cfg.health_failure_threshold)
+
+    # ---- health checks ---------------------------------------------------------------------
+
+    async def check(self, worker: Worker) -> bool:
+        assert self._session is not None, "registry not bound to a client session"
+        try:
+            async with self._session.get(worker.url + "/health", timeout=self._timeout) as resp:
+                ok, cause = resp.status == 200, f"GET /health replied {resp.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            ok, cause = False, f"GET /health failed: {describe_exc(exc, self.cfg.health_check_timeout)}"
+        if ok:
+            if not worker.healthy:
+                log.info("worker %s is healthy", worker.url)
+                if not worker.metadata:
+                    worker.metadata = await self._server_info(worker)
+            worker.healthy, worker.failures = True, 0
+            return True
+        worker.failures += 1
+        worker.last_error = cause
+        if worker.healthy and worker.failures >= self.cfg.health_failure_threshold:
+            log.warning("worker %s marked unhealthy: %s", worker.url, cause)
+            worker.healthy = False
+        return False
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in self.all()))
+
+    async def run_health_checks(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_check_interval)
+            await self.check_all()
+
+    async def _server_info(self, worker: Worker) -> dict[str, Any]:
+        """dp/tp size and model path for `GET /workers`; optional, as not every engine has it."""
+        assert self._session is not None
+        try:
+            async with self._session.get(worker.url + "/server_info", timeout=self._timeout) as resp:
+                info = await resp.json() if resp.status == 200 else {}
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return {}
+        return info if isinstance(info, dict) else {}
+
+    def stats(self) -> dict[str, Any]:
+        healthy = sum(w.healthy for w in self._workers.values())
+        return {"healthy_count": healthy, "unhealthy_count": len(self._workers) - healthy}
+
+
+def describe_exc(exc: BaseException, timeout: float) -> str:
+    """A short cause for error messages: what failed, not a traceback."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return f"no answer within {timeout:g} s"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect ({exc.os_error.strerror or exc.os_error})"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the worker closed the connection"
+    return f"{type(exc).__name__}: {exc}"
+
