@@ -9,8 +9,9 @@ sync) is the one a real Qwen/Llama checkpoint takes.
 - `arch`: `qwen2` (tied embeddings), `qwen3` (q/k norms, head_dim != hidden/heads, tied),
   `llama` (untied lm_head). All use grouped-query attention.
 - `size`: `tiny` (~0.2M params, builds in seconds, for tests) or `small` (~30M, for benchmarks).
-- The tokenizer is byte-level BPE (any text round-trips) with digits split one per token, trained
-  on a synthetic corpus generated from `seed`, so nothing depends on files of the machine.
+- The tokenizer is byte-level BPE with digits split one per token and NFC normalisation (as Qwen2's;
+  any NFC text round-trips), trained on a synthetic corpus generated from `seed`, so nothing
+  depends on files of the machine.
   It has ChatML special tokens and a Qwen2.5-style chat template with tool calls.
 - Same `seed`, same bytes: `model.safetensors` and `tokenizer.json` are reproducible.
 """
@@ -19,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
 import random
 import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
@@ -174,14 +176,13 @@ important different possible public able real sure best better great little own 
 
 PY_KEYWORDS = "def return if elif else for while in import from class with as try except raise lambda yield".split()
 TOOLS = ["calculator", "search", "get_weather", "python", "lookup", "read_file"]
-
-
 SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"] + ["ch", "sh", "th", "qu", "st", "tr"]
 
 
 def _pseudo_words(rng: random.Random, n: int) -> list[str]:
     """Made-up names: enough distinct letter runs for BPE to fill a vocabulary of thousands."""
-    return ["".join(rng.choices(SYLLABLES, k=rng.randint(2, 4))) + rng.choice(["", "n", "r", "s", "x"]) for _ in range(n)]
+    endings = ["", "n", "r", "s", "x"]
+    return ["".join(rng.choices(SYLLABLES, k=rng.randint(2, 4))) + rng.choice(endings) for _ in range(n)]
 
 
 def _sentence(rng: random.Random, lexicon: list[str]) -> str:
@@ -251,6 +252,7 @@ def synthetic_corpus(seed: int, n_lines: int) -> list[str]:
 
 
 def train_tokenizer(vocab_size: int, seed: int, max_length: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE on `synthetic_corpus(seed)`; deterministic with or without tokenizers' threads."""
     tok = Tokenizer(models.BPE())
     # NFC like Qwen2's tokenizer.json: transformers loads qwen2 checkpoints with Qwen2Tokenizer,
     # which imposes NFC, so without it here `tokenizers` and `transformers` would disagree.
@@ -280,7 +282,9 @@ def train_tokenizer(vocab_size: int, seed: int, max_length: int) -> PreTrainedTo
     )
 
 
-def model_config(arch: str, size: str, vocab_size: int | None = None, **token_ids) -> PretrainedConfig:
+def model_config(
+    arch: str, size: str, vocab_size: int | None = None, **token_ids: int | list[int] | None
+) -> PretrainedConfig:
     """The HF config of `arch` at `size`; `vocab_size` defaults to the size's tokenizer target."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
@@ -300,23 +304,28 @@ def model_config(arch: str, size: str, vocab_size: int | None = None, **token_id
 
 def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", size: str = "tiny", seed: int = 0) -> Path:
     """Write a random-init `arch` model of `size` and its tokenizer to `out_dir`; return the path."""
-    config = model_config(arch, size)  # validates arch and size before any work
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    out = Path(out_dir)
-    tokenizer = train_tokenizer(config.vocab_size, seed, config.max_position_embeddings)
+    target = model_config(arch, size)  # validates arch and size before any work
+    tokenizer = train_tokenizer(target.vocab_size, seed, target.max_position_embeddings)
     token_ids = dict(
         eos_token_id=[tokenizer.convert_tokens_to_ids(EOS), tokenizer.convert_tokens_to_ids("<|endoftext|>")],
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
     config = model_config(arch, size, vocab_size=len(tokenizer), **token_ids)
-    random.seed(seed)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):  # the caller's RNG stream stays as it was
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(**token_ids)
-    model.save_pretrained(out, safe_serialization=True)
+    out = Path(out_dir)
+    model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def parameter_count(model_dir: str | Path) -> int:
+    """Parameters stored in `model_dir`/model.safetensors (a tied lm_head counts once), read from the header."""
+    with safe_open(Path(model_dir) / "model.safetensors", "pt") as f:
+        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -329,6 +338,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     path = make_tiny_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed)
-    n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
-    print(f"wrote {args.arch}/{args.size} ({n_params / 1e6:.2f}M params) to {path} in {time.perf_counter() - start:.1f}s")
+    seconds = time.perf_counter() - start
+    print(f"{path}: {args.arch}/{args.size}, {parameter_count(path) / 1e6:.2f}M parameters, built in {seconds:.1f}s")
     return 0

@@ -13,7 +13,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any, TypeVar
 
@@ -183,24 +183,30 @@ def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
             return control(False, f"Failed to initialize custom process group: {exc}.")
         return control(True, "Succeeded to initialize custom process group.")
 
+    async def apply_update(req: Any, load: Callable[[], None], ok: str, fail: str, **extra: Any) -> JSONResponse:
+        """Abort if asked; load while no request runs (SGLang's writer lock) or while paused; version."""
+        if req.abort_all_requests:
+            await engine.run(lambda: engine.scheduler.abort(abort_all=True))
+
+        def load_and_version() -> None:
+            load()
+            if req.weight_version is not None:
+                engine.scheduler.weight_version = req.weight_version
+
+        try:
+            await engine.run(load_and_version, needs_idle=True)
+        except Exception as exc:
+            return control(False, fail.format(exc=exc), **extra)
+        note = f" Weight version updated to {req.weight_version}." if req.weight_version is not None else ""
+        return control(True, ok + note, **extra)
+
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
         req = await parse(request, UpdateWeightsFromDistributedReq)
-        if req.abort_all_requests:
-            await engine.run(lambda: engine.scheduler.abort(abort_all=True))
-        try:
-            await engine.run(lambda: load_and_version(engine.weights.update_from_distributed, req, req.weight_version), needs_idle=True)
-        except Exception as exc:
-            return control(False, f"Failed to update parameter online: {exc}. Please discard the whole weights.")
-        return control(True, "Succeeded to update parameter online." + version_note(req.weight_version))
-
-    def load_and_version(load: Any, req: Any, version: str | None) -> None:
-        load(req)
-        if version is not None:
-            engine.scheduler.weight_version = version
-
-    def version_note(version: str | None) -> str:
-        return f" Weight version updated to {version}." if version is not None else ""
+        return await apply_update(
+            req, lambda: engine.weights.update_from_distributed(req), "Succeeded to update parameter online.",
+            "Failed to update parameter online: {exc}. Please discard the whole weights.",
+        )  # fmt: skip
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> JSONResponse:
@@ -214,14 +220,15 @@ def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
         req = await parse(request, UpdateWeightsFromDiskReq)
-        if req.abort_all_requests:
-            await engine.run(lambda: engine.scheduler.abort(abort_all=True))
-        try:
-            await engine.run(lambda: load_and_version(engine.weights.update_from_disk, req.model_path, req.weight_version), needs_idle=True)
-        except Exception as exc:
-            return control(False, f"Failed to update weights: {exc}. Rolled back to the previous weights.", num_paused_requests=0)
-        engine.model_path = req.model_path
-        return control(True, "Succeeded to update model weights." + version_note(req.weight_version), num_paused_requests=0)
+
+        def load() -> None:
+            engine.weights.update_from_disk(req.model_path)
+            engine.model_path = req.model_path
+
+        return await apply_update(
+            req, load, "Succeeded to update model weights.",
+            "Failed to update weights: {exc}. Rolled back to the previous weights.", num_paused_requests=0,
+        )  # fmt: skip
 
     @app.post("/begin_weight_update")
     async def begin_weight_update(request: Request) -> JSONResponse:

@@ -56,7 +56,6 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
             await proxy.close()
 
     app = FastAPI(title="slimish router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.workers, app.state.proxy = workers, proxy
 
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, exc: RouterError) -> JSONResponse:
@@ -233,7 +232,7 @@ class _HotPaths:
     (measured: ~1.4x the req/s at concurrency 64). Everything else goes to the FastAPI app."""
 
     def __init__(self, app: FastAPI, routes: dict[str, tuple[Callable, tuple[str, ...]]]) -> None:
-        self.app, self.routes, self.state = app, routes, app.state
+        self.app, self.routes = app, routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (hit := self.routes.get(scope["path"])) and scope["method"] in hit[1]:

@@ -42,10 +42,19 @@ class RouterMetrics:
         self.retries = Counter("slimish_router_retries", "Requests retried after this worker failed", ["worker"], registry=r)
         self.errors = Counter("slimish_router_upstream_errors", "Upstream failures by worker and cause", ["worker", "cause"], registry=r)
         r.register(_WorkerGauges(workers))
+        self._children: dict[tuple, tuple] = {}  # labels() looked up once: it is on the hot path
 
     def observe(self, route: str, status: int, seconds: float) -> None:
-        self.requests.labels(route, str(status)).inc()
-        self.latency.labels(route).observe(seconds)
+        key = (route, status)
+        if (children := self._children.get(key)) is None:
+            children = self._children[key] = (self.requests.labels(route, str(status)), self.latency.labels(route))
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def sent(self, worker: str) -> None:
+        if (child := self._children.get(worker)) is None:
+            child = self._children[worker] = self.upstream.labels(worker)
+        child.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

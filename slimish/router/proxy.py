@@ -108,7 +108,7 @@ class Proxy:
         headers: dict[str, str], stream: bool,
     ) -> Response:
         assert self.session is not None, "proxy not started"
-        self.metrics.upstream.labels(worker.url).inc()
+        self.metrics.sent(worker.url)
         worker.inflight += 1
         resp: aiohttp.ClientResponse | None = None
         handed_off = False
