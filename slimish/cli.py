@@ -13,6 +13,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny-model": ("slimish.tiny_model", "write a random-init HF causal LM and a locally trained tokenizer"),
     "engine": ("slimish.engine.server", "run the built-in engine (SGLang native protocol)"),
+    "router": ("slimish.router.app", "run the router in front of SGLang-protocol engines"),
+    "serve": ("slimish.launch.serve", "serve a model: N built-in engines behind a router"),
 }
 
 

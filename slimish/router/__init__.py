@@ -5,6 +5,6 @@ policies, `gate` the per-request checks, `proxy` the forwarding, `app` the HTTP 
 """
 
 from slimish.router.app import create_app
-from slimish.router.config import RouterConfig
+from slimish.config import RouterConfig
 
 __all__ = ["RouterConfig", "create_app"]

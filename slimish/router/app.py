@@ -22,8 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from slimish.config import RouterConfig, add_config_arguments, config_from_args
 from slimish.protocol import ROUTING_KEY_HEADER
-from slimish.router.config import POLICIES, RouterConfig
 from slimish.router.gate import apply_cap, check_key, parse_object, prompt_of, read_body
 from slimish.router.metrics import RouterMetrics
 from slimish.router.policy import RouteInfo, make_policy
@@ -246,42 +246,16 @@ class _HotPaths:
 
 
 def add_arguments(parser: argparse.ArgumentParser, worker_urls: bool = True) -> None:
-    d = RouterConfig()
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
-    parser.add_argument("--port", type=int, default=30000)
-    if worker_urls:
-        parser.add_argument("--worker-urls", nargs="*", default=[], metavar="URL", help="engines to route to (more via POST /workers)")
-    parser.add_argument("--policy", choices=POLICIES, default=d.policy)
-    parser.add_argument("--api-key", default=d.api_key, help="require 'Authorization: Bearer KEY' on serving routes")
-    parser.add_argument("--admin-key", default=d.admin_key, help="key for worker management and control routes (default: --api-key)")
-    parser.add_argument("--request-timeout", type=float, default=d.request_timeout, metavar="S", help="bound on every upstream wait")
-    parser.add_argument("--max-retries", type=int, default=d.max_retries, help="extra attempts on other workers after a failure")
-    parser.add_argument("--health-check-interval", type=float, default=d.health_check_interval, metavar="S")
-    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
-    parser.add_argument("--max-new-tokens-cap", type=int, default=d.max_new_tokens_cap, help="reject requests asking for more new tokens")
-    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-
-
-def config_from_args(args: argparse.Namespace, worker_urls: list[str] | None = None) -> RouterConfig:
-    return RouterConfig(
-        worker_urls=list(args.worker_urls if worker_urls is None else worker_urls),
-        policy=args.policy,
-        api_key=args.api_key,
-        admin_key=args.admin_key,
-        request_timeout=args.request_timeout,
-        max_retries=args.max_retries,
-        health_check_interval=args.health_check_interval,
-        max_body_bytes=args.max_body_bytes,
-        max_new_tokens_cap=args.max_new_tokens_cap,
-    )
+    add_config_arguments(parser, RouterConfig, skip=() if worker_urls else ("worker_urls",))
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = config_from_args(RouterConfig, args)
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     uvicorn.run(
-        create_app(config_from_args(args)), host=args.host, port=args.port, log_level=args.log_level,
+        create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
         access_log=False, proxy_headers=False,
     )
     return 0

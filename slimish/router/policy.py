@@ -10,7 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from slimish.router.config import RouterConfig
+from slimish.config import RouterConfig
 from slimish.router.workers import Worker
 
 

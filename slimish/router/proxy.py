@@ -22,7 +22,7 @@ import aiohttp
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from slimish.router.config import RouterConfig
+from slimish.config import RouterConfig
 from slimish.router.metrics import RouterMetrics
 from slimish.router.policy import Policy, RouteInfo
 from slimish.router.workers import Worker, WorkerRegistry, describe_exc

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from slimish.router.config import RouterConfig
+from slimish.config import RouterConfig
 
 log = logging.getLogger("slimish.router")
 
@@ -138,9 +138,14 @@ class WorkerRegistry:
         await asyncio.gather(*(self.check(w) for w in self.all()))
 
     async def run_health_checks(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.health_check_interval)
-            await self.check_all()
+        """Until cancelled; also cancels the first checks of workers added meanwhile."""
+        try:
+            while True:
+                await asyncio.sleep(self.cfg.health_check_interval)
+                await self.check_all()
+        finally:
+            for task in list(self._pending):
+                task.cancel()
 
     async def _server_info(self, worker: Worker) -> dict[str, Any]:
         """dp/tp size and model path for `GET /workers`; optional, as not every engine has it."""

@@ -1,0 +1,77 @@
+"""`slimish serve --model DIR --engines N`: N built-in engines and a router, one command.
+
+The engines are child processes on free ports (logs in `--log-dir`); the router runs in this
+process in front of them. Ctrl-C or SIGTERM stops the router, then every engine: no orphans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import uvicorn
+
+from slimish.launch.local import ServerProcess, engine_process
+from slimish.config import RouterConfig, ServeConfig, add_config_arguments, config_from_args
+from slimish.router.app import add_arguments as add_router_arguments
+from slimish.router.app import create_app
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, ServeConfig)
+    add_router_arguments(parser, worker_urls=False)
+
+
+def engine_flags(pairs: list[str]) -> dict[str, str]:
+    flags = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--engine-flag: expected NAME=VALUE, got {pair!r}")
+        flags[name.strip().lstrip("-").replace("-", "_")] = value
+    return flags
+
+
+def run(args: argparse.Namespace) -> int:
+    serve = config_from_args(ServeConfig, args)
+    log_dir = Path(serve.log_dir or tempfile.mkdtemp(prefix="slimish-serve-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    flags = engine_flags(serve.engine_flag)
+    # SIGTERM while engines start must still reach the `finally` that stops them (uvicorn
+    # installs its own handlers once the router runs).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    engines: list[ServerProcess] = [
+        engine_process(serve.model, log_path=log_dir / f"engine{i}.log", **flags) for i in range(serve.engines)
+    ]
+    try:
+        print(f"slimish serve: starting {serve.engines} engine(s) for {serve.model} (logs in {log_dir})", flush=True)
+        with ThreadPoolExecutor(len(engines)) as pool:  # load the model copies concurrently
+            for done in pool.map(lambda e: e.start(serve.engine_start_timeout), engines):
+                print(f"slimish serve: engine ready at {done.url}", flush=True)
+        cfg = config_from_args(RouterConfig, args, worker_urls=[e.url for e in engines])
+        server = uvicorn.Server(
+            uvicorn.Config(create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                           access_log=False, proxy_headers=False)
+        )
+        asyncio.run(_serve(server, f"http://{cfg.host}:{cfg.port}", serve.engines))
+    finally:
+        for e in engines:
+            e.stop()
+    return 0
+
+
+async def _serve(server: uvicorn.Server, url: str, n: int) -> None:
+    """Run the router and say where it is once it is listening."""
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        print(f"slimish serve: router at {url} in front of {n} engine(s); Ctrl-C to stop", flush=True)
+    await task
+    if not server.started:
+        sys.exit(f"slimish serve: the router could not start on {url}")
