@@ -1,0 +1,231 @@
+"""What the router adds to a request: slimish router vs sglang-router 0.3.2, same backend, one run.
+
+A minimal loopback backend answers `/generate` at once. The same fixed number of requests is
+sent directly to it, through the slimish router and through sglang-router, at concurrency 1 and
+64, by a raw-asyncio load generator (keep-alive, one connection per concurrent client). The
+direct path shows the load generator's own ceiling: when it is far above the routed numbers, the
+routers are what is measured. Printed: req/s, p50/p99 latency, the latency each router adds
+over the direct path, and slimish / sglang-router ratios, against the targets (added p50 <= 1 ms
+at concurrency 1, throughput >= 1.0x sglang-router at 64).
+
+    .venv/bin/python benchmarks/router_overhead.py [--requests 4000]
+
+All processes share this machine's cores: on a 2-core box the load generator, the router and
+the backend compete, so the numbers are lower bounds for every router alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from slimish.launch.local import free_port
+
+GENERATE_BODY = json.dumps({"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}).encode()
+REPLY = json.dumps(
+    {
+        "text": "a",
+        "output_ids": [5],
+        "meta_info": {"id": "0", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 4, "completion_tokens": 1},
+    }
+).encode()
+JSON = {"content-type": "application/json"}
+# What sglang-router asks a worker for when it registers it (PROTOCOL.md 5).
+INFO = json.dumps({"model_path": "/nonexistent/bench-model", "dp_size": 1, "tp_size": 1, "served_model_name": "bench"}).encode()
+
+
+# ---- the backend: raw asyncio HTTP/1.1, so it costs next to nothing per request ------------------
+
+
+class _Backend(asyncio.Protocol):
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.transport, self.buf = transport, b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while (end := self.buf.find(b"\r\n\r\n")) >= 0:
+            head = self.buf[:end].decode("latin-1")
+            if head.startswith("PRI *"):  # sglang-router's HTTP/2 probe: not spoken here
+                self.transport.close()
+                return
+            length = 0
+            for line in head.split("\r\n")[1:]:
+                name, _, value = line.partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value)
+            if len(self.buf) < end + 4 + length:
+                return
+            self.buf = self.buf[end + 4 + length :]
+            path = head.split(" ", 2)[1]
+            body = REPLY if path.startswith("/generate") else INFO if "info" in path else b"{}"
+            self.transport.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+
+
+def serve_backend(port: int) -> None:
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(_Backend, "127.0.0.1", port)
+        await server.serve_forever()
+
+    asyncio.run(main())
+
+
+def serve_slimish_router(port: int, worker_url: str) -> None:
+    import uvicorn
+
+    from slimish.router import RouterConfig, create_app
+
+    app = create_app(RouterConfig(worker_urls=[worker_url], policy="round_robin"))
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, proxy_headers=False)
+
+
+# ---- the load generator -----------------------------------------------------------------------
+
+
+async def _client(host: str, port: int, request: bytes, todo: list[int], latencies: list[float]) -> None:
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        while todo:
+            todo.pop()
+            start = time.perf_counter()
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"unexpected reply from port {port}: {head[:200]!r}")
+            await _read_body(reader, head)
+            latencies.append(time.perf_counter() - start)
+    finally:
+        writer.close()
+
+
+async def _read_body(reader: asyncio.StreamReader, head: bytes) -> None:
+    lower = head.lower()
+    if b"transfer-encoding: chunked" in lower:
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            await reader.readexactly(size + 2)
+            if size == 0:
+                return
+    at = lower.index(b"content-length:") + len(b"content-length:")
+    await reader.readexactly(int(lower[at : lower.index(b"\r\n", at)]))
+
+
+def load(url: str, concurrency: int, requests: int) -> tuple[float, list[float]]:
+    """req/s and sorted latencies (s) of `requests` POSTs to /generate at `concurrency`."""
+    host, port = url.split("//")[1].split(":")
+    request = (
+        b"POST /generate HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+        % (host.encode(), len(GENERATE_BODY), GENERATE_BODY)
+    )
+
+    async def main() -> tuple[float, list[float]]:
+        latencies: list[float] = []
+        todo = list(range(requests))
+        start = time.perf_counter()
+        await asyncio.gather(*(_client(host, int(port), request, todo, latencies) for _ in range(concurrency)))
+        return requests / (time.perf_counter() - start), sorted(latencies)
+
+    return asyncio.run(main())
+
+
+# ---- the run ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    target: str
+    concurrency: int
+    rps: float
+    p50: float
+    p99: float
+
+
+def wait_healthy(url: str, procs: list, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            code = p.poll() if isinstance(p, subprocess.Popen) else p.exitcode
+            if code is not None:
+                raise RuntimeError(f"a server for {url} exited with {code}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                # Routers report healthy before a worker is routable; wait for one real reply.
+                if httpx.post(url + "/generate", content=GENERATE_BODY, headers=JSON, timeout=5.0).status_code == 200:
+                    return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not serving within {timeout:.0f}s")
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=4000, help="per target and concurrency")
+    parser.add_argument("--warmup", type=int, default=300)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    ctx = mp.get_context("spawn")
+    backend_port, slimish_port, sglang_port = free_port(), free_port(), free_port()
+    backend = f"http://127.0.0.1:{backend_port}"
+    procs: list = [ctx.Process(target=serve_backend, args=(backend_port,), daemon=True)]
+    procs.append(ctx.Process(target=serve_slimish_router, args=(slimish_port, backend), daemon=True))
+    for p in procs:
+        p.start()
+    procs.append(
+        subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(sglang_port),
+             "--worker-urls", backend, "--policy", "round_robin", "--prometheus-port", str(free_port()), "--log-level", "warn"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+    )
+    targets = {"direct": backend, "slimish": f"http://127.0.0.1:{slimish_port}", "sglang-router": f"http://127.0.0.1:{sglang_port}"}
+    results: list[Result] = []
+    try:
+        for url in targets.values():
+            wait_healthy(url, procs)
+        for concurrency in (1, 64):
+            for name, url in targets.items():
+                load(url, concurrency, args.warmup)
+                rps, lat = load(url, concurrency, args.requests)
+                results.append(Result(name, concurrency, rps, percentile(lat, 0.5), percentile(lat, 0.99)))
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(10) if isinstance(p, subprocess.Popen) else p.join(10)
+    report(results, args.requests)
+
+
+def report(results: list[Result], requests: int) -> None:
+    by = {(r.target, r.concurrency): r for r in results}
+    print(f"\n{requests} POST /generate per row; the backend answers at once (cores: {os.cpu_count()})")
+    print(f"{'target':<14} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10}")
+    for r in results:
+        d = by[("direct", r.concurrency)]
+        added = "" if r.target == "direct" else f"{(r.p50 - d.p50) * 1e3:10.3f} {(r.p99 - d.p99) * 1e3:10.3f}"
+        print(f"{r.target:<14} {r.concurrency:>4} {r.rps:8.0f} {r.p50 * 1e3:8.3f} {r.p99 * 1e3:8.3f} {added}")
+    s1, g1, d1 = by[("slimish", 1)], by[("sglang-router", 1)], by[("direct", 1)]
+    s64, g64 = by[("slimish", 64)], by[("sglang-router", 64)]
+    added_s, added_g = (s1.p50 - d1.p50) * 1e3, (g1.p50 - d1.p50) * 1e3
+    print(f"\nadded p50 at concurrency 1: slimish {added_s:.3f} ms, sglang-router {added_g:.3f} ms (target <= 1 ms: {'met' if added_s <= 1 else 'missed'})")
+    print(f"throughput at concurrency 64, slimish / sglang-router: {s64.rps / g64.rps:.2f}x (target >= 1.0x: {'met' if s64.rps >= g64.rps else 'missed'})")
+    print(f"throughput at concurrency 1,  slimish / sglang-router: {s1.rps / g1.rps:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
