@@ -191,6 +191,19 @@ def test_sampling_seed_top_k_and_length(engine):
     assert min_p == greedy
 
 
+def test_sampling_follows_the_reported_distribution(engine):
+    """Three tokens carry the mass (logit bias); frequencies over 400 draws match exp(logprob)."""
+    bias = {"11": 40.0, "12": 40.7, "13": 41.1}
+    params = {"temperature": 1.0, "max_new_tokens": 1, "ignore_eos": True, "logit_bias": bias, "n": 400}
+    out = generate(engine, input_ids=PROMPTS[1], sampling_params=params, return_logprob=True)
+    firsts = [o["meta_info"]["output_token_logprobs"][0] for o in out]
+    probs = {t: float(torch.tensor(lp).exp()) for lp, t, _ in firsts}
+    assert set(probs) == {11, 12, 13} and abs(sum(probs.values()) - 1) < 1e-3
+    for t, p in probs.items():
+        freq = sum(1 for _, tok, _ in firsts if tok == t) / len(firsts)
+        assert abs(freq - p) < 0.08, (t, freq, p)
+
+
 def test_stop_token_ids_stop_strings_and_trim(engine, tok):
     base = generate(engine, input_ids=PROMPTS[0], sampling_params=GREEDY)
     ids = base["output_ids"]

@@ -57,14 +57,24 @@ def _truncate(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, rows: list[RowState]) -> tuple[list[int], torch.Tensor]:
-    """Pick one token per row; returns the tokens and the rows' logprob distributions [B, V]."""
+    """Pick one token per row; returns the tokens and the rows' logprob distributions [B, V].
+
+    Sampled rows draw by inverse CDF, all rows at once: one uniform number per row, from the
+    row's own generator when it has a `sampling_seed` (so a seed gives the same tokens whatever
+    else is in the batch), else from torch's default generator.
+    """
     logits = logits.clone()
     _adjust_logits(logits, rows)
     temps = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows])
     logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
-    tokens = logits.argmax(dim=-1).tolist()
-    for i, r in enumerate(rows):
-        if r.params.temperature > 0:
-            probs = _truncate(logprobs[i].exp(), r.params)
-            tokens[i] = int(torch.multinomial(probs, 1, generator=r.generator))
-    return tokens, logprobs
+    tokens = logits.argmax(dim=-1)
+    sampled = [i for i, r in enumerate(rows) if r.params.temperature > 0]
+    if sampled:
+        probs = logprobs[sampled].exp()
+        for k, i in enumerate(sampled):
+            probs[k] = _truncate(probs[k], rows[i].params)
+        cdf = probs.cumsum(dim=-1)
+        u = torch.stack([torch.rand((), generator=rows[i].generator) for i in sampled])
+        picks = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        tokens[sampled] = picks.clamp(max=probs.shape[1] - 1)
+    return tokens.tolist(), logprobs
