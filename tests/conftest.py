@@ -38,3 +38,12 @@ def tiny_model_dir_other_seed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tied embeddings (`lm_head.weight` is `model.embed_tokens.weight`)."""
     return _build(tmp_path_factory, "qwen2", 0)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A real built-in engine process on the default tiny model, one per test module: its URL."""
+    from slimish.launch.local import engine_process
+
+    with engine_process(tiny_model_dir, log_path=tmp_path_factory.mktemp("logs") / "engine.log") as proc:
+        yield proc.url

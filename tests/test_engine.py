@@ -11,16 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from slimish.config import EngineConfig
 from slimish.launch.local import engine_process
 
 PROMPTS = [[5, 17, 42, 99, 7], [300, 301, 302], list(range(60, 90)), [11] * 9]
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("logs") / "engine.log"
-    with engine_process(tiny_model_dir, log_path=log, max_running_requests=16) as proc:
-        yield proc.url
 
 
 @pytest.fixture(scope="module")
@@ -357,7 +351,7 @@ def test_health_info_and_models(engine, tiny_model_dir):
     assert info["architectures"] == ["LlamaForCausalLM"]
     server = httpx.get(engine + "/server_info").json()
     assert server.keys() == httpx.get(engine + "/get_server_info").json().keys()
-    assert server["tp_size"] == 1 and server["dp_size"] == 1 and server["max_running_requests"] == 16
+    assert server["tp_size"] == 1 and server["dp_size"] == 1 and server["max_running_requests"] == EngineConfig.max_running_requests
     assert "api_key" not in server
     models = httpx.get(engine + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == info["served_model_name"]

@@ -14,7 +14,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from slimish.engine.openai_api import _settled, parse_tool_calls
-from slimish.launch.local import engine_process
 
 PROMPT_IDS = [5, 17, 42, 99, 7]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -24,10 +23,8 @@ TOOLS = [{"type": "function", "function": {"name": "calculator", "description": 
 
 
 @pytest.fixture(scope="module")
-def url(tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("logs") / "engine.log"
-    with engine_process(tiny_model_dir, log_path=log) as proc:
-        yield proc.url
+def url(engine):
+    return engine
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from slimish.distributed import broadcast_tensors, destroy_custom_process_group, init_custom_process_group
-from slimish.launch.local import engine_process, free_port
+from slimish.launch.local import free_port
 
 CTX = mp.get_context("spawn")
 WAIT_S = 120.0
@@ -100,13 +100,6 @@ class Trainer:
 
 
 # -- fixtures and helpers ---------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("logs") / "engine.log"
-    with engine_process(tiny_model_dir, log_path=log) as proc:
-        yield proc.url
 
 
 @pytest.fixture(scope="module")
