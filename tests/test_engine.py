@@ -176,6 +176,9 @@ def test_sampling_seed_top_k_and_length(engine):
     b = generate(engine, input_ids=PROMPTS[1], sampling_params={**p, "sampling_seed": 7})["output_ids"]
     c = generate(engine, input_ids=PROMPTS[1], sampling_params={**p, "sampling_seed": 8})["output_ids"]
     assert a == b and a != c
+    copies = generate(engine, input_ids=PROMPTS[1], sampling_params={**p, "sampling_seed": 7, "n": 3})
+    assert copies[0]["output_ids"] == a and copies[1]["output_ids"] == c  # copy j draws with seed + j
+    assert len({tuple(x["output_ids"]) for x in copies}) == 3
     greedy = generate(engine, input_ids=PROMPTS[1], sampling_params={**GREEDY, "max_new_tokens": 16})["output_ids"]
     top1 = generate(engine, input_ids=PROMPTS[1], sampling_params={**p, "top_k": 1, "sampling_seed": 1})["output_ids"]
     assert top1 == greedy

@@ -108,7 +108,7 @@ class Engine:
                     rid = body.rid[i] if n == 1 else f"{body.rid[i]}-{j}"
                 else:
                     rid = f"{base}-{i * n + j}" if batch else base
-                items.append(Item(ids, params[i], rid, wish))
+                items.append(Item(ids, _nth_copy(params[i], j), rid, wish))
         for item in items:
             self.check(item)
         return items
@@ -244,6 +244,13 @@ class Engine:
             if w.token_ids_logprob:
                 meta["output_token_ids_logprobs"] = [[triple(lp, t) for lp, t in e] for e in req.output_ids_logprobs[:n]]
         return {"text": self.text_of(req, n, finished), "output_ids": ids, "meta_info": meta}
+
+
+def _nth_copy(params: SamplingParams, j: int) -> SamplingParams:
+    """Copy j of an `n > 1` request draws with seed + j: n samples, reproducible, not n clones."""
+    if params.sampling_seed is None or j == 0:
+        return params
+    return params.model_copy(update={"sampling_seed": params.sampling_seed + j})
 
 
 def _version_spans(versions: list[str]) -> list[dict[str, Any]]:
