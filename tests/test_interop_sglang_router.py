@@ -1,4 +1,5 @@
-"""Two built-in engines behind the real sglang-router 0.3.2 (PROTOCOL.md §5).
+"""Interop both ways: two built-in engines behind the real sglang-router 0.3.2 (PROTOCOL.md §5),
+and the slimish router in front of the same engines.
 
 The router is the one slimish uses on clusters, so this checks on loopback that our engine is a
 worker it accepts: it registers through the 0.3.x `POST /workers` API, balances round-robin,
@@ -204,3 +205,20 @@ def test_chat_completions_forwarded(router, engines):
     assert out.status_code == 200, out.text
     assert out.json()["choices"][0]["message"]["content"] == direct.json()["choices"][0]["message"]["content"]
     assert out.json()["usage"]["completion_tokens"] == direct.json()["usage"]["completion_tokens"]
+
+
+def test_slimish_router_in_front_of_the_same_engines(router, engines, tmp_path_factory):
+    """The other direction: slimish's router over the engines sglang-router also serves; the two
+    routers return the same greedy tokens and logprobs."""
+    from slimish.launch.local import ServerProcess
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("slimish-router-log") / "router.log"
+    with ServerProcess(["router", "--port", str(port), "--policy", "round_robin", "--worker-urls", *engines], port=port, log_path=log) as ours:
+        for prompt in PROMPTS:
+            body = {"input_ids": prompt, "sampling_params": GREEDY, "return_logprob": True}
+            a, b = generate(ours.url, **body), generate(router, **body)
+            assert a["output_ids"] == b["output_ids"]
+            assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+        workers = httpx.get(ours.url + "/workers", timeout=10).json()["workers"]
+        assert sorted(w["url"] for w in workers) == sorted(engines)
