@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,23 +24,22 @@ import pytest
 from slimish.client import Client
 from slimish.launch.local import engine_process, free_port
 
-pytest.importorskip("sglang_router")
-
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 PROMPTS = [[5, 17, 42, 99, 7], [300, 301, 302], list(range(60, 90))]
 
 
-def wait_for(what: str, ok, timeout: float, log: Path) -> None:
-    """Poll `ok()` until true; a timeout names what was awaited and shows the router's log."""
+def wait_for(what: str, ok: Callable[[], bool], proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Poll `ok()` until true; failing, say what was awaited and show the router's log."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
             if ok():
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    raise TimeoutError(f"{what} not within {timeout:.0f}s; router log tail:\n{log.read_text(errors='replace')[-3000:]}")
+    state = f"router exited with {proc.returncode}" if proc.poll() is not None else f"not within {timeout:.0f}s"
+    raise RuntimeError(f"{what}: {state}; router log tail:\n{log.read_text(errors='replace')[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def router(engines, tmp_path_factory) -> str:
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        wait_for("router /health", lambda: proc.poll() is None and httpx.get(url + "/health", timeout=2).status_code == 200, 60, log)
+        wait_for("router /health", lambda: httpx.get(url + "/health", timeout=2).status_code == 200, proc, log, 60)
         for e in engines:
             r = httpx.post(url + "/workers", json={"url": e}, timeout=10)
             assert r.status_code == 202, r.text
@@ -76,7 +76,7 @@ def router(engines, tmp_path_factory) -> str:
             workers = httpx.get(url + "/workers", timeout=2).json()["workers"]
             return sorted(w["url"] for w in workers if w["is_healthy"]) == sorted(engines)
 
-        wait_for("both engines healthy in GET /workers", all_healthy, 30, log)
+        wait_for("both engines healthy in GET /workers", all_healthy, proc, log, 30)
         yield url
     finally:
         proc.terminate()

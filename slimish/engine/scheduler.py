@@ -103,6 +103,7 @@ class Scheduler:
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.last_gen_throughput = 0.0
         self._inbox: deque[Request] = deque()
+        self._admitting: list[Request] = []
         self._commands: deque[_Command] = deque()
         self._wake = threading.Condition()
         self._stopped = False
@@ -180,7 +181,7 @@ class Scheduler:
                         self._decode()
             except Exception as exc:  # a bug must not kill the server: fail what is running
                 log.error("scheduler step failed:\n%s", traceback.format_exc())
-                for r in [*self.running, *self.waiting]:
+                for r in [*self.running, *self.waiting, *self._admitting]:
                     self._finish(r, {"type": "abort", "message": f"engine error: {exc}", "status_code": 500, "err_type": "internal"})
                 self._drop_finished()
             if self.on_step:
@@ -202,6 +203,7 @@ class Scheduler:
     def _admit(self) -> None:
         budget = self.max_prefill_tokens
         joined: list[Request] = []
+        self._admitting = joined  # off `waiting`, not yet `running`: a failing step must fail these too
         caches = []
         while self.waiting and len(self.running) + len(joined) < self.max_running:
             req = self.waiting[0]
@@ -210,13 +212,16 @@ class Scheduler:
                 break
             self.waiting.popleft()
             budget -= cost
+            joined.append(req)
             cache = self._prefill(req)
-            if cache is not None:
-                joined.append(req)
+            if cache is None:
+                joined.pop()
+            else:
                 caches.append(cache)
         if joined:
             self.batch.add(caches, [c.get_seq_length() for c in caches])
             self.running += joined
+        self._admitting = []
 
     def _prefill(self, req: Request) -> DynamicCache | None:
         """Prefill one request; its cache if it joins the batch. A retracted one resumes its output."""
