@@ -141,3 +141,156 @@ def config_from_args(schema: type[T], args: argparse.Namespace, **overrides: Any
 def _scalar(hint: Any) -> type:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
+
+
+# --- A training or rollout run: `slimish train|rollout --config C.yaml [key=value ...]` -------------
+# Each section has one owner module; a default lives here only.
+
+
+@dataclass
+class LaunchConfig:
+    """Where the engines and the router come from."""
+
+    router_url: str | None = None  # an existing router (or engine); None: start them on this machine
+    engines: int = 1  # built-in engines started when router_url is None
+    engine_flag: list[str] = field(default_factory=list)  # NAME=VALUE passed to every engine
+    policy: str = "least_inflight"  # the embedded router's policy
+    api_key: str | None = None  # sent to the router / engines when they need one
+    start_timeout: float = 300.0
+
+
+@dataclass
+class DataConfig:
+    """Prompts: a JSONL / Parquet file, a local `datasets` directory, or `task:NAME` (built-in)."""
+
+    source: str = MISSING
+    eval_source: str | None = None  # held-out prompts; `task:NAME` uses the task's held-out split
+    prompt_key: str = "prompt"  # a string (text) or a list of messages (chat)
+    label_key: str = "label"
+    apply_chat_template: bool = True  # text prompts become one user message
+    system_prompt: str | None = None
+    shuffle: bool = True  # reshuffled every epoch with seed + epoch
+    seed: int = 0
+    task_size: int = 2000  # prompts per split for `task:NAME` sources
+
+
+@dataclass
+class RolloutConfig:
+    rollout_fn: str = "rollout_plugins.math:rollout"  # module:function or path/to/file.py:function
+    reward_fn: str | None = None  # async (ctx, sample) -> float, or a group form; None: the plugin sets rewards
+    filter_fn: str | None = "slimish.rollout.filters:nonzero_std"  # over a finished group; None: keep all
+    reward_key: str | None = None  # for dict rewards: the key advantages use
+    n_samples_per_prompt: int = 8
+    rollout_batch_size: int = 8  # groups that must survive filtering each step
+    max_concurrency: int = 64  # samples in flight
+    over_sampling: float = 1.0  # start up to this many times the groups still needed
+    partial_rollout: bool = False  # keep samples aborted at a step's end and resume them later
+    # Default sampling params for ctx.generate / ctx.chat.
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    # Evaluation on held-out prompts.
+    eval_n_prompts: int = 64
+    eval_n_samples_per_prompt: int = 1
+    eval_temperature: float = 0.0
+
+
+@dataclass
+class BufferConfig:
+    max_staleness: int = 0  # weight versions a trained sample may lag behind; 0 = on-policy
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gspo
+    loss: str = "ppo"  # ppo (token ratio) | gspo (sequence ratio)
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None  # DAPO clip-higher; None: eps_clip
+    dual_clip_c: float | None = None  # dual clip for negative advantages (e.g. 3.0)
+    loss_reduction: str = "token"  # token (mean over all tokens) | sample (mean of per-sample means)
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    kl_in_reward: bool = False  # subtract kl_coef * KL from the reward instead of a loss term
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None  # truncated importance sampling against rollout logprobs
+    recompute_old_logprobs: bool = False  # else the rollout's logprobs are the old policy
+
+
+@dataclass
+class TrainerConfig:
+    backend: str = "torch"  # torch | megatron
+    nproc: int = 1  # torchrun ranks `slimish train` launches
+    lr: float = 1e-5
+    lr_schedule: str = "constant"  # constant | cosine | linear
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 8192  # token budget of one packed micro-batch
+    updates_per_step: int = 1  # optimiser steps per rollout batch (PPO epochs x mini-batches)
+    dtype: str = "float32"  # fp32 on CPU, bf16 on GPU
+    ref_model: str | None = None  # None with kl_coef > 0: the initial policy
+    seed: int = 0
+
+
+@dataclass
+class WeightSyncConfig:
+    transport: str = "distributed"  # distributed (broadcast) | disk (update_weights_from_disk)
+    bucket_mb: int = 128
+    flattened: bool = False  # one flattened tensor per bucket
+    backend: str | None = None  # gloo on CPU, nccl on GPU when None
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps; 0 = only at the end
+    keep: int = 2
+    resume: str | None = None  # auto | a checkpoint directory | None
+
+
+@dataclass
+class EvalConfig:
+    every: int = 5  # steps; 0 = never
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 0  # supervised warm-start steps before RL; 0 = none
+    source: str | None = None  # JSONL with prompt and response, or `task:NAME` (the task's demonstrations)
+    batch_size: int = 32
+    lr: float = 1e-4
+
+
+@dataclass
+class RunConfig:
+    model: str = MISSING  # HF model directory (policy initial weights and tokenizer)
+    run_dir: str = "runs/latest"
+    steps: int = 10  # RL steps
+    seed: int = 0
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+
+def load_run_config(path: str | None, overrides: list[str] = (), **named: Any) -> RunConfig:
+    """YAML file, then `key=value` overrides (dotted keys), then named flags (e.g. rollout.rollout_fn)."""
+    try:
+        cfg = OmegaConf.structured(RunConfig)
+        if path:
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        for key, value in named.items():
+            if value is not None:
+                OmegaConf.update(cfg, key, value, merge=True)
+        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    except (ValueError, OmegaConfBaseException, FileNotFoundError) as exc:
+        raise SystemExit(f"bad config{f' {path}' if path else ''}: {exc}") from None

@@ -1,0 +1,128 @@
+"""The one data contract every part shares: a `Sample` and what a generate call returns.
+
+A sample's per-token arrays cover the *response* only (everything after the prompt): model tokens
+(loss mask 1, with the engine's logprobs) interleaved with environment tokens (mask 0, logprob 0).
+Rollout code never edits the arrays by hand; it calls `append_model` and `append_env`, so the
+arrays cannot drift apart, and `check()` is the single place the invariants are enforced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class SampleStatus(str, Enum):
+    PENDING = "pending"  # not started, or a partial sample waiting to be resumed
+    COMPLETED = "completed"  # the model stopped on its own (EOS or a stop string)
+    TRUNCATED = "truncated"  # hit max_new_tokens or the context length
+    ABORTED = "aborted"  # cut off at the end of a rollout step
+    FAILED = "failed"  # the rollout or reward function raised; `error` says why
+
+
+@dataclass
+class GenerateResult:
+    """One `/generate` call, as rollout code sees it."""
+
+    output_ids: list[int]
+    logprobs: list[float]  # one per output id
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: str
+    prompt_tokens: int = 0
+
+
+@dataclass
+class Sample:
+    prompt: str | list[dict[str, Any]]  # text, or chat messages
+    label: Any = None
+    tokens: list[int] = field(default_factory=list)  # prompt ids + response ids
+    response_length: int = 0
+    loss_mask: list[int] = field(default_factory=list)  # one per response token
+    rollout_logprobs: list[float] = field(default_factory=list)  # one per response token (0.0 where mask 0)
+    reward: float | dict[str, float] | None = None
+    status: SampleStatus = SampleStatus.PENDING
+    weight_versions: list[str] = field(default_factory=list)  # versions that produced its tokens, in order
+    group_id: int = 0  # the prompt's position in the data stream: unique per prompt taken
+    index: int = 0  # position within its group
+    metadata: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # why it failed
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+    @property
+    def response_ids(self) -> list[int]:
+        return self.tokens[self.prompt_length :]
+
+    def set_prompt(self, ids: list[int]) -> None:
+        """The prompt's token ids; only before any response token exists."""
+        if self.response_length:
+            raise ValueError(f"sample {self.group_id}/{self.index}: set_prompt after {self.response_length} response tokens")
+        self.tokens = list(ids)
+
+    def append_model(self, ids: list[int], logprobs: list[float], weight_version: str | None = None) -> None:
+        """Tokens the policy generated: trained on (mask 1), with the engine's logprobs."""
+        if len(ids) != len(logprobs):
+            raise ValueError(f"sample {self.group_id}/{self.index}: {len(ids)} ids but {len(logprobs)} logprobs")
+        self._append(ids, [1] * len(ids), list(logprobs))
+        if weight_version is not None and (not self.weight_versions or self.weight_versions[-1] != weight_version):
+            self.weight_versions.append(weight_version)
+
+    def append_env(self, ids: list[int]) -> None:
+        """Tokens from the environment (tool output, user turns): in context, not trained on."""
+        self._append(ids, [0] * len(ids), [0.0] * len(ids))
+
+    def _append(self, ids: list[int], mask: list[int], logprobs: list[float]) -> None:
+        if not self.tokens:
+            raise ValueError(f"sample {self.group_id}/{self.index}: set the prompt before appending response tokens")
+        self.tokens.extend(ids)
+        self.loss_mask.extend(mask)
+        self.rollout_logprobs.extend(logprobs)
+        self.response_length += len(ids)
+
+    def reward_value(self, key: str | None = None) -> float:
+        """The scalar the advantage uses: the reward, or `reward[key]` for dict rewards."""
+        if isinstance(self.reward, dict):
+            if key is None or key not in self.reward:
+                raise ValueError(f"sample {self.group_id}/{self.index}: dict reward {sorted(self.reward)} needs reward_key")
+            return float(self.reward[key])
+        if self.reward is None:
+            raise ValueError(f"sample {self.group_id}/{self.index}: reward is missing")
+        return float(self.reward)
+
+    def check(self) -> None:
+        """The invariants, in one place: a violation names the sample and the field."""
+        where = f"sample {self.group_id}/{self.index}"
+        if not 0 <= self.response_length <= len(self.tokens):
+            raise ValueError(f"{where}: response_length {self.response_length} outside 0..{len(self.tokens)} tokens")
+        for name in ("loss_mask", "rollout_logprobs"):
+            if len(getattr(self, name)) != self.response_length:
+                raise ValueError(f"{where}: {name} has {len(getattr(self, name))} entries, response_length is {self.response_length}")
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError(f"{where}: loss_mask must hold only 0 and 1")
+        if self.status == SampleStatus.FAILED and not self.error:
+            raise ValueError(f"{where}: status failed needs an error")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["status"] = self.status.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Sample":
+        d = dict(d)
+        d["status"] = SampleStatus(d.get("status", "pending"))
+        return cls(**d)
+
+
+def version_number(version: str) -> int:
+    """Weight versions are training steps written as strings; anything else (an engine's
+    initial "default") counts as step 0."""
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        return 0
