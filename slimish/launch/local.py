@@ -12,9 +12,17 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
+
+if TYPE_CHECKING:
+    from slimish.config import LaunchConfig
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -101,3 +109,50 @@ def engine_process(model: str | Path, port: int | None = None, log_path: str | P
     for key, value in flags.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
     return ServerProcess(argv, port=port, log_path=log_path)
+
+
+@dataclass
+class Servers:
+    """What a run talks to: the router (rollouts) and each engine (weight sync)."""
+
+    router_url: str
+    engine_urls: list[str]
+
+
+@contextmanager
+def local_servers(launch: "LaunchConfig", model: str | Path, log_dir: str | Path) -> Iterator[Servers]:
+    """The engines and router a run needs: started here (children, stopped on exit) unless
+    `launch.router_url` names existing ones, whose engines are then read from its worker list."""
+    if launch.router_url:
+        yield Servers(launch.router_url, existing_engine_urls(launch.router_url, launch.api_key))
+        return
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    flags = dict(pair.split("=", 1) for pair in launch.engine_flag)
+    if launch.api_key:
+        flags.setdefault("api_key", launch.api_key)
+    engines = [engine_process(model, log_path=log_dir / f"engine{i}.log", **flags) for i in range(launch.engines)]
+    router: ServerProcess | None = None
+    try:
+        with ThreadPoolExecutor(len(engines)) as pool:  # load the model copies concurrently
+            list(pool.map(lambda e: e.start(launch.start_timeout), engines))
+        port = free_port()
+        argv = ["router", "--port", str(port), "--policy", launch.policy, "--worker-urls", *[e.url for e in engines]]
+        if launch.api_key:
+            argv += ["--api-key", launch.api_key]
+        router = ServerProcess(argv, port=port, log_path=log_dir / "router.log").start(launch.start_timeout)
+        yield Servers(router.url, [e.url for e in engines])
+    finally:
+        for proc in [router, *engines]:
+            if proc is not None:
+                proc.stop()
+
+
+def existing_engine_urls(url: str, api_key: str | None = None) -> list[str]:
+    """A router's workers (`GET /list_workers`), or `[url]` when `url` is an engine itself."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(url.rstrip("/") + "/list_workers", headers=headers, timeout=10.0)
+    if r.status_code == 404:
+        return [url.rstrip("/")]
+    r.raise_for_status()
+    return list(r.json()["urls"])
