@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,12 +53,19 @@ class ServerProcess:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 120.0) -> "ServerProcess":
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "slimish.cli", *self.argv], env=self.env, stdout=out, stderr=subprocess.STDOUT
-        )
+        self.launch()
         self.wait_healthy(timeout)
         return self
+
+    def launch(self) -> None:
+        """Spawn without waiting. The child gets SIGTERM if this process dies, even by SIGKILL
+        (Linux parent-death signal), so a crashed trainer leaves no engines behind. Call it from
+        the thread that lives as long as the child should: the signal follows the spawning thread."""
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "slimish.cli", *self.argv], env=self.env, stdout=out, stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )  # fmt: skip
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -102,6 +108,20 @@ class ServerProcess:
         self.stop()
 
 
+def start_all(procs: list[ServerProcess], timeout: float) -> None:
+    """Spawn all, then wait for each: the model copies load concurrently."""
+    for proc in procs:
+        proc.launch()
+    for proc in procs:
+        proc.wait_healthy(timeout)
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def engine_process(model: str | Path, port: int | None = None, log_path: str | Path | None = None, **flags: object) -> ServerProcess:
     """A built-in engine child; `flags` become `--flag value` (`max_running_requests=8`)."""
     port = port or free_port()
@@ -134,8 +154,7 @@ def local_servers(launch: "LaunchConfig", model: str | Path, log_dir: str | Path
     engines = [engine_process(model, log_path=log_dir / f"engine{i}.log", **flags) for i in range(launch.engines)]
     router: ServerProcess | None = None
     try:
-        with ThreadPoolExecutor(len(engines)) as pool:  # load the model copies concurrently
-            list(pool.map(lambda e: e.start(launch.start_timeout), engines))
+        start_all(engines, launch.start_timeout)
         port = free_port()
         argv = ["router", "--port", str(port), "--policy", launch.policy, "--worker-urls", *[e.url for e in engines]]
         if launch.api_key:

@@ -11,12 +11,11 @@ import asyncio
 import signal
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import uvicorn
 
-from slimish.launch.local import ServerProcess, engine_process
+from slimish.launch.local import ServerProcess, engine_process, start_all
 from slimish.config import RouterConfig, ServeConfig, add_config_arguments, config_from_args
 from slimish.router.app import add_arguments as add_router_arguments
 from slimish.router.app import create_app
@@ -50,9 +49,9 @@ def run(args: argparse.Namespace) -> int:
     ]
     try:
         print(f"slimish serve: starting {serve.engines} engine(s) for {serve.model} (logs in {log_dir})", flush=True)
-        with ThreadPoolExecutor(len(engines)) as pool:  # load the model copies concurrently
-            for done in pool.map(lambda e: e.start(serve.engine_start_timeout), engines):
-                print(f"slimish serve: engine ready at {done.url}", flush=True)
+        start_all(engines, serve.engine_start_timeout)
+        for e in engines:
+            print(f"slimish serve: engine ready at {e.url}", flush=True)
         cfg = config_from_args(RouterConfig, args, worker_urls=[e.url for e in engines])
         server = uvicorn.Server(
             uvicorn.Config(create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
