@@ -1,0 +1,253 @@
+"""CaptureServer: an `openai` SDK agent against a real engine behind the real router yields samples
+whose tokens, masks and logprobs are exactly the engine's, checked against direct `/generate` calls.
+
+The capture server runs on the test's event loop (as in a rollout process); the router runs in a
+thread; the engine is the module's real child process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from transformers import AutoTokenizer
+
+from slimish.launch.local import free_port
+from slimish.rollout.capture import CaptureServer
+from slimish.rollout.chat import ChatTokens
+from slimish.router import RouterConfig, create_app
+from slimish.types import Sample, SampleStatus
+
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic",
+          "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]  # fmt: skip
+OPENING = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is (2+3)*4?"}]
+TEMPLATE = Sample(prompt=OPENING, label="20", group_id=7, index=2, metadata={"task": "calc"})
+
+
+@pytest.fixture(scope="module")
+def router(engine) -> Iterator[str]:
+    cfg = RouterConfig(worker_urls=[engine], health_check_interval=0.5)
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "router did not start within 30 s"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def with_capture(router: str, tok: Any, body: Callable[[CaptureServer], Awaitable[Any]], **kw: Any) -> Any:
+    async def main() -> Any:
+        capture = CaptureServer(router, tok, **kw)
+        await capture.start()
+        try:
+            return await body(capture)
+        finally:
+            await capture.stop()
+
+    return asyncio.run(main())
+
+
+def sdk(capture: CaptureServer, session: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=capture.session_base_url(session), api_key="slimish", max_retries=0, timeout=60)
+
+
+def direct(engine: str, ids: list[int], params: dict) -> tuple[list[int], list[float]]:
+    """The engine itself, on the same input ids: the reference for every captured turn."""
+    r = httpx.post(engine + "/generate", json={"input_ids": ids, "sampling_params": params, "return_logprob": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    return out["output_ids"], [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+
+
+def test_three_turn_tool_session_is_one_exact_sample(engine, router, tok):
+    eot = ChatTokens(tok).end_of_turn_id
+    # Turn 1 and 3 run out of tokens (the turn is closed by env ids); turn 2 ends on the
+    # end-of-turn token after 3 tokens (forced by a bias, held back by min_tokens).
+    turns = [
+        ({"max_tokens": 5}, [{"role": "tool", "tool_call_id": "call_1", "content": "5"}]),
+        ({"max_tokens": 9, "extra_body": {"min_tokens": 3}, "logit_bias": {str(eot): 100}}, [{"role": "user", "content": "And times 4?"}]),
+        ({"max_tokens": 4}, []),
+    ]
+
+    async def agent(capture: CaptureServer) -> tuple[list[Any], list[Sample]]:
+        client, messages, replies = sdk(capture, "s1"), list(OPENING), []
+        for kwargs, env in turns:
+            reply = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0, **kwargs)
+            replies.append(reply)
+            messages += [reply.choices[0].message, *env]  # the SDK's own message object, as agents do
+        return replies, capture.pop_samples("s1", TEMPLATE)
+
+    replies, samples = with_capture(router, tok, agent)
+    assert len(samples) == 1
+    s = samples[0]
+
+    # The reference, built from the engine's own outputs and ChatTokens' env ids.
+    chat = ChatTokens(tok, tools=TOOLS)
+    params = [{"temperature": 0.0, "max_new_tokens": 5, "skip_special_tokens": False},
+              {"temperature": 0.0, "max_new_tokens": 9, "min_new_tokens": 3, "logit_bias": {str(eot): 100.0}, "skip_special_tokens": False},
+              {"temperature": 0.0, "max_new_tokens": 4, "skip_special_tokens": False}]  # fmt: skip
+    prompt = chat.prompt_ids(OPENING)
+    context, mask, logprobs, env = list(prompt), [], [], []
+    for i, (p, reply) in enumerate(zip(params, replies)):
+        context += env
+        mask += [0] * len(env)
+        logprobs += [0.0] * len(env)
+        assert reply.usage.prompt_tokens == len(context)
+        out, lps = direct(engine, context, p)
+        assert reply.usage.completion_tokens == len(out)
+        context += out
+        mask += [1] * len(out)
+        logprobs += lps
+        env = chat.env_ids(turns[i][1], ended_with_eos=out[-1] == eot)
+    assert [r.choices[0].finish_reason for r in replies] == ["length", "stop", "length"]
+
+    assert s.tokens == context and s.prompt_length == len(prompt)
+    assert s.loss_mask == mask and s.rollout_logprobs == logprobs
+    assert s.status == SampleStatus.TRUNCATED and s.weight_versions == ["default"]
+    assert (s.prompt, s.label, s.group_id, s.index, s.metadata["task"]) == (OPENING, "20", 7, 2, "calc")
+    assert s.metadata["capture"] == {"session": "s1", "segment": 0, "turns": 3}
+
+
+THREE = {"temperature": 0, "max_tokens": 3, "extra_body": {"ignore_eos": True}}
+
+
+def test_drifted_history_splits_into_two_samples(engine, router, tok):
+    async def agent(capture: CaptureServer) -> list[Sample]:
+        client, messages = sdk(capture, "s2"), list(OPENING)
+        first = await client.chat.completions.create(model="m", messages=messages, **THREE)
+        # The agent rewrites what the model said: its tokens no longer prefix the conversation.
+        messages += [{"role": "assistant", "content": first.choices[0].message.content + " (edited)"}, {"role": "user", "content": "go on"}]
+        second = await client.chat.completions.create(model="m", messages=messages, **THREE)
+        messages += [second.choices[0].message, {"role": "user", "content": "more"}]
+        await client.chat.completions.create(model="m", messages=messages, **THREE)
+        assert capture.pop_samples("never-used", TEMPLATE) == []
+        return capture.pop_samples("s2", TEMPLATE), messages
+
+    (samples, messages) = with_capture(router, tok, agent)
+    assert [s.metadata["capture"]["turns"] for s in samples] == [1, 2]
+    chat = ChatTokens(tok)
+    assert samples[0].prompt_length == len(chat.prompt_ids(OPENING))
+    assert samples[1].tokens[: samples[1].prompt_length] == chat.prompt_ids(messages[:4])  # re-rendered by the template
+    for s in samples:
+        assert s.loss_mask.count(1) == 3 * s.metadata["capture"]["turns"]
+    assert samples[1].loss_mask == [1] * 3 + [0] * (len(samples[1].loss_mask) - 6) + [1] * 3
+
+
+def test_default_sampling_and_explicit_overrides(engine, router, tok):
+    async def agent(capture: CaptureServer) -> list[Sample]:
+        client = sdk(capture, "s3")
+        await client.chat.completions.create(model="m", messages=OPENING)  # defaults only
+        await client.chat.completions.create(model="m", messages=OPENING, max_tokens=2)  # a new segment: same history
+        return capture.pop_samples("s3", TEMPLATE)
+
+    samples = with_capture(router, tok, agent, default_sampling={"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True})
+    ids = ChatTokens(tok).prompt_ids(OPENING)
+    assert [s.response_ids for s in samples] == [direct(engine, ids, {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True})[0] for n in (6, 2)]
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"content": "hi"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stream": True}, "stream"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_k": 0}, "top_k"),
+    ],
+)
+def test_bad_body_is_a_400_naming_the_field(router, tok, body, field):
+    async def post(capture: CaptureServer) -> httpx.Response:
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await http.post(capture.session_base_url("bad") + "/chat/completions", json=body)
+
+    r = with_capture(router, tok, post)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and error["message"].startswith(field + ":"), error
+
+
+def test_malformed_json_and_models_route(engine, router, tok):
+    async def calls(capture: CaptureServer) -> tuple[httpx.Response, Any]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            bad = await http.post(capture.session_base_url("x") + "/chat/completions", content=b"{not json")
+        return bad, await sdk(capture, "x").models.list()
+
+    bad, models = with_capture(router, tok, calls)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "body"
+    assert [m.id for m in models.data] == [m["id"] for m in httpx.get(engine + "/v1/models", timeout=60).json()["data"]]
+
+
+def test_openai_agent_plugin_yields_exact_samples(engine, router, tok, tiny_model_dir):
+    """rollout_plugins/openai_agent.py through ctx (H1's api): each run of model tokens is what the
+    engine generates greedily from the context before it; everything else is mask 0."""
+    from rollout_plugins.openai_agent import MAX_TURNS, calculator, rollout
+    from slimish.client import Client
+    from slimish.config import RunConfig
+    from slimish.rollout.api import RolloutContext, RolloutRuntime
+
+    params = {"temperature": 0.0, "max_new_tokens": 6}
+
+    async def main() -> list[Sample]:
+        runtime = RolloutRuntime(RunConfig(model=str(tiny_model_dir)), Client(router), tok)
+        try:
+            sample = Sample(prompt="What is 2 + 3?", label="5", group_id=3)
+            return await rollout(RolloutContext(runtime, sample, sampling_params=params), sample)
+        finally:
+            await runtime.close()
+
+    (s,) = asyncio.run(main())
+    s.check()
+    assert s.reward in (0.0, 1.0) and s.metadata["capture"]["turns"] == MAX_TURNS  # a random model never boxes
+    runs, start = [], None
+    for i, m in enumerate([*s.loss_mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    assert len(runs) == MAX_TURNS
+    offset = s.prompt_length
+    for a, b in runs:
+        out, lps = direct(engine, s.tokens[: offset + a], {**params, "skip_special_tokens": False})
+        assert s.tokens[offset + a : offset + b] == out and s.rollout_logprobs[a:b] == lps
+    assert calculator("(2+3)*4") == "20" and calculator("7/2") == "3.5" and calculator("__import__('os')").startswith("error")
+
+
+def test_parallel_requests_on_one_turn_do_not_chain_onto_each_other(engine, router, tok):
+    """Two branches continuing the same turn at once: one extends the segment, the other cannot
+    (its context lacks the first's output) and becomes a segment of its own."""
+
+    async def agent(capture: CaptureServer) -> list[Sample]:
+        client = sdk(capture, "s4")
+        first = await client.chat.completions.create(model="m", messages=OPENING, **THREE)
+        history = [*OPENING, first.choices[0].message]
+        await asyncio.gather(*(client.chat.completions.create(model="m", messages=[*history, {"role": "user", "content": q}], **THREE)
+                               for q in ("left", "right")))  # fmt: skip
+        return capture.pop_samples("s4", TEMPLATE)
+
+    samples = with_capture(router, tok, agent)
+    assert sorted(s.metadata["capture"]["turns"] for s in samples) == [1, 2]
+    greedy = {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True}
+    for s in samples:
+        assert s.response_ids[-3:] == direct(engine, s.tokens[:-3], greedy)[0] and s.loss_mask[-3:] == [1, 1, 1]
