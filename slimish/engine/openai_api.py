@@ -55,7 +55,7 @@ def build_openai_router(engine: Engine) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         try:
-            body = await _parse(request, CompletionRequest)
+            body = await parse_body(request, CompletionRequest)
             items, echoes = completion_items(engine, body)
         except OpenAIError as exc:
             return exc.response()
@@ -68,7 +68,7 @@ def build_openai_router(engine: Engine) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         try:
-            body = await _parse(request, ChatCompletionRequest)
+            body = await parse_body(request, ChatCompletionRequest)
             items = chat_items(engine, body)
         except OpenAIError as exc:
             return exc.response()
@@ -84,7 +84,7 @@ def build_openai_router(engine: Engine) -> APIRouter:
 # ---- requests -> items ------------------------------------------------------------------------
 
 
-async def _parse(request: Request, model: type[M]) -> M:
+async def parse_body(request: Request, model: type[M]) -> M:
     raw = await request.body()
     try:
         data = json.loads(raw)
@@ -106,7 +106,7 @@ def _field_error(message: str, prompt_field: str = "prompt", max_field: str = "m
     return OpenAIError(message, message.split(":", 1)[0])
 
 
-def _params(body: CompletionRequest | ChatCompletionRequest, max_new_tokens: int, max_field: str) -> SamplingParams:
+def sampling_params_of(body: CompletionRequest | ChatCompletionRequest, max_new_tokens: int, max_field: str) -> SamplingParams:
     try:
         return body.sampling_params(max_new_tokens)
     except ValidationError as exc:
@@ -144,7 +144,7 @@ def completion_items(engine: Engine, body: CompletionRequest) -> tuple[list[Item
     want = body.logprobs is not None
     # SGLang: with echo, prompt logprobs are prepended (logprob_start_len 0).
     wish = LogprobWish(return_logprob=want, logprob_start_len=0 if want and body.echo else -1, top_logprobs_num=body.logprobs or 0)
-    items = _items(engine, body, prompts, _params(body, max_tokens, "max_tokens"), wish, "cmpl-", "prompt", "max_tokens")
+    items = _items(engine, body, prompts, sampling_params_of(body, max_tokens, "max_tokens"), wish, "cmpl-", "prompt", "max_tokens")
     echoes = [p if isinstance(p, str) else engine.decode(p) for p in raw] if body.echo else [""] * len(raw)
     return items, [echoes[i // body.n] for i in range(len(items))]
 
@@ -165,8 +165,8 @@ def chat_items(engine: Engine, body: ChatCompletionRequest) -> list[Item]:
             raise OpenAIError(f"messages: the prompt ({len(ids)} tokens) fills the model's context length ({engine.context_length} tokens)", "messages")
     if max_tokens < 1:
         raise OpenAIError(f"{max_field}: must be at least 1, got {max_tokens}", max_field)
-    params = _params(body, max_tokens, max_field)
-    if _tools_active(body):  # tool-call markers may be special tokens: keep them in the text to parse
+    params = sampling_params_of(body, max_tokens, max_field)
+    if tools_active(body):  # tool-call markers may be special tokens: keep them in the text to parse
         params = params.model_copy(update={"skip_special_tokens": False})
     wish = LogprobWish(return_logprob=body.logprobs, top_logprobs_num=(body.top_logprobs or 0) if body.logprobs else 0)
     return _items(engine, body, [ids], params, wish, "chatcmpl-", "messages", max_field)
@@ -174,8 +174,8 @@ def chat_items(engine: Engine, body: ChatCompletionRequest) -> list[Item]:
 
 def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
     """Prompt ids from the tokenizer's chat template, with SGLang's message normalisation."""
-    messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
-    tools = body.tools if _tools_active(body) else None
+    messages = [template_message(m, i) for i, m in enumerate(body.messages)]
+    tools = body.tools if tools_active(body) else None
     try:
         ids = tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False, **(body.chat_template_kwargs or {})
@@ -185,7 +185,7 @@ def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
     return list(ids)
 
 
-def _template_message(message: dict[str, Any], i: int) -> dict[str, Any]:
+def template_message(message: dict[str, Any], i: int) -> dict[str, Any]:
     """Drop null fields, join text parts (string-content templates), decode tool-call arguments."""
     if "role" not in message:
         raise OpenAIError(f"messages.{i}.role: field required", f"messages.{i}.role")
@@ -215,7 +215,7 @@ def _decode_arguments(call: Any, i: int) -> Any:
     return {**call, "function": {**fn, "arguments": args}}
 
 
-def _tools_active(body: ChatCompletionRequest) -> bool:
+def tools_active(body: ChatCompletionRequest) -> bool:
     return bool(body.tools) and body.tool_choice != "none"
 
 
@@ -246,7 +246,7 @@ def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str, list[dict[st
     return content.strip(), calls
 
 
-def _tool_names(body: ChatCompletionRequest) -> set[str]:
+def tool_names(body: ChatCompletionRequest) -> set[str]:
     return {t.get("function", {}).get("name") for t in body.tools or [] if isinstance(t, dict)} - {None}
 
 
@@ -326,8 +326,8 @@ def _chat_choice(engine: Engine, body: ChatCompletionRequest, req: Sequence, ind
     reason, matched = _finish(req)
     n = len(req.output_ids)
     content, calls = engine.text_of(req, n, True), []
-    if _tools_active(body):
-        content, calls = parse_tool_calls(content, _tool_names(body))
+    if tools_active(body):
+        content, calls = parse_tool_calls(content, tool_names(body))
     if calls and reason == "stop":
         reason, matched = "tool_calls", None
     message = {"role": "assistant", "content": content, "reasoning_content": None, "tool_calls": calls or None}
@@ -434,7 +434,7 @@ async def _chat_stream(engine: Engine, body: ChatCompletionRequest, items: list[
     and the parsed calls come with the finish, so the deltas add up to the non-streamed message.
     """
     header, sent = _Header(engine, "chat.completion.chunk", body, items), _Sent(len(items))
-    tools = _tools_active(body)
+    tools = tools_active(body)
     reqs: list[Sequence] = []
 
     def chunk(i: int, delta: dict[str, Any], logprobs: Any = None, reason: str | None = None, matched: Any = None) -> dict[str, Any]:
@@ -448,7 +448,7 @@ async def _chat_stream(engine: Engine, body: ChatCompletionRequest, items: list[
                 yield chunk(i, {"role": "assistant", "content": ""})
             text, calls = engine.text_of(req, up.n, up.finished), []
             if up.finished and tools:
-                text, calls = parse_tool_calls(text, _tool_names(body))
+                text, calls = parse_tool_calls(text, tool_names(body))
             elif tools:
                 text = _settled(text.split(TOOL_CALL_OPEN, 1)[0], [*_stop_holds(req), TOOL_CALL_OPEN]).strip()
             elif not up.finished:

@@ -33,7 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from slimish.client import Client, ServerError
-from slimish.engine.openai_api import OpenAIError, _params, _parse, _template_message, _tool_names, _tools_active, parse_tool_calls
+from slimish.engine.openai_api import OpenAIError, parse_body, sampling_params_of, template_message, tool_names, tools_active, parse_tool_calls
 from slimish.protocol import ChatCompletionRequest, GenerateResponse
 from slimish.rollout.chat import ChatTokens
 from slimish.types import Sample, SampleStatus
@@ -172,7 +172,7 @@ class CaptureServer:
         @app.post("/sessions/{session_id}/v1/chat/completions")
         async def chat_completions(session_id: str, request: Request) -> Response:
             try:
-                return JSONResponse(await self._chat(session_id, await _parse(request, ChatCompletionRequest)))
+                return JSONResponse(await self._chat(session_id, await parse_body(request, ChatCompletionRequest)))
             except OpenAIError as exc:
                 return exc.response()
             except ServerError as exc:
@@ -193,10 +193,10 @@ class CaptureServer:
             raise OpenAIError(f"n: a captured session is one trajectory, n must be 1, got {body.n}", "n")
         if body.tool_choice not in (None, "auto", "none"):
             raise OpenAIError("tool_choice: only 'auto' and 'none' are supported", "tool_choice")
-        tools = body.tools if _tools_active(body) else None
+        tools = body.tools if tools_active(body) else None
         kwargs = body.chat_template_kwargs or {}
         render_key = json.dumps([tools, kwargs], sort_keys=True, default=str)
-        messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
+        messages = [template_message(m, i) for i, m in enumerate(body.messages)]
         segments = self.sessions.setdefault(session_id, [])
         segment = next((s for s in reversed(segments) if s.continues(messages, render_key)), None)
         try:
@@ -225,7 +225,7 @@ class CaptureServer:
         meta = out.meta_info
         reason = meta.finish_reason.type if meta.finish_reason else "abort"
         matched = meta.finish_reason.matched if meta.finish_reason else None
-        content, calls = parse_tool_calls(out.text, _tool_names(body)) if tools else (out.text, [])
+        content, calls = parse_tool_calls(out.text, tool_names(body)) if tools else (out.text, [])
         message = {"role": "assistant", "content": content, "reasoning_content": None, "tool_calls": calls or None}
         turn = _Turn(
             messages=messages, reply=_canonical(message), render_key=render_key, env_ids=env,
@@ -266,7 +266,7 @@ class CaptureServer:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is not None and max_tokens < 1:
             raise OpenAIError(f"{max_field}: must be at least 1, got {max_tokens}", max_field)
-        native = _params(body, max_tokens or 1, max_field).model_dump()  # validates, naming the OpenAI field
+        native = sampling_params_of(body, max_tokens or 1, max_field).model_dump()  # validates, naming the OpenAI field
         params = dict(self.default_sampling)
         params.update({ours: native[ours] for theirs, ours in OPENAI_SAMPLING.items() if theirs in body.model_fields_set})
         if max_tokens is not None:

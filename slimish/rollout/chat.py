@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slimish.engine.openai_api import _template_message
+from slimish.engine.openai_api import template_message
 
 # The dummy conversation the new messages are rendered after; only its assistant content varies.
 _DUMMY_USER = {"role": "user", "content": "Hi"}
@@ -43,7 +43,7 @@ class ChatTokens:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         """The template's ids for `messages` (tools and template kwargs as given at construction)."""
-        normalised = [_template_message(m, i) for i, m in enumerate(messages)]
+        normalised = [template_message(m, i) for i, m in enumerate(messages)]
         ids = self.tokenizer.apply_chat_template(
             normalised,
             tools=self.tools,
