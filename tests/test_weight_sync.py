@@ -1,36 +1,29 @@
-"""Weight sync against the real engine server, with a trainer (rank 0) in its own process.
+"""Weight sync end to end: `WeightSync` (trainer rank 0, this process) and two real engines.
 
-The trainer child does what slime does against SGLang: it fires the HTTP call and, while that
-call blocks, joins the group or broadcasts. It broadcasts tensors derived from a seed, so this
-process can rebuild them and check what the engine serves and generates.
+Pushed tensors are derived from a seed, so this process can rebuild them and check what each
+engine serves (every name, exactly) and generates. The trainer test closes the loop: rollouts
+from the engines, a `TorchTrainer` step, a push, and fresh rollouts whose engine logprobs match
+the trainer's.
 """
 
 from __future__ import annotations
 
 import functools
-import multiprocessing as mp
-from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 
 import httpx
 import pytest
 import torch
 
-from slimish.distributed import broadcast_tensors, destroy_custom_process_group, init_custom_process_group
-from slimish.launch.local import free_port
+from slimish.config import WeightSyncConfig, load_run_config
+from slimish.launch.local import engine_process, start_all
+from slimish.trainer.torch_backend import TorchTrainer
+from slimish.trainer.weight_sync import WeightSync, WeightSyncError
+from slimish.types import Sample
 
-CTX = mp.get_context("spawn")
 WAIT_S = 120.0
 BF16 = {"model.layers.0.mlp.down_proj.weight", "model.norm.weight"}  # sent as bf16 to fp32 params
 PROMPT = [5, 17, 42, 99, 7]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
-
-Spec = tuple[str, str, list[int]]  # (name, wire dtype, shape)
-
-
-def make_tensors(seed: int, specs: list[Spec]) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=g).to(getattr(torch, dtype)) for _, dtype, shape in specs]
 
 
 @functools.cache
@@ -43,77 +36,35 @@ def post(url: str, path: str, body: dict | None = None) -> httpx.Response:
     return http().post(url + path, json=body or {})
 
 
-# -- the trainer child ----------------------------------------------------------------------------
-
-
-def trainer_main(url: str, port: int, group: str, commands, results) -> None:
-    """Rank 0. Commands: ("push", seed, specs, flattened, version), ("destroy",); None ends."""
-    torch.set_num_threads(1)
-    pool = ThreadPoolExecutor(1)
-
-    def reply(r: httpx.Response) -> tuple[int, dict]:
-        return r.status_code, r.json()
-
-    init = pool.submit(post, url, "/init_weights_update_group", dict(
-        master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name=group, backend="gloo"))
-    pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, group, timedelta(seconds=60))
-    results.put([reply(init.result(timeout=WAIT_S))])
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    procs = [engine_process(tiny_model_dir, log_path=logs / f"engine{i}.log", weight_sync_timeout_s=120) for i in range(2)]
     try:
-        while (cmd := commands.get(timeout=300)) is not None:
-            if cmd[0] == "destroy":
-                results.put([reply(post(url, "/destroy_weights_update_group", {"group_name": group}))])
-                continue
-            _, seed, specs, flattened, version = cmd
-            begin = post(url, "/begin_weight_update", {"selector": "all"})
-            update = pool.submit(post, url, "/update_weights_from_distributed", dict(
-                names=[s[0] for s in specs], dtypes=[s[1] for s in specs], shapes=[s[2] for s in specs],
-                group_name=group, load_format="flattened_bucket" if flattened else None, weight_version=version))
-            broadcast_tensors(make_tensors(seed, specs), pg, flattened)
-            update = update.result(timeout=WAIT_S)
-            results.put([reply(begin), reply(update), reply(post(url, "/end_weight_update"))])
+        start_all(procs, WAIT_S)
+        yield [p.url for p in procs]
     finally:
-        destroy_custom_process_group(pg)
-        pool.shutdown()
+        for p in procs:
+            p.stop()
 
 
-class Trainer:
-    def __init__(self, url: str, group: str) -> None:
-        self.commands, self.results = CTX.Queue(), CTX.Queue()
-        self.proc = CTX.Process(target=trainer_main, args=(url, free_port(), group, self.commands, self.results), daemon=True)
-        self.proc.start()
-
-    def joined(self) -> list[tuple[int, dict]]:
-        """The engine's reply to /init_weights_update_group, once both sides joined."""
-        return self.results.get(timeout=WAIT_S)
-
-    def call(self, *cmd) -> list[tuple[int, dict]]:
-        self.commands.put(cmd)
-        return self.results.get(timeout=WAIT_S)
-
-    def close(self) -> int | None:
-        self.commands.put(None)
-        self.proc.join(timeout=30)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(timeout=5)
-        return self.proc.exitcode
-
-
-# -- fixtures and helpers ---------------------------------------------------------------------
+def sync_config(**kw) -> WeightSyncConfig:
+    return WeightSyncConfig(**{"timeout_s": 60.0, **kw})
 
 
 @pytest.fixture(scope="module")
-def trainer(engine):
-    trainer = Trainer(engine, "weight_update_group")
+def sync(engines):
+    """A small bucket size, so a tiny model's push takes several buckets."""
+    ws = WeightSync(sync_config(bucket_mb=0.1), engines)
     try:
-        assert trainer.joined() == [(200, {"success": True, "message": "Succeeded to initialize custom process group."})]
-        yield trainer
+        ws.connect()
+        yield ws
     finally:
-        assert trainer.close() == 0
+        ws.close()
 
 
 def hf_model(model_dir) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM  # lazy: the trainer child imports this module
+    from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
@@ -124,71 +75,157 @@ def hf_greedy(model: torch.nn.Module) -> list[int]:
     return out[0, len(PROMPT):].tolist()
 
 
-def generate(url: str) -> dict:
-    r = post(url, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
+def generate(url: str, input_ids: list[int] = PROMPT, params: dict = GREEDY) -> dict:
+    r = post(url, "/generate", {"input_ids": input_ids, "sampling_params": params, "return_logprob": True})
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def served_weights(url: str, name: str, rows: int) -> torch.Tensor:
+def served(url: str, name: str, rows: int) -> torch.Tensor:
     r = post(url, "/get_weights_by_name", {"name": name, "truncate_size": rows})
     assert r.status_code == 200, r.text
     return torch.tensor(r.json(), dtype=torch.float32)
+
+
+def assert_serves(url: str, model: torch.nn.Module) -> None:
+    """Every parameter name (a tied head under both names), bit for bit."""
+    for name, param in model.named_parameters(remove_duplicate=False):
+        assert torch.equal(served(url, name, param.shape[0]), param.detach().float()), (url, name)
 
 
 def model_info(url: str) -> dict:
     return http().get(url + "/model_info").json()
 
 
-# -- tests --------------------------------------------------------------------------------------
+def seeded(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(name, torch.randn(p.shape, generator=g).to(torch.bfloat16 if name in BF16 else torch.float32))
+            for name, p in model.named_parameters()]  # fmt: skip
+
+
+# -- pushes of given tensors --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("flattened, seed", [(False, 1), (True, 2)], ids=["default", "flattened_bucket"])
-def test_push_all_parameters(engine, trainer, tiny_model_dir, flattened, seed):
+def test_push_all_parameters(engines, sync, tiny_model_dir, flattened, seed):
     reference = hf_model(tiny_model_dir)
-    params = dict(reference.named_parameters())  # each tensor once, as a trainer sends them
-    specs = sorted(
-        ((name, "bfloat16" if name in BF16 else "float32", list(p.shape)) for name, p in params.items()),
-        key=lambda s: s[1] == "bfloat16",  # fp32 first keeps a flattened bucket aligned
-    )
-    version = f"v{seed}"
-    before = generate(engine)["output_ids"]
-
-    replies = trainer.call("push", seed, specs, flattened, version)
-    assert [status for status, _ in replies] == [200, 200, 200], replies
-    assert replies[1][1] == {"success": True, "message": f"Succeeded to update parameter online. Weight version updated to {version}."}
-
-    with torch.no_grad():  # the reference now holds what was pushed
-        for (name, _, _), tensor in zip(specs, make_tensors(seed, specs)):
-            params[name].copy_(tensor)
-    for name, param in reference.named_parameters(remove_duplicate=False):  # a tied lm_head too
-        assert torch.equal(served_weights(engine, name, param.shape[0]), param), name
-
-    out = generate(engine)
-    assert out["output_ids"] == hf_greedy(reference) != before
-    assert out["meta_info"]["weight_version"] == version
-    assert model_info(engine)["weight_version"] == version
-
-
-def test_destroy_groups(engine, trainer):
-    second = Trainer(engine, "second")  # coexists with the module's group
+    before = generate(engines[0])["output_ids"]
+    tensors = seeded(reference, seed)
+    sync.cfg.flattened = flattened
     try:
-        joined = second.joined()
-        assert joined[0][0] == 200, joined
-        assert second.call("destroy") == [(200, {"success": True, "message": "Succeeded to destroy custom process group."})]
-        assert second.call("destroy") == [(400, {"success": False, "message": "The group to be destroyed does not exist."})]
+        timings = sync.push(tensors, f"v{seed}")
     finally:
-        assert second.close() == 0
+        sync.cfg.flattened = False
+    assert timings["buckets"] > 2 and timings["bytes"] == sum(t.numel() * t.element_size() for _, t in tensors)
+    assert sync.sessions is True  # the built-in engine has begin/end_weight_update
+
+    params = dict(reference.named_parameters())
+    with torch.no_grad():  # the reference now holds what was pushed (bf16 ones widened, as the engine does)
+        for name, t in tensors:
+            params[name].copy_(t)
+    expected = hf_greedy(reference)
+    assert expected != before
+    for url in engines:
+        assert_serves(url, reference)
+        out = generate(url)
+        assert out["output_ids"] == expected
+        assert out["meta_info"]["weight_version"] == f"v{seed}"
+        assert model_info(url)["weight_version"] == f"v{seed}"
 
 
-def test_update_from_disk(engine, tiny_model_dir_other_seed, tmp_path):
-    r = post(engine, "/update_weights_from_disk", {"model_path": str(tiny_model_dir_other_seed), "weight_version": "disk"})
-    assert r.status_code == 200 and r.json()["success"], r.text
-    out = generate(engine)
-    assert out["output_ids"] == hf_greedy(hf_model(tiny_model_dir_other_seed))
-    assert out["meta_info"]["weight_version"] == "disk"
-    assert model_info(engine)["model_path"] == str(tiny_model_dir_other_seed)
+def test_refused_bucket_fails_the_push(engines, sync, tiny_model_dir):
+    """An engine that rejects a bucket (here: a wrong shape) fails the push with its message,
+    instead of leaving the broadcast waiting."""
+    second = WeightSync(sync_config(group_name="refusal"), engines)
+    try:
+        second.connect()
+        with pytest.raises(WeightSyncError, match="does not match the parameter's shape"):
+            second.push([("model.norm.weight", torch.zeros(3))], "bad")
+        assert model_info(engines[0])["weight_version"] != "bad"
+        assert generate(engines[0])["meta_info"]["finish_reason"]["type"] == "length"  # generation resumed
+    finally:
+        second.close()
 
-    r = post(engine, "/update_weights_from_disk", {"model_path": str(tmp_path / "nowhere")})
+
+def test_second_group_and_destroy(engines, sync):
+    second = WeightSync(sync_config(group_name="second"), engines)
+    second.connect()
+    second.close()
+    second.close()  # idempotent
+    r = post(engines[0], "/destroy_weights_update_group", {"group_name": "second"})
+    assert (r.status_code, r.json()) == (400, {"success": False, "message": "The group to be destroyed does not exist."})
+
+
+def test_disk_transport(engines, tiny_model_dir, tiny_model_dir_other_seed, tmp_path):
+    other = hf_model(tiny_model_dir_other_seed)
+    with WeightSync(sync_config(transport="disk", disk_dir=str(tmp_path)), engines) as disk:
+        timings = disk.push(other.named_parameters(), "disk1")
+        assert timings["bytes"] > 0
+        for url in engines:
+            assert_serves(url, other)
+            out = generate(url)
+            assert out["output_ids"] == hf_greedy(other)
+            assert out["meta_info"]["weight_version"] == "disk1"
+        disk.push(hf_model(tiny_model_dir).named_parameters(), "disk2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights-disk2"]  # the previous push is removed
+
+
+def test_update_from_disk_errors(engines, tmp_path):
+    r = post(engines[0], "/update_weights_from_disk", {"model_path": str(tmp_path / "nowhere")})
     assert r.status_code == 400 and "is not a directory" in r.json()["message"], r.text
-    assert generate(engine)["output_ids"] == out["output_ids"]
+
+
+# -- the trainer's loop: rollouts, a step, a push, fresh rollouts ---------------------------------
+
+
+def rollouts(url: str, prompts: list[list[int]], n: int, seed: int) -> list[list[Sample]]:
+    """Engine samples at temperature 1 (ids and logprobs exactly as served); reward: the first
+    response token is even, so groups have spread."""
+    groups = []
+    for g, prompt in enumerate(prompts):
+        group = []
+        for k in range(n):
+            params = {"temperature": 1.0, "max_new_tokens": 8, "sampling_seed": seed * 1000 + g * 10 + k}
+            out = generate(url, prompt, params)
+            s = Sample(prompt="", group_id=g, index=k)
+            s.set_prompt(prompt)
+            s.append_model(out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]],
+                           out["meta_info"]["weight_version"])  # fmt: skip
+            s.reward = float(out["output_ids"][0] % 2 == 0)
+            group.append(s)
+        groups.append(group)
+    return groups
+
+
+def mismatch(trainer: TorchTrainer, samples: list[Sample]) -> float:
+    diffs = [(lp - torch.tensor(s.rollout_logprobs)).abs() for s, lp in zip(samples, trainer.logprobs(samples))]
+    return torch.cat(diffs).mean().item()
+
+
+def test_trainer_step_push_and_fresh_rollouts(engines, sync, tiny_model_dir):
+    cfg = load_run_config(None, [f"model={tiny_model_dir}", "data.source=unused", "trainer.lr=1e-2"])
+    trainer = TorchTrainer(cfg)
+    sync.push(trainer.hf_tensors(), "0")  # the engines served other weights in earlier tests
+    prompts = [[3, 14, 15, 92], [6, 53, 58, 97, 93], [2, 38, 46]]
+    groups = rollouts(engines[0], prompts, n=4, seed=1)
+    metrics = trainer.train_step(groups, step=1)
+    assert metrics["train/mismatch"] < 1e-4, metrics
+    assert metrics["train/grad_norm"] > 0
+
+    initial = hf_model(tiny_model_dir)
+    sync.push(trainer.hf_tensors(), "1")
+    assert not torch.equal(trainer.model.lm_head.weight, initial.lm_head.weight)  # the step moved the weights
+    for url in engines:
+        assert_serves(url, trainer.model)
+        fresh = [s for g in rollouts(url, prompts, n=2, seed=2) for s in g]
+        assert {v for s in fresh for v in s.weight_versions} == {"1"}
+        assert mismatch(trainer, fresh) < 1e-4
+
+
+def test_engine_refusing_the_group_fails_connect_at_once(engines):
+    refused = WeightSync(sync_config(backend="nccl", group_name="nccl", timeout_s=600.0), engines)
+    try:
+        with pytest.raises(WeightSyncError, match="Failed to initialize custom process group.*nccl"):
+            refused.connect()  # well before the 600 s group timeout
+    finally:
+        refused.close()

@@ -1,0 +1,355 @@
+"""Send side of weight sync (PROTOCOL.md 4): trainer rank 0 pushes the policy into every engine.
+
+`transport: distributed` forms one process group with all engines (the trainer is rank 0,
+engine e's TP ranks follow) and, per bucket of HF-named tensors, posts
+`/update_weights_from_distributed` to every engine while it broadcasts the bucket. One push is
+
+    pause -> begin (when the engines have weight-update sessions) -> buckets -> end -> continue
+
+and its last bucket carries the weight version. `transport: disk` writes the tensors as a
+safetensors file and posts `/update_weights_from_disk` instead (no group; the engines must see
+the directory).
+
+The trainer is sync code; the HTTP side is the async `Client`, run on a private event-loop
+thread so that the calls to all engines are in flight together while this thread broadcasts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from slimish.client import Client
+from slimish.config import WeightSyncConfig
+from slimish.distributed import (
+    ProcessGroup,
+    destroy_custom_process_group,
+    dtype_name,
+    flattened_layout,
+    init_custom_process_group,
+    parse_dtype,
+)
+from slimish.launch.local import free_port
+from slimish.protocol import InitWeightsUpdateGroupReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq
+
+T = TypeVar("T")
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+class _LoopThread:
+    """An asyncio loop on a daemon thread; `submit` hands it a coroutine from sync code."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="weight-sync-http", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+def _in_thread(fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+    """`fn(*args)` on a daemon thread: one left blocked in a rendezvous must not hold up exit."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="weight-sync-join", daemon=True).start()
+    return future
+
+
+@dataclass
+class Bucket:
+    """One /update_weights_from_distributed call."""
+
+    names: list[str]
+    tensors: list[torch.Tensor]  # the sender's tensors, any dtype
+    dtypes: list[torch.dtype]  # on the wire
+    nbytes: int  # on the wire
+
+
+def plan_buckets(
+    named: list[tuple[str, torch.Tensor]], bucket_mb: float, wire_dtype: torch.dtype | None, flattened: bool
+) -> list[Bucket]:
+    """Consecutive tensors up to `bucket_mb` of wire bytes each (a bigger tensor goes alone);
+    floating tensors travel as `wire_dtype` when given. In a flattened bucket larger itemsizes
+    go first, which keeps every tensor's view of the bytes aligned."""
+    limit = bucket_mb * (1 << 20)
+    groups: list[list[tuple[str, torch.Tensor, torch.dtype]]] = [[]]
+    size = 0
+    for name, t in named:
+        dtype = wire_dtype if wire_dtype is not None and t.is_floating_point() else t.dtype
+        n = t.numel() * dtype.itemsize
+        if groups[-1] and size + n > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, t, dtype))
+        size += n
+    buckets = []
+    for g in groups:
+        if flattened:
+            g = sorted(g, key=lambda x: -x[2].itemsize)
+        nbytes = sum(t.numel() * dtype.itemsize for _, t, dtype in g)
+        buckets.append(Bucket([x[0] for x in g], [x[1] for x in g], [x[2] for x in g], nbytes))
+    return buckets
+
+
+class WeightSync:
+    def __init__(self, cfg: WeightSyncConfig, engine_urls: list[str], api_key: str | None = None) -> None:
+        if not engine_urls:
+            raise ValueError("engine_urls: weight sync needs at least one engine")
+        self.cfg = cfg
+        self.urls = [u.rstrip("/") for u in engine_urls]
+        self.wire_dtype = parse_dtype(cfg.dtype) if cfg.dtype else None
+        self.backend = cfg.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.timeout = cfg.timeout_s
+        self._loop = _LoopThread()
+        self.clients = [Client(u, api_key=api_key, timeout=cfg.timeout_s) for u in self.urls]
+        self.group: ProcessGroup | None = None
+        self.sessions: bool | None = None  # engines have begin/end_weight_update; None until probed
+        self._buffers: dict[str, torch.Tensor] = {}  # per-name wire-dtype copies, reused across pushes
+        self._flat: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2  # double buffer
+        self._disk_root: Path | None = None
+        self._disk_last: Path | None = None
+        self._closed = False
+        self.broken: str | None = None  # why the group became unusable
+
+    # -- setup and teardown ------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Form the group with every engine (distributed transport); blocks until all joined."""
+        if self.cfg.transport == "disk" or self.group is not None:
+            return
+        infos = self._all(lambda c: c.server_info())
+        tp = [int(info.get("tp_size", 1)) for info in infos]
+        world = 1 + sum(tp)
+        port = free_port(self.cfg.master_address)
+        offsets = [1 + sum(tp[:e]) for e in range(len(tp))]
+        reqs = [
+            InitWeightsUpdateGroupReq(master_address=self.cfg.master_address, master_port=port, rank_offset=off,
+                                      world_size=world, group_name=self.cfg.group_name, backend=self.backend)
+            for off in offsets
+        ]  # fmt: skip
+        # The engines block in their init until rank 0 joins, so join while their calls are in
+        # flight; on a thread, so that an engine refusing at once fails this at once.
+        joined = self._start(lambda c, r: c.init_weights_update_group(r), reqs)
+        group = _in_thread(
+            init_custom_process_group, self.backend, f"tcp://{self.cfg.master_address}:{port}", world, 0,
+            self.cfg.group_name, timedelta(seconds=self.timeout),
+        )  # fmt: skip
+        self._check(self._wait(joined), "/init_weights_update_group")
+        self.group = group.result(timeout=self.timeout)
+
+    def close(self) -> None:
+        """Destroy the group on the engines and here; idempotent. Engines gone already are fine."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.group is not None:
+                try:
+                    self._all(lambda c: c.destroy_weights_update_group(self.cfg.group_name))
+                except Exception:  # an engine that is gone has no group left to destroy
+                    pass
+                destroy_custom_process_group(self.group)
+                self.group = None
+            self._wait(self._start(lambda c, _: c.close(), [None] * len(self.clients)))
+        finally:
+            self._loop.close()
+            if self._disk_root is not None and self.cfg.disk_dir is None:
+                shutil.rmtree(self._disk_root, ignore_errors=True)
+
+    # -- a push ------------------------------------------------------------------------------
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> dict[str, float]:
+        """Every engine serves these weights and reports `version` once this returns.
+
+        Returns timings: `seconds` (the whole push), `seconds_transfer` (the buckets or the
+        disk write and load), `bytes` (one engine's share), `gb_per_s` (bytes / seconds_transfer)
+        and `buckets`."""
+        named = [(name, t.detach()) for name, t in named_tensors]
+        if not named:
+            raise ValueError("push: no tensors")
+        if self.cfg.transport == "distributed" and self.group is None:
+            raise WeightSyncError("push before connect(): the weight-update group does not exist")
+        if self.broken:
+            raise WeightSyncError(f"an earlier push failed mid-broadcast ({self.broken}); the group is unusable, reconnect")
+        started = time.perf_counter()
+        sending = False
+        try:
+            self._prepare()
+            t0, sending = time.perf_counter(), True
+            if self.cfg.transport == "disk":
+                nbytes, buckets = self._push_disk(named, version), 1
+            else:
+                nbytes, buckets = self._push_buckets(named, version)
+            transfer = time.perf_counter() - t0
+        except BaseException as exc:
+            if sending and self.cfg.transport == "distributed":
+                # Engines that refused a bucket never received it: what this rank sent is still
+                # queued in the group and would be read as the next push's data.
+                self.broken = str(exc) or type(exc).__name__
+            raise
+        finally:
+            self._finish()
+        return {"seconds": time.perf_counter() - started, "seconds_transfer": transfer, "bytes": float(nbytes),
+                "gb_per_s": nbytes / transfer / 1e9 if transfer > 0 else 0.0, "buckets": float(buckets)}  # fmt: skip
+
+    def _prepare(self) -> None:
+        """Pause generation and open a weight-update session, both at once on every engine; the
+        first push finds out whether the engines have sessions (older SGLang does not)."""
+        pause = self.cfg.pause_mode != "drain"
+        begin = self.cfg.transport == "distributed" and self.sessions is not False
+
+        async def prepare(c: Client) -> bool | None:
+            calls = [c.pause(self.cfg.pause_mode)] if pause else []
+            results = await asyncio.gather(*calls, *([c.begin_weight_update()] if begin else []))
+            return results[-1] if begin else None
+
+        opened = self._all(prepare)
+        if begin and self.sessions is None:
+            if len(set(opened)) != 1:
+                raise WeightSyncError(f"engines disagree on /begin_weight_update support: {dict(zip(self.urls, opened))}")
+            self.sessions = opened[0]
+
+    def _finish(self) -> None:
+        """Close the session (it is per engine, not per group: always) and continue generation.
+        When an error is already on its way out, a failure here does not replace it."""
+        end = self.cfg.transport == "distributed" and self.sessions
+        resume = self.cfg.pause_mode != "drain"
+
+        async def finish(c: Client) -> None:
+            calls = ([c.end_weight_update()] if end else []) + ([c.resume()] if resume else [])
+            results = await asyncio.gather(*calls)
+            if end and not results[0].success:
+                raise WeightSyncError(f"/end_weight_update failed: {results[0].message}")
+
+        if sys.exc_info()[1] is None:
+            self._all(finish)
+            return
+        try:
+            self._all(finish)
+        except Exception:
+            pass
+
+    def _push_buckets(self, named: list[tuple[str, torch.Tensor]], version: str) -> tuple[int, int]:
+        buckets = plan_buckets(named, self.cfg.bucket_mb, self.wire_dtype, self.cfg.flattened)
+        payload = self._pack(buckets[0], 0)
+        for k, bucket in enumerate(buckets):
+            req = UpdateWeightsFromDistributedReq(
+                names=bucket.names, dtypes=[dtype_name(d) for d in bucket.dtypes],
+                shapes=[list(t.shape) for t in bucket.tensors], group_name=self.cfg.group_name,
+                load_format="flattened_bucket" if self.cfg.flattened else None,
+                weight_version=version if k == len(buckets) - 1 else None,
+            )  # fmt: skip
+            replies = self._start(lambda c, r: c.update_weights_from_distributed(r), [req] * len(self.clients))
+            works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in payload]
+            if k + 1 < len(buckets):  # overlaps the engines' receive and load of this bucket
+                payload = self._pack(buckets[k + 1], (k + 1) % 2)
+            # Replies come after the engines received everything, so waiting on them first
+            # turns an engine's refusal into an error here instead of a broadcast that hangs.
+            self._check(self._wait(replies), f"/update_weights_from_distributed (bucket {k + 1}/{len(buckets)})")
+            for work in works:
+                work.wait()
+        return sum(b.nbytes for b in buckets), len(buckets)
+
+    def _pack(self, bucket: Bucket, slot: int) -> list[torch.Tensor]:
+        """The tensors to broadcast for `bucket`, from reused buffers where a copy is needed."""
+        if self.cfg.flattened:
+            shapes = [t.shape for t in bucket.tensors]
+            ranges = flattened_layout(bucket.names, bucket.dtypes, shapes)
+            device = bucket.tensors[0].device
+            if self._flat[slot].numel() < bucket.nbytes or self._flat[slot].device != device:
+                self._flat[slot] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+            flat = self._flat[slot][: bucket.nbytes]
+            for (start, end), t, dtype in zip(ranges, bucket.tensors, bucket.dtypes):
+                flat[start:end].view(dtype).view(t.shape).copy_(t)
+            return [flat]
+        payload = []
+        for name, t, dtype in zip(bucket.names, bucket.tensors, bucket.dtypes):
+            if t.dtype == dtype and t.is_contiguous():
+                payload.append(t)
+                continue
+            buf = self._buffers.get(name)
+            if buf is None or buf.dtype != dtype or buf.shape != t.shape or buf.device != t.device:
+                buf = self._buffers[name] = torch.empty(t.shape, dtype=dtype, device=t.device)
+            payload.append(buf.copy_(t))
+        return payload
+
+    def _push_disk(self, named: list[tuple[str, torch.Tensor]], version: str) -> int:
+        if self._disk_root is None:
+            root = self.cfg.disk_dir or tempfile.mkdtemp(prefix="slimish-weights-")
+            self._disk_root = Path(root)
+            self._disk_root.mkdir(parents=True, exist_ok=True)
+        target = self._disk_root / f"weights-{version}"
+        target.mkdir(exist_ok=True)
+        state = {}
+        for name, t in named:
+            dtype = self.wire_dtype if self.wire_dtype is not None and t.is_floating_point() else t.dtype
+            state[name] = t.to("cpu", dtype).contiguous()
+        save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+        req = UpdateWeightsFromDiskReq(model_path=str(target), weight_version=version)
+        self._check(self._all(lambda c: c.update_weights_from_disk(req)), "/update_weights_from_disk")
+        if self._disk_last is not None and self._disk_last != target:
+            shutil.rmtree(self._disk_last, ignore_errors=True)
+        self._disk_last = target
+        return sum(t.numel() * t.element_size() for t in state.values())
+
+    # -- HTTP on the loop thread -------------------------------------------------------------
+
+    def _start(self, call, args: list[Any]) -> concurrent.futures.Future:
+        """`call(client, arg)` on every engine at once; the future holds their results in order."""
+
+        async def gather() -> list[Any]:
+            return await asyncio.gather(*(call(c, a) for c, a in zip(self.clients, args)), return_exceptions=True)
+
+        return self._loop.submit(gather())
+
+    def _wait(self, future: concurrent.futures.Future) -> list[Any]:
+        results = future.result(timeout=self.timeout)
+        failed = [(url, r) for url, r in zip(self.urls, results) if isinstance(r, BaseException)]
+        if failed:
+            raise WeightSyncError("; ".join(f"{url}: {exc}" for url, exc in failed)) from failed[0][1]
+        return results
+
+    def _all(self, call) -> list[Any]:
+        return self._wait(self._start(lambda c, _: call(c), [None] * len(self.clients)))
+
+    def _check(self, results: list[Any], route: str) -> None:
+        bad = [(url, r.message) for url, r in zip(self.urls, results) if not r.success]
+        if bad:
+            raise WeightSyncError(f"{route} failed: " + "; ".join(f"{url}: {msg}" for url, msg in bad))
+
+    def __enter__(self) -> "WeightSync":
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,224 @@
+"""TorchTrainer: exact gradient accumulation (over micro-batches and over DDP ranks), the
+features the config switches on, SFT, and the tensors it hands to weight sync.
+
+Samples are built directly (no engines): random tokens, with multi-turn loss masks, and
+"rollout" logprobs that are the trainer's own plus noise, so ratios move off 1 and clip.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from slimish.config import load_run_config
+from slimish.launch.local import free_port
+from slimish.trainer.torch_backend import TorchTrainer, lr_factor, micro_batches, shard, split_minibatches
+from slimish.types import Sample
+
+CTX = mp.get_context("spawn")
+FEATURES = ["algorithm.kl_coef=0.1", "algorithm.entropy_coef=0.01", "algorithm.eps_clip_high=0.28",
+            "algorithm.tis_cap=2.0", "algorithm.dual_clip_c=3.0", "trainer.updates_per_step=2"]  # fmt: skip
+
+
+def config(model_dir, *overrides: str):
+    """lr 1e-4: Adam's first steps move every weight by about lr whatever its gradient, so a
+    gradient within float noise of 0 can flip its step; at 1e-4 that stays inside the 1e-5
+    tolerance while real moves are 10x larger."""
+    return load_run_config(None, [f"model={model_dir}", "data.source=unused", "trainer.lr=1e-4", "steps=4", *overrides])
+
+
+def make_groups(seed: int, n_groups: int = 3, group_size: int = 4, vocab: int = 1000) -> list[list[Sample]]:
+    """Groups sharing a prompt; responses of model / env / model tokens; binary rewards."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(3, 9))]
+        group = []
+        for k in range(group_size):
+            s = Sample(prompt="", group_id=g, index=k)
+            s.set_prompt(prompt)
+            for turn in range(rng.randint(1, 2)):
+                if turn:
+                    s.append_env([rng.randrange(vocab) for _ in range(rng.randint(1, 3))])
+                n = rng.randint(1, 12)
+                s.append_model([rng.randrange(vocab) for _ in range(n)], [0.0] * n)
+            s.reward = float(rng.random() < 0.5)
+            group.append(s)
+        group[0].reward, group[1].reward = 1.0, 0.0  # every group has spread
+        groups.append(group)
+    return groups
+
+
+def with_rollout_logprobs(trainer: TorchTrainer, groups: list[list[Sample]], noise: float, seed: int) -> list[list[Sample]]:
+    g = torch.Generator().manual_seed(seed)
+    for group in groups:
+        for s, lp in zip(group, trainer.logprobs(group)):
+            lp = lp + noise * torch.randn(lp.shape, generator=g)
+            s.rollout_logprobs = (lp * torch.tensor(s.loss_mask)).tolist()
+    return groups
+
+
+def params(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
+    assert a.keys() == b.keys()
+    worst = max((a[n] - b[n]).abs().max().item() for n in a)
+    assert worst <= atol, worst
+
+
+def moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
+    return max((before[n] - after[n]).abs().max().item() for n in before)
+
+
+# -- pure helpers -------------------------------------------------------------------------------
+
+
+def test_lr_schedules():
+    assert [lr_factor("constant", 2, 10, s) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    assert [lr_factor("linear", 0, 4, s) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert lr_factor("cosine", 0, 4, 2) == pytest.approx(0.5)
+    assert lr_factor("cosine", 1, 5, 0) == 1.0 and lr_factor("cosine", 1, 5, 5) == pytest.approx(0.0)
+
+
+def test_shard_micro_batches_and_minibatches():
+    lengths = [10, 3, 7, 7, 2, 9]
+    ranks = shard(lengths, 2)
+    assert sorted(i for r in ranks for i in r) == list(range(6))
+    assert [sum(lengths[i] for i in r) for r in ranks] == [19, 19]
+    assert shard([5], 2) == [[0], []]
+    batches = micro_batches(lengths, budget=20)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    assert all(len(b) * max(lengths[i] for i in b) <= 20 or len(b) == 1 for b in batches)
+    assert micro_batches([30, 4], budget=20) == [[0], [1]]  # too long for the budget: alone
+    assert split_minibatches(5, 2) == [[0, 1], [2, 3, 4]] and split_minibatches(1, 3) == [[0]]
+
+
+# -- exactness ---------------------------------------------------------------------------------
+
+
+def test_micro_batch_split_gives_the_full_batch_gradient(tiny_model_dir):
+    """One sample per micro-batch and one micro-batch for all: the same step."""
+    results = []
+    for budget in (1, 100_000):
+        trainer = TorchTrainer(config(tiny_model_dir, f"trainer.micro_batch_tokens={budget}", *FEATURES))
+        groups = with_rollout_logprobs(trainer, make_groups(0), noise=0.3, seed=0)
+        before = params(trainer)
+        metrics = trainer.train_step(groups, 1)
+        results.append((params(trainer), metrics))
+    assert moved(before, results[0][0]) > 5e-5
+    assert_close(results[0][0], results[1][0], atol=1e-5)
+    for key in ("train/loss", "train/grad_norm", "train/kl", "train/entropy", "train/clip_frac"):
+        assert results[0][1][key] == pytest.approx(results[1][1][key], rel=1e-5, abs=1e-7), key
+    assert results[0][1]["train/clip_frac"] > 0  # the noise made some ratios clip
+
+
+def _rank_main(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        trainer = TorchTrainer(config(model_dir, "trainer.micro_batch_tokens=40", *FEATURES))
+        batches = two_steps_batches(trainer)
+        m1, m2 = trainer.train_step(batches[0], 1), trainer.train_step(batches[1], 2)
+        if rank == 0:
+            torch.save({"params": params(trainer), "metrics": [m1, m2]}, out)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def two_steps_batches(trainer: TorchTrainer) -> list[list[list[Sample]]]:
+    """A full batch, then one where a rank (and a whole mini-batch) has no token to train on."""
+    first = with_rollout_logprobs(trainer, make_groups(1), noise=0.3, seed=1)
+    small = make_groups(2, n_groups=1, group_size=2)
+    empty = small[0][1]
+    empty.tokens, empty.response_length, empty.loss_mask, empty.rollout_logprobs = empty.tokens[:3], 0, [], []
+    return [first, with_rollout_logprobs(trainer, small, noise=0.3, seed=2)]
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
+    out = tmp_path / "rank0.pt"
+    ctx = torch.multiprocessing.start_processes(
+        _rank_main, args=(2, free_port(), str(tiny_model_dir), str(out)), nprocs=2, join=False, start_method="spawn"
+    )
+    try:
+        single = TorchTrainer(config(tiny_model_dir, "trainer.micro_batch_tokens=40", *FEATURES))
+        before = params(single)
+        batches = two_steps_batches(single)
+        m1, m2 = single.train_step(batches[0], 1), single.train_step(batches[1], 2)
+        deadline = time.monotonic() + 300
+        while not ctx.join(timeout=5):
+            assert time.monotonic() < deadline, "the 2-rank run did not finish within 300 s"
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+    two = torch.load(out)
+    assert moved(before, two["params"]) > 5e-5
+    assert_close(params(single), two["params"], atol=1e-5)
+    for mine, theirs in zip([m1, m2], two["metrics"]):
+        for key in ("train/loss", "train/grad_norm", "train/kl", "train/entropy", "train/mismatch", "reward/mean"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
+
+
+# -- what the config switches on ------------------------------------------------------------------
+
+
+def test_reference_kl_starts_at_zero_and_grows(tiny_model_dir):
+    trainer = TorchTrainer(config(tiny_model_dir, "trainer.lr=1e-2", "algorithm.kl_coef=0.1"))
+    first = trainer.train_step(with_rollout_logprobs(trainer, make_groups(3), 0.0, 3), 1)
+    assert first["train/kl"] == pytest.approx(0.0, abs=1e-7)  # the reference is the policy it started from
+    assert first["train/mismatch"] == pytest.approx(0.0, abs=1e-6) and first["train/ratio"] == pytest.approx(1.0)
+    second = trainer.train_step(with_rollout_logprobs(trainer, make_groups(4), 0.0, 4), 2)
+    assert second["train/kl"] > 1e-5
+    assert "ref" in trainer.state_dict()  # a copy of the policy: checkpoints must carry it
+
+
+def test_recomputed_old_logprobs_and_kl_in_reward(tiny_model_dir):
+    """With old logprobs recomputed the first update's ratio is exactly 1 whatever the engine
+    said; the mismatch metric then measures the (here injected) engine noise."""
+    trainer = TorchTrainer(config(tiny_model_dir, "algorithm.recompute_old_logprobs=true", "algorithm.kl_coef=0.05",
+                                  "algorithm.kl_in_reward=true", "algorithm.advantage=reinforce_pp"))  # fmt: skip
+    metrics = trainer.train_step(with_rollout_logprobs(trainer, make_groups(5), noise=0.2, seed=5), 1)
+    assert metrics["train/ratio"] == pytest.approx(1.0, abs=1e-6) and metrics["train/clip_frac"] == 0.0
+    assert 0.1 < metrics["train/mismatch"] < 0.25  # E|N(0, 0.2)| = 0.16
+    assert metrics["train/kl"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_ragged_groups_and_bad_input(tiny_model_dir):
+    trainer = TorchTrainer(config(tiny_model_dir))
+    groups = with_rollout_logprobs(trainer, make_groups(6), 0.0, 6)
+    groups[1] = groups[1][:3]  # a sample lost to a failure
+    assert trainer.train_step(groups, 1)["train/grad_norm"] > 0
+    with pytest.raises(ValueError, match=r"train_step\(step=5\).*1 optimiser steps, expected 4"):
+        trainer.train_step(groups, 5)
+    with pytest.raises(ValueError, match="non-empty"):
+        trainer.train_step([[]], 2)
+    groups[0][0].reward = None
+    with pytest.raises(ValueError, match="sample 0/0: reward is missing"):
+        trainer.train_step(groups, 2)
+
+
+def test_sft_steps_lower_the_loss(tiny_model_dir):
+    trainer = TorchTrainer(config(tiny_model_dir, "sft.lr=1e-2"))
+    batch = [s for g in make_groups(7) for s in g]
+    losses = [trainer.sft_step(batch)["sft/loss"] for _ in range(5)]
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert trainer.scheduler.last_epoch == 0  # the RL optimiser and schedule are untouched
+
+
+def test_hf_tensors_tied_once(tiny_qwen2_dir):
+    trainer = TorchTrainer(config(tiny_qwen2_dir))
+    named = list(trainer.hf_tensors())
+    names = [n for n, _ in named]
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    assert len({id(t.untyped_storage()) for _, t in named}) == len(named)
+    assert {id(p) for p in trainer.model.parameters()} == {id(p) for _, p in trainer.model.named_parameters()}
+    assert len(named) == len(list(trainer.model.parameters()))
