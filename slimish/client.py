@@ -51,8 +51,10 @@ class Client:
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout,
-                                      limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))  # fmt: skip
+        # Idle sockets are dropped after 4 s, before uvicorn's 5 s keep-alive closes them server-side:
+        # with equal timeouts a request sent on a socket the server is closing fails (ReadError).
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=4.0)
+        self.http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout, limits=limits)
 
     async def close(self) -> None:
         await self.http.aclose()

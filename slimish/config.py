@@ -166,7 +166,7 @@ class DataConfig:
     source: str = MISSING
     eval_source: str | None = None  # held-out prompts; `task:NAME` uses the task's held-out split
     prompt_key: str = "prompt"  # a string (text) or a list of messages (chat)
-    label_key: str = "label"
+    label_key: str | None = "label"  # None: rows carry no label (e.g. a reward model scores them)
     apply_chat_template: bool = True  # text prompts become one user message
     system_prompt: str | None = None
     shuffle: bool = True  # reshuffled every epoch with seed + epoch
@@ -184,7 +184,13 @@ class RolloutConfig:
     rollout_batch_size: int = 8  # groups that must survive filtering each step
     max_concurrency: int = 64  # samples in flight
     over_sampling: float = 1.0  # start up to this many times the groups still needed
-    partial_rollout: bool = False  # keep samples aborted at a step's end and resume them later
+    # Keep samples aborted at a step's end and resume them next step. Their first tokens come from
+    # older weights: buffer.max_staleness must allow that (>= 1), else they restart from scratch.
+    partial_rollout: bool = False
+    # A step that has taken this many times rollout_batch_size prompts without filling its batch
+    # (every group failing or filtered) stops with an error naming the failures and filter reasons.
+    max_prompts_factor: float = 8.0
+    abort_timeout: float = 60.0  # seconds leftovers get to return after the end-of-step abort; then cancelled
     # Default sampling params for ctx.generate / ctx.chat.
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -196,58 +202,148 @@ class RolloutConfig:
     eval_n_samples_per_prompt: int = 1
     eval_temperature: float = 0.0
 
+    def __post_init__(self) -> None:
+        for name in ("n_samples_per_prompt", "rollout_batch_size", "max_concurrency", "max_new_tokens", "eval_n_samples_per_prompt"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.over_sampling < 1.0:
+            raise ValueError(f"rollout.over_sampling must be >= 1.0, got {self.over_sampling}")
+        if self.max_prompts_factor < 1.0:
+            raise ValueError(f"rollout.max_prompts_factor must be >= 1.0, got {self.max_prompts_factor}")
+
 
 @dataclass
 class BufferConfig:
     max_staleness: int = 0  # weight versions a trained sample may lag behind; 0 = on-policy
 
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"buffer.max_staleness must be >= 0, got {self.max_staleness}")
+
+
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")
+LOSSES = ("ppo", "gspo")
+LOSS_REDUCTIONS = ("token", "sample", "dr_grpo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
 
 @dataclass
 class AlgorithmConfig:
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gspo
+    """Advantages and losses (slimish/trainer/algorithms.py has the formulas and the reasons)."""
+
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gspo (= grpo)
+    advantage_eps: float = 1e-6  # added to the std in grpo / reinforce_pp (TRL uses 1e-4)
     loss: str = "ppo"  # ppo (token ratio) | gspo (sequence ratio)
     eps_clip: float = 0.2
-    eps_clip_high: float | None = None  # DAPO clip-higher; None: eps_clip
-    dual_clip_c: float | None = None  # dual clip for negative advantages (e.g. 3.0)
-    loss_reduction: str = "token"  # token (mean over all tokens) | sample (mean of per-sample means)
+    eps_clip_high: float | None = None  # DAPO clip-higher (e.g. 0.28); None: eps_clip
+    dual_clip_c: float | None = None  # dual clip for negative advantages (e.g. 3.0); must be > 1
+    # token: sum / trained tokens of the batch | sample: mean of per-sample means |
+    # dr_grpo: sum / (samples x rollout.max_new_tokens)
+    loss_reduction: str = "token"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"  # k1 | k2 | k3
     kl_in_reward: bool = False  # subtract kl_coef * KL from the reward instead of a loss term
+    # KL loss term times pi/pi_old per token: DeepSeek-V3.2's unbiased KL gradient (TRL's default)
+    kl_importance_weight: bool = False
     entropy_coef: float = 0.0
     tis_cap: float | None = None  # truncated importance sampling against rollout logprobs
     recompute_old_logprobs: bool = False  # else the rollout's logprobs are the old policy
 
+    def __post_init__(self) -> None:
+        choices = {"advantage": ADVANTAGES, "loss": LOSSES, "loss_reduction": LOSS_REDUCTIONS, "kl_estimator": KL_ESTIMATORS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"algorithm.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if not 0 < self.eps_clip < 1:
+            raise ValueError(f"algorithm.eps_clip must be in (0, 1), got {self.eps_clip}")
+        if self.eps_clip_high is not None and self.eps_clip_high <= 0:
+            raise ValueError(f"algorithm.eps_clip_high must be > 0, got {self.eps_clip_high}")
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+            raise ValueError(f"algorithm.dual_clip_c must be > 1, got {self.dual_clip_c}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"algorithm.tis_cap must be > 0, got {self.tis_cap}")
+        if self.advantage_eps < 0 or self.kl_coef < 0:
+            raise ValueError(f"algorithm.advantage_eps and algorithm.kl_coef must be >= 0, got {self.advantage_eps}, {self.kl_coef}")
+
+
+LR_SCHEDULES = ("constant", "cosine", "linear")
+TRANSPORTS = ("distributed", "disk")
+PAUSE_MODES = ("abort", "retract", "in_place", "drain")
+
 
 @dataclass
 class TrainerConfig:
+    """The policy's optimiser and batching (slimish/trainer/torch_backend.py)."""
+
     backend: str = "torch"  # torch | megatron
     nproc: int = 1  # torchrun ranks `slimish train` launches
     lr: float = 1e-5
-    lr_schedule: str = "constant"  # constant | cosine | linear
-    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | cosine | linear (to 0 at the last optimiser step), after warmup
+    warmup_steps: int = 0  # optimiser steps of linear warmup
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    grad_clip: float = 1.0
-    micro_batch_tokens: int = 8192  # token budget of one packed micro-batch
-    updates_per_step: int = 1  # optimiser steps per rollout batch (PPO epochs x mini-batches)
-    dtype: str = "float32"  # fp32 on CPU, bf16 on GPU
-    ref_model: str | None = None  # None with kl_coef > 0: the initial policy
+    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping (the norm is still reported)
+    micro_batch_tokens: int = 8192  # padded tokens (rows x longest sample) of one micro-batch
+    updates_per_step: int = 1  # optimiser steps per rollout batch: the batch split into this many mini-batches
+    dtype: str | None = None  # None: float32 on CPU (bf16 is 12-18x slower there), bfloat16 on GPU
+    ref_model: str | None = None  # None with kl_coef > 0: a frozen copy of the policy at its first RL step
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("torch", "megatron"):
+            raise ValueError(f"trainer.backend must be torch or megatron, got {self.backend!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"trainer.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"trainer.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        for name in ("nproc", "micro_batch_tokens", "updates_per_step"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("lr", "warmup_steps", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"trainer.dtype must be float32, bfloat16, float16 or null, got {self.dtype!r}")
 
 
 @dataclass
 class WeightSyncConfig:
+    """Trainer rank 0 -> engines (slimish/trainer/weight_sync.py, PROTOCOL.md 4)."""
+
     transport: str = "distributed"  # distributed (broadcast) | disk (update_weights_from_disk)
-    bucket_mb: int = 128
-    flattened: bool = False  # one flattened tensor per bucket
+    bucket_mb: float = 128  # tensors per /update_weights_from_distributed call, by wire bytes
+    flattened: bool = False  # one flattened uint8 broadcast per bucket (load_format flattened_bucket)
     backend: str | None = None  # gloo on CPU, nccl on GPU when None
+    dtype: str | None = None  # wire dtype, e.g. bfloat16 to halve the bytes to bf16 engines; None: the trainer's
+    # What in-flight generation does during a push: abort (return partial tokens), retract
+    # (requeue, recompute with the new weights), in_place (keep the KV), or drain (no pause:
+    # each update waits until running requests finish, SGLang's writer lock).
+    pause_mode: str = "retract"
+    group_name: str = "weight_update_group"
+    master_address: str = "127.0.0.1"  # trainer rank 0's address as the engines reach it
+    timeout_s: float = 600.0  # a broadcast or HTTP call that takes longer fails the push
+    disk_dir: str | None = None  # transport disk: where pushes are written (engines must see it); None: a temp dir
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"weight_sync.transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"weight_sync.pause_mode must be one of {', '.join(PAUSE_MODES)}, got {self.pause_mode!r}")
+        if self.bucket_mb <= 0 or self.timeout_s <= 0:
+            raise ValueError(f"weight_sync.bucket_mb and timeout_s must be > 0, got {self.bucket_mb}, {self.timeout_s}")
 
 
 @dataclass
 class CheckpointConfig:
+    """slimish/trainer/checkpoint.py: run_dir/checkpoints/step_NNNNNNNN, written atomically."""
+
     every: int = 0  # steps; 0 = only at the end
-    keep: int = 2
-    resume: str | None = None  # auto | a checkpoint directory | None
+    keep: int = 2  # newest checkpoints kept; 0 = all
+    resume: str | None = None  # auto (newest in run_dir, or a fresh start) | a checkpoint directory | None
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.keep < 0:
+            raise ValueError(f"checkpoint.every and checkpoint.keep must be >= 0, got {self.every}, {self.keep}")
 
 
 @dataclass

@@ -99,3 +99,11 @@ class ChatTokens:
                 "not a special token; a model cannot signal the end of its turn with it"
             )
         return eot
+
+
+def render_prompt(tokenizer: Any, chat: ChatTokens, prompt: str | list[dict[str, Any]]) -> list[int]:
+    """A sample's prompt ids: chat messages through the template (with the generation prompt),
+    text as is. Rollouts and the SFT warm start both render prompts here, so they agree."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    return chat.prompt_ids(prompt)

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -44,6 +44,7 @@ from slimish.distributed import (
     parse_dtype,
 )
 from slimish.launch.local import free_port
+from slimish.loop_thread import LoopThread
 from slimish.protocol import InitWeightsUpdateGroupReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq
 
 T = TypeVar("T")
@@ -51,24 +52,6 @@ T = TypeVar("T")
 
 class WeightSyncError(RuntimeError):
     pass
-
-
-class _LoopThread:
-    """An asyncio loop on a daemon thread; `submit` hands it a coroutine from sync code."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="weight-sync-http", daemon=True)
-        self.thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        if not self.thread.is_alive():
-            self.loop.close()
 
 
 def _in_thread(fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
@@ -130,7 +113,7 @@ class WeightSync:
         self.wire_dtype = parse_dtype(cfg.dtype) if cfg.dtype else None
         self.backend = cfg.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.timeout = cfg.timeout_s
-        self._loop = _LoopThread()
+        self._loop = LoopThread("weight-sync-http")
         self.clients = [Client(u, api_key=api_key, timeout=cfg.timeout_s) for u in self.urls]
         self.group: ProcessGroup | None = None
         self.sessions: bool | None = None  # engines have begin/end_weight_update; None until probed

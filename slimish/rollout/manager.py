@@ -1,0 +1,393 @@
+"""The rollout manager: prompts in, finished and scored groups of samples out, into the buffer.
+
+One step (`run_step`) takes prompts from the data stream, makes a group of `n_samples_per_prompt`
+samples for each (`group_id` = the prompt's position in the stream, `index` = 0..n-1), runs the
+rollout function on each sample with at most `max_concurrency` samples in flight, then scores the
+finished group (reward function) and filters it (filter function). It keeps starting groups, up
+to `over_sampling` times the number still needed, until `rollout_batch_size` groups have
+survived; then it aborts what is left (`POST /abort_request {"abort_all": true}` on the router,
+which fans it out to every engine) and requeues those prompts for the next step. With
+`partial_rollout`, a leftover group's finished samples and its aborted single-turn samples are
+kept and resumed next step (multi-turn samples restart: a conversation's state is not kept).
+
+Nothing is silently lost. Every prompt taken ends in exactly one of: a group in the buffer
+(`groups_kept`), a group dropped by the filter (`groups_filtered`, with its reason), a failed group
+(`groups_failed`), or the requeue (`requeued_pending`). A sample whose rollout or reward function
+raises is marked failed with the error text and the run goes on; its whole group is dropped as
+failed, counted once, because a group with a hole would bias group-relative advantages. Sample
+counters: completed / truncated / failed over finished groups, aborted for samples cut off at a
+step's end, filtered for the samples of filtered groups.
+
+The end-of-step abort is engine-wide: do not run `evaluate` concurrently with the end of a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import math
+import time
+import traceback
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from slimish.buffer import Buffer, group_version
+from slimish.client import ServerError
+from slimish.rollout.api import RolloutContext, RolloutRuntime
+from slimish.rollout.data import PromptData
+from slimish.rollout.loader import load_functions
+from slimish.rollout.rewards import is_group_reward
+from slimish.types import Sample, SampleStatus
+
+FINISHED = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
+COUNTERS = (
+    "prompts_taken", "groups_kept", "groups_filtered", "groups_failed", "requeued",
+    "completed", "truncated", "aborted", "failed", "filtered", "partial_resumed", "partial_stale",
+)  # fmt: skip
+ABORT_RETRY_S = 1.0  # while leftovers are still running, the abort is re-sent this often (late arrivals)
+
+
+class RolloutStalled(RuntimeError):
+    """A step took `max_prompts_factor * rollout_batch_size` prompts without filling its batch."""
+
+
+@dataclass
+class _Prompt:
+    """A prompt taken from the stream, waiting for its group (again, when requeued)."""
+
+    group_id: int
+    row: dict[str, Any]  # {"prompt", "label", "metadata"}
+    partial: dict[int, Sample] = field(default_factory=dict)  # index -> sample kept from an earlier step
+
+
+GroupCallback = Callable[[list[Sample], "str | None"], None]
+
+
+class RolloutManager:
+    def __init__(self, runtime: RolloutRuntime, data: PromptData, buffer: Buffer, rollout_fn: Callable[..., Any],
+                 reward_fn: Callable[..., Any] | None = None, filter_fn: Callable[..., Any] | None = None,
+                 on_group: GroupCallback | None = None) -> None:  # fmt: skip
+        self.runtime, self.data, self.buffer = runtime, data, buffer
+        self.cfg = runtime.cfg.rollout
+        self.rollout_fn, self.reward_fn, self.filter_fn = rollout_fn, reward_fn, filter_fn
+        self.on_group = on_group  # called with every finished group: (group, None) kept, (group, reason) dropped
+        self.semaphore = asyncio.Semaphore(self.cfg.max_concurrency)
+        self.requeued: deque[_Prompt] = deque()
+        self.next_group_id = 0
+        self.counters: Counter[str] = Counter({k: 0 for k in COUNTERS})
+        self.filter_reasons: Counter[str] = Counter()
+        self._step: dict[str, Any] = {}
+
+    @classmethod
+    def from_config(cls, runtime: RolloutRuntime, data: PromptData, buffer: Buffer, on_group: GroupCallback | None = None) -> "RolloutManager":
+        return cls(runtime, data, buffer, *load_functions(runtime.cfg.rollout), on_group=on_group)
+
+    # ---- a training step --------------------------------------------------------------------
+
+    async def run_step(self, current_version: int = 0) -> dict[str, Any]:
+        """Fill the buffer with `rollout_batch_size` more groups that survive filtering."""
+        started = time.perf_counter()
+        before, reasons_before = Counter(self.counters), Counter(self.filter_reasons)
+        self._step = {"kept": [], "samples": 0, "errors": []}
+        need, abort = self.cfg.rollout_batch_size, asyncio.Event()
+        limit = math.ceil(self.cfg.max_prompts_factor * need)
+        tasks: set[asyncio.Task[bool]] = set()
+        kept = taken = 0
+        try:
+            while kept < need:
+                while len(tasks) < math.ceil(self.cfg.over_sampling * (need - kept)) and taken < limit:
+                    tasks.add(asyncio.create_task(self._run_group(self._take(current_version), abort)))
+                    taken += 1
+                if not tasks:
+                    raise RolloutStalled(self._stall_message(taken, kept, before, reasons_before))
+                done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                kept += sum(t.result() for t in done)
+        finally:
+            await self._stop(tasks, abort)
+        return self._stats(started, before, reasons_before)
+
+    def _take(self, current_version: int) -> _Prompt:
+        """A requeued prompt first (dropping kept samples already too stale to train on), else a new one."""
+        if self.requeued:
+            prompt = self.requeued.popleft()
+            for i, s in list(prompt.partial.items()):
+                if current_version - group_version([s]) > self.runtime.cfg.buffer.max_staleness:
+                    del prompt.partial[i]
+                    self.counters["partial_stale"] += 1
+            self.counters["partial_resumed"] += sum(s.status == SampleStatus.PENDING for s in prompt.partial.values())
+            return prompt
+        row = next(self.data)
+        self.counters["prompts_taken"] += 1
+        self.next_group_id += 1
+        return _Prompt(self.next_group_id - 1, row)
+
+    async def _stop(self, tasks: set[asyncio.Task[bool]], abort: asyncio.Event) -> None:
+        """Abort the leftovers and wait for them to hand back their partial samples; cancel
+        (and requeue) what has not returned within `abort_timeout`."""
+        if not tasks:
+            return
+        abort.set()
+        deadline = time.monotonic() + self.cfg.abort_timeout
+        while tasks and time.monotonic() < deadline:
+            try:
+                await self.runtime.client.abort(abort_all=True)
+            except (ServerError, httpx.HTTPError):
+                pass  # an engine that is gone has nothing left to abort; the wait below is bounded
+            _, tasks = await asyncio.wait(tasks, timeout=min(ABORT_RETRY_S, max(0.0, deadline - time.monotonic())))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- one group --------------------------------------------------------------------------
+
+    async def _run_group(self, prompt: _Prompt, abort: asyncio.Event) -> bool:
+        """Run, score and filter one group; True when it went into the buffer."""
+        samples = [prompt.partial.get(i) or self._new_sample(prompt, i) for i in range(self.cfg.n_samples_per_prompt)]
+        try:  # every await is in here: a cancelled group is requeued, so its prompt is not lost
+            results = await asyncio.gather(*(self._run_sample(s, abort) for s in samples))
+            group = [s for out, _ in results for s in out]
+            if not any(s.status == SampleStatus.FAILED for s in group):
+                if any(s.status in (SampleStatus.ABORTED, SampleStatus.PENDING) for s in group):
+                    self._leftover(prompt, results)
+                    return False
+                await self._score(group)
+            reason = None
+            if not any(s.status == SampleStatus.FAILED for s in group):
+                try:
+                    reason = await self._filter(group)
+                except Exception as exc:
+                    for s in group:
+                        _fail(s, f"filter fn: {_describe(exc)}")
+        except asyncio.CancelledError:
+            self._requeue(_Prompt(prompt.group_id, prompt.row))
+            raise
+        if any(s.status == SampleStatus.FAILED for s in group):
+            error = next(s.error for s in group if s.status == SampleStatus.FAILED)
+            self._finish(group, "groups_failed", f"failed: {error}")
+            return False
+        if reason is not None:
+            self.filter_reasons[reason] += 1
+            self.counters["filtered"] += len(group)
+            self._finish(group, "groups_filtered", reason)
+            return False
+        self.buffer.add(group)
+        self._step["kept"].append(group)
+        self._finish(group, "groups_kept", None)
+        return True
+
+    def _new_sample(self, prompt: _Prompt, index: int) -> Sample:
+        row = prompt.row
+        return Sample(prompt=copy.deepcopy(row["prompt"]), label=row["label"], group_id=prompt.group_id, index=index,
+                      metadata=copy.deepcopy(row["metadata"]))  # fmt: skip
+
+    async def _run_sample(self, sample: Sample, abort: asyncio.Event | None,
+                          sampling_params: dict[str, Any] | None = None) -> tuple[list[Sample], bool]:  # fmt: skip
+        """The rollout function on one sample: (the samples it returned, whether they can be resumed)."""
+        if sample.status in FINISHED:  # kept from an earlier step
+            return [sample], False
+        async with self.semaphore:
+            if abort is not None and abort.is_set():
+                return [sample], True  # never started: stays pending
+            ctx = RolloutContext(self.runtime, sample, sampling_params, abort)
+            try:
+                out = await self.rollout_fn(ctx, sample)
+                returned = [out] if isinstance(out, Sample) else out
+                if not isinstance(returned, list) or not returned or not all(isinstance(s, Sample) for s in returned):
+                    raise TypeError(f"the rollout fn returned {_describe_value(out)}; expected a Sample or a non-empty list of Samples")
+                for s in returned:
+                    if s.status == SampleStatus.PENDING:
+                        raise ValueError(f"sample {s.group_id}/{s.index} came back pending: append model tokens with "
+                                         "ctx.generate_sample / ctx.chat / ctx.append_model (they set the status)")  # fmt: skip
+                    s.check()
+            except Exception as exc:
+                _fail(sample, f"rollout fn: {_describe(exc)}")
+                return [sample], False
+            finally:
+                ctx.release()
+            return returned, ctx.resumable
+
+    def _leftover(self, prompt: _Prompt, results: list[tuple[list[Sample], bool]]) -> None:
+        """A group cut off by the end-of-step abort: its prompt goes back to the front of the line,
+        with (partial_rollout) the samples worth keeping."""
+        partial: dict[int, Sample] = {}
+        for i, (out, resumable) in enumerate(results):
+            self.counters["aborted"] += sum(s.status == SampleStatus.ABORTED for s in out)
+            if not self.cfg.partial_rollout or len(out) != 1:
+                continue
+            s = out[0]
+            if s.status in FINISHED:
+                partial[i] = s
+            elif s.status == SampleStatus.ABORTED and resumable and s.response_length:
+                s.status = SampleStatus.PENDING
+                partial[i] = s
+        self._requeue(_Prompt(prompt.group_id, prompt.row, partial))
+
+    def _requeue(self, prompt: _Prompt) -> None:
+        self.requeued.append(prompt)
+        self.counters["requeued"] += 1
+
+    def _finish(self, group: list[Sample], outcome: str, dropped: str | None) -> None:
+        self.counters[outcome] += 1
+        self._step["samples"] += len(group)
+        for s in group:
+            if s.status.value in self.counters:
+                self.counters[s.status.value] += 1
+            if dropped is not None:
+                s.metadata["dropped"] = dropped
+        if outcome == "groups_failed":
+            self._step["errors"].extend(f"{s.group_id}/{s.index}: {s.error}" for s in group if s.error)
+        if self.on_group is not None:
+            self.on_group(group, dropped)
+
+    async def _score(self, group: list[Sample]) -> None:
+        """Rewards for a finished group; a reward fn that raises or returns junk fails the sample."""
+        key = self.cfg.reward_key
+        if self.reward_fn is None:
+            for s in group:
+                if s.reward is None:
+                    _fail(s, "no reward: the rollout fn set none and rollout.reward_fn is not set")
+        elif is_group_reward(self.reward_fn):
+            try:
+                rewards = await self.reward_fn(RolloutContext(self.runtime, None), group)
+                if not isinstance(rewards, list) or len(rewards) != len(group):
+                    raise TypeError(f"the group reward fn returned {_describe_value(rewards)}; expected a list of {len(group)} rewards")
+                for s, r in zip(group, rewards):
+                    s.reward = _reward(r)
+            except Exception as exc:
+                for s in group:
+                    _fail(s, f"reward fn: {_describe(exc)}")
+        else:
+
+            async def one(s: Sample) -> None:
+                try:
+                    s.reward = _reward(await self.reward_fn(RolloutContext(self.runtime, s), s))  # type: ignore[misc]
+                except Exception as exc:
+                    _fail(s, f"reward fn: {_describe(exc)}")
+
+            await asyncio.gather(*(one(s) for s in group))
+        for s in group:
+            if s.status != SampleStatus.FAILED:
+                try:
+                    s.reward_value(key)
+                except ValueError as exc:
+                    _fail(s, f"{exc} (set rollout.reward_key)")
+
+    async def _filter(self, group: list[Sample]) -> str | None:
+        if self.filter_fn is None:
+            return None
+        reason = self.filter_fn(group)
+        if inspect.isawaitable(reason):
+            reason = await reason
+        if reason is not None and not isinstance(reason, str):
+            raise TypeError(f"the filter fn returned {_describe_value(reason)}; expected None (keep) or a str (the reason to drop)")
+        return reason
+
+    # ---- evaluation -------------------------------------------------------------------------
+
+    async def evaluate(self, rows: list[dict[str, Any]]) -> dict[str, float]:
+        """Held-out prompts at `eval_temperature`, `eval_n_samples_per_prompt` each: reward mean,
+        accuracy (share of samples with reward >= 1, a verifier's "correct"), mean response length."""
+        params = {"temperature": self.cfg.eval_temperature}
+
+        async def group_of(i: int, row: dict[str, Any]) -> list[Sample]:
+            prompt = _Prompt(i, {**row, "metadata": {**row["metadata"], "eval": True}})
+            todo = [self._new_sample(prompt, j) for j in range(self.cfg.eval_n_samples_per_prompt)]
+            group = [s for out, _ in await asyncio.gather(*(self._run_sample(s, None, params) for s in todo)) for s in out]
+            scored = [s for s in group if s.status != SampleStatus.FAILED]
+            if scored:
+                await self._score(scored)
+            return group
+
+        samples = [s for g in await asyncio.gather(*(group_of(i, r) for i, r in enumerate(rows))) for s in g]
+        ok = [s for s in samples if s.status != SampleStatus.FAILED]
+        rewards = [s.reward_value(self.cfg.reward_key) for s in ok]
+        return {
+            "reward_mean": _mean(rewards),
+            "accuracy": _mean([float(r >= 1.0) for r in rewards]),
+            "response_length_mean": _mean([float(s.response_length) for s in ok]),
+            "samples": float(len(samples)),
+            "failed": float(len(samples) - len(ok)),
+        }
+
+    # ---- stats and state --------------------------------------------------------------------
+
+    def _stats(self, started: float, before: Counter[str], reasons_before: Counter[str]) -> dict[str, Any]:
+        seconds = time.perf_counter() - started
+        kept = [s for g in self._step["kept"] for s in g]
+        stats: dict[str, Any] = {k: self.counters[k] - before[k] for k in COUNTERS}
+        stats.update(
+            requeued_pending=len(self.requeued),
+            filter_reasons=dict(self.filter_reasons - reasons_before),
+            errors=self._step["errors"][:10],
+            seconds=seconds,
+            samples_per_s=self._step["samples"] / seconds if seconds > 0 else 0.0,
+            reward_mean=_mean([s.reward_value(self.cfg.reward_key) for s in kept]),
+            response_length_mean=_mean([float(s.response_length) for s in kept]),
+            truncated_fraction=_mean([float(s.status == SampleStatus.TRUNCATED) for s in kept]),
+        )
+        return stats
+
+    def _stall_message(self, taken: int, kept: int, before: Counter[str], reasons_before: Counter[str]) -> str:
+        failed = self.counters["groups_failed"] - before["groups_failed"]
+        filtered = self.counters["groups_filtered"] - before["groups_filtered"]
+        reasons = dict(self.filter_reasons - reasons_before)
+        errors = "; ".join(self._step["errors"][:3]) or "none"
+        return (
+            f"rollout step took {taken} prompts (rollout.max_prompts_factor={self.cfg.max_prompts_factor} x "
+            f"rollout_batch_size={self.cfg.rollout_batch_size}) but only {kept} groups survived: {failed} failed, "
+            f"{filtered} filtered {reasons or ''}. First errors: {errors}. Fix the rollout / reward function, or "
+            "loosen rollout.filter_fn (null keeps every group)"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "data": self.data.state_dict(),
+            "next_group_id": self.next_group_id,
+            "requeued": [{"group_id": p.group_id, "row": p.row, "partial": [s.to_dict() for s in p.partial.values()]} for p in self.requeued],
+            "counters": dict(self.counters),
+            "filter_reasons": dict(self.filter_reasons),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.data.load_state_dict(state["data"])
+        self.next_group_id = int(state["next_group_id"])
+        self.requeued = deque(
+            _Prompt(p["group_id"], copy.deepcopy(p["row"]), {d["index"]: Sample.from_dict(copy.deepcopy(d)) for d in p["partial"]})
+            for p in state["requeued"]
+        )
+        self.counters = Counter({k: 0 for k in COUNTERS})
+        self.counters.update(state["counters"])
+        self.filter_reasons = Counter(state["filter_reasons"])
+
+
+def _fail(sample: Sample, error: str) -> None:
+    sample.status, sample.error = SampleStatus.FAILED, error
+
+
+def _reward(value: Any) -> float | dict[str, float]:
+    if isinstance(value, dict) and all(isinstance(v, (int, float)) for v in value.values()):
+        return {k: float(v) for k, v in value.items()}
+    if isinstance(value, (int, float)):
+        return float(value)
+    raise TypeError(f"the reward fn returned {_describe_value(value)}; expected a float or a dict of floats")
+
+
+def _describe(exc: BaseException) -> str:
+    """`Type: message (at file:line in function)`: the innermost frame, where it was raised."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _describe_value(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

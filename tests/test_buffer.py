@@ -1,0 +1,52 @@
+"""The buffer: oldest first, a staleness bound that drops and counts, JSON state."""
+
+from __future__ import annotations
+
+import json
+
+from slimish.buffer import Buffer, group_version
+from slimish.types import Sample
+
+
+def _group(gid: int, *versions: str) -> list[Sample]:
+    samples = []
+    for i, v in enumerate(versions):
+        s = Sample(prompt="p", tokens=[1, 2], group_id=gid, index=i, reward=1.0)
+        s.append_model([3], [-0.5], v)
+        samples.append(s)
+    return samples
+
+
+def test_oldest_first_and_at_most_n() -> None:
+    buf = Buffer()
+    for gid in range(3):
+        buf.add(_group(gid, "default"))
+    assert [g[0].group_id for g in buf.get_batch(2)] == [0, 1]
+    assert [g[0].group_id for g in buf.get_batch(5)] == [2]
+    assert buf.get_batch(1) == [] and len(buf) == 0
+
+
+def test_stale_groups_are_dropped_and_counted_never_returned() -> None:
+    buf = Buffer(max_staleness=1)
+    buf.add(_group(0, "3", "1"))  # one sample from version 1: the group's age is 1
+    buf.add(_group(1, "2", "3"))
+    buf.add(_group(2, "3"))
+    assert group_version(_group(0, "3", "1")) == 1 and group_version(_group(9, "default")) == 0
+    batch = buf.get_batch(2, current_version=3)
+    assert [g[0].group_id for g in batch] == [1, 2]
+    assert (buf.dropped_stale, buf.dropped_stale_samples) == (1, 2)
+    buf.add(_group(3, "1"))
+    assert buf.get_batch(1, max_staleness=2, current_version=3)[0][0].group_id == 3  # an explicit bound wins
+
+
+def test_state_round_trips_through_json() -> None:
+    buf = Buffer(max_staleness=0)
+    for gid, version in enumerate(["0", "1", "1"]):
+        buf.add(_group(gid, version, version))
+    assert buf.get_batch(1, current_version=1)[0][0].group_id == 1  # group 0 dropped on the way
+    state = json.loads(json.dumps(buf.state_dict()))
+    restored = Buffer(max_staleness=0)
+    restored.load_state_dict(state)
+    assert restored.dropped_stale == 1 and len(restored) == 1
+    (group,) = restored.get_batch(1, current_version=1)
+    assert [s.to_dict() for s in group] == [s.to_dict() for s in _group(2, "1", "1")]

@@ -1,0 +1,345 @@
+"""The rollout manager against two real built-in engines behind the real router (started as a run
+starts them, `launch.local_servers`): groups, concurrency, failures, filters with over-sampling,
+the end-of-step abort with requeue and partial rollout, accounting, state, evaluation, the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from slimish.buffer import Buffer
+from slimish.client import Client
+from slimish.config import LaunchConfig, RunConfig, load_run_config
+from slimish.launch.local import Servers, local_servers
+from slimish.rollout.api import RolloutRuntime
+from slimish.rollout.chat import ChatTokens
+from slimish.rollout.data import PromptData, eval_rows
+from slimish.rollout.filters import nonzero_std
+from slimish.rollout.manager import RolloutManager, RolloutStalled
+from slimish.rollout.rewards import group_reward, math_reward
+from slimish.types import Sample, SampleStatus
+from rollout_plugins import math as math_plugin
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    with local_servers(LaunchConfig(engines=2), tiny_model_dir, tmp_path_factory.mktemp("logs")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "label": str(2 * i)}) + "\n" for i in range(10)))
+    return str(path)
+
+
+def make_cfg(model: Path, source: str, *overrides: str) -> RunConfig:
+    base = [f"model={model}", f"data.source={source}", "data.shuffle=false", "rollout.filter_fn=null", "rollout.max_new_tokens=8"]
+    return load_run_config(None, [*base, *overrides])
+
+
+def run_manager(cfg: RunConfig, router: str, rollout_fn: Any, body: Any, reward_fn: Any = None, filter_fn: Any = None) -> Any:
+    """`body(manager)` on a fresh runtime, data stream and buffer, on a fresh event loop."""
+
+    async def main() -> Any:
+        runtime = await RolloutRuntime.create(cfg, router)
+        try:
+            manager = RolloutManager(runtime, PromptData(cfg.data), Buffer(cfg.buffer.max_staleness), rollout_fn, reward_fn, filter_fn)
+            return await body(manager)
+        finally:
+            await runtime.close()
+
+    return asyncio.run(main())
+
+
+def accounted(m: RolloutManager) -> bool:
+    c = m.counters
+    return c["prompts_taken"] == c["groups_kept"] + c["groups_filtered"] + c["groups_failed"] + len(m.requeued)
+
+
+async def greedy(url: str, ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    async with Client(url) as client:
+        out = await client.generate(input_ids=ids, sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0.0}, return_logprob=True)
+    return out.output_ids, [e[0] for e in out.meta_info.output_token_logprobs]
+
+
+def test_math_plugin_end_to_end(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
+    """Groups of n with stream-position ids, the engine's exact tokens and logprobs, a reward each."""
+    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=3", "rollout.rollout_batch_size=2", "rollout.temperature=0.0")
+
+    async def body(m: RolloutManager) -> Any:
+        stats = await m.run_step(0)
+        batch = m.buffer.get_batch(10)
+        direct = [await greedy(servers.engine_urls[i % 2], g[0].tokens[: g[0].prompt_length], 8) for i, g in enumerate(batch)]
+        return stats, batch, direct, m
+
+    stats, batch, direct, m = run_manager(cfg, servers.router_url, math_plugin.rollout, body)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert [[(s.group_id, s.index, s.metadata["row_id"]) for s in g] for g in batch] == [[(0, i, 0) for i in range(3)], [(1, i, 1) for i in range(3)]]
+    for group, (ids, logprobs) in zip(batch, direct):
+        for s in group:
+            s.check()
+            assert s.tokens[: s.prompt_length] == ChatTokens(tok).prompt_ids([{"role": "user", "content": s.prompt[0]["content"]}])
+            assert s.response_ids == ids and s.loss_mask == [1] * len(ids)
+            assert s.rollout_logprobs == pytest.approx(logprobs, abs=1e-4)
+            assert s.weight_versions == ["default"] and s.reward == 0.0
+            assert s.status == (SampleStatus.TRUNCATED if len(ids) == 8 else SampleStatus.COMPLETED)
+    assert stats["groups_kept"] == 2 and stats["completed"] + stats["truncated"] == 6
+    assert stats["prompts_taken"] == 2 and accounted(m) and stats["samples_per_s"] > 0
+
+
+def test_math_reward_scores_the_boxed_answer(tiny_model_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    class Ctx:
+        tokenizer = tok
+
+    def sample(text: str, label: str, **metadata: Any) -> Sample:
+        s = Sample(prompt="p", label=label, tokens=[1], metadata=metadata)
+        ids = tok(text)["input_ids"]
+        s.append_model(ids, [0.0] * len(ids))
+        return s
+
+    assert asyncio.run(math_reward(Ctx(), sample("so \\boxed{ 42 }", "42"))) == 1.0
+    assert asyncio.run(math_reward(Ctx(), sample("\\boxed{41}", "42"))) == 0.0
+    assert asyncio.run(math_reward(Ctx(), sample("\\boxed{1 2 3}", "1 2 3", task="sort"))) == 1.0
+    assert asyncio.run(math_reward(Ctx(), sample("1 2 3", "1 2 3", task="sort"))) == 0.0  # format is part of the task
+
+
+async def raise_on_row_3(ctx, sample):
+    if sample.metadata["row_id"] == 3:
+        raise ValueError("tool crashed on row 3")
+    await ctx.generate_sample()
+    sample.reward = float(sample.index)
+    return sample
+
+
+def test_a_raising_rollout_fn_fails_one_sample_and_the_run_goes_on(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
+    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=1", "rollout.rollout_batch_size=9", "rollout.max_new_tokens=4")
+    dropped: list[tuple[list[Sample], str | None]] = []
+
+    async def body(m: RolloutManager) -> Any:
+        m.on_group = lambda g, reason: dropped.append((g, reason)) if reason else None
+        first = await m.run_step(0)
+        second = await m.run_step(0)  # the run goes on: the next epoch's row 3 fails again
+        return first, second, m
+
+    first, second, m = run_manager(cfg, servers.router_url, raise_on_row_3, body)
+    assert (first["completed"] + first["truncated"], first["failed"], first["groups_failed"], first["groups_kept"]) == (9, 1, 1, 9)
+    assert first["prompts_taken"] == 10 and first["errors"][0].startswith("3/0: rollout fn: ValueError: tool crashed on row 3 (at ")
+    assert "test_rollout_manager.py" in first["errors"][0]
+    (failed,), reason = dropped[0]
+    assert failed.status == SampleStatus.FAILED and failed.metadata == {"row_id": 3, "epoch": 0, "dropped": reason}
+    assert "tool crashed on row 3" in failed.error and reason.startswith("failed: rollout fn: ValueError")
+    assert second["groups_kept"] == 9 and second["failed"] == 1 and len(m.buffer) == 18 and accounted(m)
+
+
+@group_reward
+async def reward_even_groups_flat(ctx, samples):
+    """Even groups all score 0 (no variance: filtered); odd groups score by index."""
+    return [0.0 if s.group_id % 2 == 0 else float(s.index) for s in samples]
+
+
+async def short_rollout(ctx, sample):
+    await ctx.generate_sample({"max_new_tokens": 2})
+    return sample
+
+
+@pytest.mark.parametrize("over_sampling", [1.0, 2.0])
+def test_zero_variance_groups_are_dropped_and_over_sampling_fills_the_batch(servers: Servers, tiny_model_dir: Path, prompts: str,
+                                                                            over_sampling: float) -> None:  # fmt: skip
+    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=3", f"rollout.over_sampling={over_sampling}")
+
+    async def body(m: RolloutManager) -> Any:
+        return await m.run_step(0), m.buffer.get_batch(10), m
+
+    stats, batch, m = run_manager(cfg, servers.router_url, short_rollout, body, reward_even_groups_flat, nonzero_std)
+    assert len(batch) >= 3 and all(g[0].group_id % 2 == 1 for g in batch)
+    assert [[s.reward for s in g] for g in batch] == [[0.0, 1.0]] * len(batch)
+    assert stats["groups_filtered"] >= 3 and stats["filtered"] == 2 * stats["groups_filtered"]
+    assert stats["filter_reasons"] == {"zero reward variance (all 2 rewards 0.0)": stats["groups_filtered"]}
+    assert accounted(m) and stats["prompts_taken"] == stats["groups_kept"] + stats["groups_filtered"] + stats["requeued_pending"]
+
+
+async def always_raises(ctx, sample):
+    raise RuntimeError("no API key for the judge")
+
+
+def test_a_step_that_cannot_fill_its_batch_stops_with_the_reason(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
+    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2", "rollout.max_prompts_factor=2")
+
+    async def body(m: RolloutManager) -> Any:
+        with pytest.raises(RolloutStalled) as info:
+            await m.run_step(0)
+        return str(info.value), m
+
+    message, m = run_manager(cfg, servers.router_url, always_raises, body)
+    assert "took 4 prompts" in message and "0 groups survived: 4 failed" in message and "no API key for the judge" in message
+    assert m.counters["failed"] == 8 and accounted(m)
+
+
+async def reward_raises(ctx, sample):
+    raise KeyError("judge unavailable")
+
+
+@group_reward
+async def group_reward_short(ctx, samples):
+    return [1.0]
+
+
+async def reward_dict(ctx, sample):
+    return {"correct": 1.0, "format": float(sample.index)}
+
+
+def filter_returns_number(group):
+    return 0
+
+
+@pytest.mark.parametrize(
+    ("reward_fn", "filter_fn", "overrides", "error"),
+    [
+        (reward_raises, None, [], "reward fn: KeyError: 'judge unavailable'"),
+        (group_reward_short, None, [], "the group reward fn returned list [1.0]; expected a list of 2 rewards"),
+        (reward_dict, None, [], "dict reward ['correct', 'format'] needs reward_key (set rollout.reward_key)"),
+        (reward_dict, None, ["rollout.reward_key=accuracy"], "needs reward_key"),
+        (reward_dict, filter_returns_number, ["rollout.reward_key=correct"], "filter fn: TypeError: the filter fn returned int 0"),
+    ],
+)
+def test_bad_reward_and_filter_fns_fail_the_group_with_the_error(servers: Servers, tiny_model_dir: Path, prompts: str, reward_fn: Any,
+                                                                 filter_fn: Any, overrides: list[str], error: str) -> None:  # fmt: skip
+    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=1", "rollout.max_prompts_factor=1", *overrides)
+
+    async def body(m: RolloutManager) -> Any:
+        with pytest.raises(RolloutStalled) as info:
+            await m.run_step(0)
+        return str(info.value), m
+
+    message, m = run_manager(cfg, servers.router_url, short_rollout, body, reward_fn, filter_fn)
+    assert error in message and m.counters["groups_failed"] == 1 and m.counters["failed"] == 2 and accounted(m)
+
+
+def test_dict_rewards_with_a_reward_key_are_kept(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
+    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=1", "rollout.reward_key=format")
+
+    async def body(m: RolloutManager) -> Any:
+        return await m.run_step(0), m.buffer.get_batch(1)
+
+    stats, [group] = run_manager(cfg, servers.router_url, short_rollout, body, reward_dict, nonzero_std)
+    assert [s.reward for s in group] == [{"correct": 1.0, "format": 0.0}, {"correct": 1.0, "format": 1.0}]
+    assert stats["reward_mean"] == 0.5
+
+
+LONG = {"max_new_tokens": 2000}  # the long rows' budget; the test shortens it to finish them
+
+
+async def long_and_short(ctx, sample):
+    """Rows 0 and 1 finish fast, the others run until the end-of-step abort cuts them off. The
+    short ones first make the engines decode 32 tokens, so the long ones are surely mid-way."""
+    if sample.metadata["row_id"] < 2:
+        await ctx.generate(sample.tokens or ctx.prompt_ids(sample.prompt), {"max_new_tokens": 32, "ignore_eos": True})
+        await ctx.generate_sample({"max_new_tokens": 2, "ignore_eos": True})
+    else:
+        await ctx.generate_sample({**LONG, "ignore_eos": True})
+    sample.reward = 1.0
+    return sample
+
+
+@pytest.mark.parametrize("partial_rollout", [True, False])
+def test_leftovers_are_aborted_requeued_and_partial_samples_resumed(servers: Servers, tiny_model_dir: Path, prompts: str,
+                                                                    partial_rollout: bool) -> None:  # fmt: skip
+    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=1", "rollout.rollout_batch_size=2", "rollout.over_sampling=3",
+                   f"rollout.partial_rollout={partial_rollout}", "buffer.max_staleness=1")  # fmt: skip
+
+    async def first_step(m: RolloutManager) -> Any:
+        return await m.run_step(0), json.loads(json.dumps(m.state_dict())), m
+
+    stats, state, m = run_manager(cfg, servers.router_url, long_and_short, first_step)
+    assert (stats["groups_kept"], stats["aborted"], stats["requeued"], stats["requeued_pending"]) == (2, 4, 4, 4)
+    assert stats["prompts_taken"] == 6 and accounted(m)
+    partial = {p["group_id"]: p["partial"] for p in state["requeued"]}
+    assert sorted(partial) == [2, 3, 4, 5]
+    if not partial_rollout:
+        assert all(not p for p in partial.values())
+    else:
+        # Kept: every cut-off sample that had tokens (the short rows' warm-up makes that all of
+        # them unless an engine was starved of CPU), pending, to be continued.
+        assert sum(len(p) for p in partial.values()) >= 1
+        assert all(p[0]["status"] == "pending" and 0 < p[0]["response_length"] < 2000 for p in partial.values() if p)
+
+    # A new process resumes from the saved state: the requeued prompts come first and, with
+    # partial rollout, continue from their kept tokens up to the (now reachable) budget.
+    longest = max((p[0]["response_length"] for p in partial.values() if p), default=0)
+    LONG["max_new_tokens"] = longest + 6
+    cfg.rollout.rollout_batch_size, cfg.rollout.over_sampling = 4, 1.0
+
+    async def second_step(m: RolloutManager) -> Any:
+        m.load_state_dict(state)
+        return await m.run_step(0), m.buffer.get_batch(10), m
+
+    try:
+        stats, batch, m = run_manager(cfg, servers.router_url, long_and_short, second_step)
+    finally:
+        LONG["max_new_tokens"] = 2000
+    assert sorted(g[0].group_id for g in batch) == [2, 3, 4, 5] and stats["prompts_taken"] == 0 and accounted(m)
+    assert m.counters["prompts_taken"] == 6 and m.counters["groups_kept"] == 6 and m.next_group_id == 6
+    for (s,) in batch:
+        s.check()
+        assert s.response_length == longest + 6 and s.status == SampleStatus.TRUNCATED
+        if partial_rollout:
+            kept = Sample.from_dict(partial[s.group_id][0])
+            assert s.tokens[: len(kept.tokens)] == kept.tokens and s.rollout_logprobs[: kept.response_length] == kept.rollout_logprobs
+    assert stats["partial_resumed"] == sum(len(p) for p in partial.values())
+
+
+async def record_temperature(ctx, sample):
+    await ctx.generate_sample()
+    sample.metadata["temperature"] = ctx.sampling_params["temperature"]
+    return sample
+
+
+def test_evaluate_uses_the_eval_temperature(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
+    cfg = make_cfg(tiny_model_dir, "task:add", "data.task_size=20", "data.eval_source=task:add", "rollout.eval_n_samples_per_prompt=2")
+    rows = eval_rows(cfg.data, 3)
+    seen: list[Sample] = []
+
+    async def judge(ctx, sample):
+        seen.append(sample)
+        return 1.0 if sample.index == 0 else 0.0
+
+    async def body(m: RolloutManager) -> Any:
+        return await m.evaluate(rows), m
+
+    result, m = run_manager(cfg, servers.router_url, record_temperature, body, judge)
+    assert result["samples"] == 6 and result["failed"] == 0 and result["reward_mean"] == 0.5 and result["accuracy"] == 0.5
+    assert 0 < result["response_length_mean"] <= 8
+    assert {s.metadata["temperature"] for s in seen} == {0.0} and all(s.metadata["eval"] for s in seen)
+    by_row = {}
+    for s in seen:  # greedy: both samples of a prompt are the same tokens
+        by_row.setdefault(s.group_id, []).append(s.tokens)
+    assert all(a == b for a, b in by_row.values())
+    assert m.counters["prompts_taken"] == 0 and len(m.buffer) == 0  # evaluation never touches training state
+
+
+def test_rollout_cli_writes_every_sample(servers: Servers, tiny_model_dir: Path, prompts: str, tmp_path: Path) -> None:
+    out = tmp_path / "samples.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "slimish.cli", "rollout", "--rollout-fn", "rollout_plugins/math.py:rollout", "--steps", "2",
+         "--out", str(out), f"model={tiny_model_dir}", f"data.source={prompts}", f"launch.router_url={servers.router_url}",
+         "rollout.filter_fn=null", "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2", "rollout.max_new_tokens=4",
+         f"run_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    samples = [Sample.from_dict(json.loads(line)) for line in out.read_text().splitlines()]
+    assert [(s.group_id, s.index) for s in samples] == [(g, i) for g in range(4) for i in range(2)]
+    assert all(s.response_length and s.reward == 0.0 and s.weight_versions == ["default"] for s in samples)
+    assert "step 2: 2 groups kept" in proc.stderr
