@@ -8,7 +8,6 @@ trained on silently. The state is plain JSON (samples via `Sample.to_dict`), sav
 
 from __future__ import annotations
 
-import copy
 from collections import deque
 from typing import Any
 
@@ -57,6 +56,6 @@ class Buffer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.groups = deque([Sample.from_dict(copy.deepcopy(d)) for d in g] for g in state["groups"])  # no lists shared with `state`
+        self.groups = deque([Sample.from_dict(d) for d in g] for g in state["groups"])
         self.dropped_stale = int(state["dropped_stale"])
         self.dropped_stale_samples = int(state["dropped_stale_samples"])

@@ -23,6 +23,7 @@ CONSOLE_KEYS = (
     ("train/kl", "kl", "{:.4f}"),
     ("train/mismatch", "mismatch", "{:.1e}"),
     ("time/step", "s/step", "{:.1f}"),
+    ("time/weight_push", "push s", "{:.2f}"),
 )
 
 

@@ -64,6 +64,15 @@ SIZES: dict[str, dict[str, int]] = {
         intermediate_size=192,
         max_position_embeddings=2048,
     ),
+    "mini": dict(
+        vocab_size=1024,
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=384,
+        max_position_embeddings=2048,
+    ),
     "small": dict(
         vocab_size=8192,
         hidden_size=512,

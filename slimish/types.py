@@ -8,6 +8,7 @@ arrays cannot drift apart, and `check()` is the single place the invariants are 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
@@ -87,8 +88,10 @@ class Sample:
     def reward_value(self, key: str | None = None) -> float:
         """The scalar the advantage uses: the reward, or `reward[key]` for dict rewards."""
         if isinstance(self.reward, dict):
-            if key is None or key not in self.reward:
-                raise ValueError(f"sample {self.group_id}/{self.index}: dict reward {sorted(self.reward)} needs reward_key")
+            if key is None:
+                raise ValueError(f"sample {self.group_id}/{self.index}: dict reward {sorted(self.reward)} needs rollout.reward_key")
+            if key not in self.reward:
+                raise ValueError(f"sample {self.group_id}/{self.index}: rollout.reward_key {key!r} is not in its reward {sorted(self.reward)}")
             return float(self.reward[key])
         if self.reward is None:
             raise ValueError(f"sample {self.group_id}/{self.index}: reward is missing")
@@ -114,7 +117,7 @@ class Sample:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Sample":
-        d = dict(d)
+        d = copy.deepcopy(d)  # the sample must not share lists with saved state
         d["status"] = SampleStatus(d.get("status", "pending"))
         return cls(**d)
 

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from slimish.client import Client
-from slimish.launch.local import engine_process, free_port
+from slimish.launch.local import engine_process, free_port, start_all
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 PROMPTS = [[5, 17, 42, 99, 7], [300, 301, 302], list(range(60, 90))]

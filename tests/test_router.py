@@ -20,7 +20,7 @@ import openai
 import pytest
 import uvicorn
 
-from slimish.launch.local import engine_process, free_port
+from slimish.launch.local import engine_process, free_port, start_all
 from slimish.protocol import ROUTING_KEY_HEADER
 from slimish.router import RouterConfig, create_app
 from slimish.router.proxy import WORKER_HEADER
@@ -34,8 +34,7 @@ def engines(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("router-logs")
     procs = [engine_process(tiny_model_dir, log_path=logs / f"engine{i}.log", max_running_requests=16) for i in range(2)]
     try:
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda p: p.start(), procs))
+        start_all(procs, timeout=120)  # both load their model at once
         yield procs
     finally:
         for p in procs:

@@ -211,7 +211,7 @@ def test_small_tokenizer_fills_its_vocabulary() -> None:
     ("kwargs", "message"),
     [
         ({"arch": "gpt2"}, r"arch must be one of \['llama', 'qwen2', 'qwen3'\], got 'gpt2'"),
-        ({"size": "huge"}, r"size must be one of \['small', 'tiny'\], got 'huge'"),
+        ({"size": "huge"}, r"size must be one of \['mini', 'small', 'tiny'\], got 'huge'"),
     ],
 )
 def test_bad_arch_or_size_is_rejected_before_writing(tmp_path: Path, kwargs: dict, message: str) -> None:

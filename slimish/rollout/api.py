@@ -26,7 +26,7 @@ from slimish.config import RolloutConfig, RunConfig
 from slimish.engine.openai_api import parse_tool_calls
 from slimish.protocol import GenerateResponse
 from slimish.rollout.capture import CaptureServer
-from slimish.rollout.chat import ChatTokens
+from slimish.rollout.chat import ChatTokens, render_prompt
 from slimish.types import GenerateResult, Sample, SampleStatus
 
 STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
@@ -154,9 +154,7 @@ class RolloutContext:
 
     def prompt_ids(self, prompt: str | list[dict[str, Any]]) -> list[int]:
         """Chat messages through the chat template (with the generation prompt); text as is."""
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
-        return self.runtime.chat_tokens().prompt_ids(prompt)
+        return render_prompt(self.tokenizer, self.runtime.chat_tokens(), prompt)
 
     async def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
                    sampling_params: dict[str, Any] | None = None) -> ChatTurn:  # fmt: skip

@@ -357,7 +357,7 @@ class RolloutManager:
         self.data.load_state_dict(state["data"])
         self.next_group_id = int(state["next_group_id"])
         self.requeued = deque(
-            _Prompt(p["group_id"], copy.deepcopy(p["row"]), {d["index"]: Sample.from_dict(copy.deepcopy(d)) for d in p["partial"]})
+            _Prompt(p["group_id"], copy.deepcopy(p["row"]), {d["index"]: Sample.from_dict(d) for d in p["partial"]})
             for p in state["requeued"]
         )
         self.counters = Counter({k: 0 for k in COUNTERS})

@@ -8,8 +8,11 @@ exactly, on a machine with no datasets. Every task here is a pure function of a 
 - `score(text, label)`: 1.0 when the last `\\boxed{...}` of the response holds the label, else 0.0
   (a right answer in the wrong format scores 0: the format is part of the task).
 - `demonstration(row, rng)`: an SFT response in the right format whose answer is a *random guess*
-  drawn independently of the prompt. A warm start on demonstrations teaches the format only; the
-  goal is left for RL to find, so a reward curve that rises shows RL at work, not SFT.
+  among the plausible ones (a digit of the list, a shuffle of the list, a number in range), blind
+  to the goal. A warm start on demonstrations teaches the format (and for list tasks, that the
+  answer is made of the listed items); the goal is left for RL to find, so a reward curve that
+  rises shows RL at work, not SFT. (Guesses of any digit 0-9 teach the format too, but then a tiny
+  model spends hundreds of RL steps discovering that the answer is in the prompt: notes/h5-quickstart.md.)
 
 Prompts are plain text (the rollout layer wraps them into a user message); digits and list items
 are separated by spaces because the tiny tokenizer gives each digit its own token.
@@ -27,6 +30,7 @@ from slimish.rollout.rewards import extract_boxed
 SPLITS = ("train", "test")
 TEST_FRACTION = 0.2  # of the problem space, by prompt hash
 LETTERS = "abcde"
+MAX_DIGITS = 6
 
 
 @dataclass(frozen=True)
@@ -75,11 +79,11 @@ def _spaced(items: list) -> str:
 
 
 def _max_digit(rng: random.Random) -> tuple[str, str]:
-    # The answer is drawn first, uniformly, so no constant guess beats 1/10 (a plain random list
-    # has max 9 in 41% of cases, and "always 9" would look like learning).
-    top = rng.randint(0, 9)
-    digits = _digits(rng, 5, top)
-    digits[rng.randrange(5)] = top
+    # The maximum is drawn first, uniformly, and occurs once: no constant answer is right more
+    # than 1 time in 9, and copying a random listed digit is right 1 time in MAX_DIGITS.
+    top = rng.randint(1, 9)
+    digits = _digits(rng, MAX_DIGITS - 1, top - 1)
+    digits.insert(rng.randint(0, len(digits)), top)
     return f"Largest digit: {_spaced(digits)}", str(top)
 
 
@@ -106,10 +110,10 @@ def _list_items(prompt: str) -> list[str]:
 TASKS: dict[str, Task] = {
     task.name: task
     for task in [
-        Task("max_digit", _max_digit, lambda rng, prompt: str(rng.randint(0, 9))),
+        Task("max_digit", _max_digit, lambda rng, prompt: rng.choice(_list_items(prompt))),
         Task("add", _add, lambda rng, prompt: str(rng.randint(0, 198))),
         Task("count", _count, lambda rng, prompt: str(rng.randint(0, len(_list_items(prompt))))),
-        Task("sort", _sort, lambda rng, prompt: _spaced(_digits(rng, len(_list_items(prompt))))),
+        Task("sort", _sort, lambda rng, prompt: _spaced(rng.sample(_list_items(prompt), k=len(_list_items(prompt))))),
     ]
 }
 
