@@ -8,22 +8,18 @@ thread; the engine is the module's real child process.
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from transformers import AutoTokenizer
 
-from slimish.launch.local import free_port
 from slimish.rollout.capture import CaptureServer
 from slimish.rollout.chat import ChatTokens
-from slimish.router import RouterConfig, create_app
 from slimish.types import Sample, SampleStatus
+
+from conftest import running_router
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic",
           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]  # fmt: skip
@@ -33,24 +29,8 @@ TEMPLATE = Sample(prompt=OPENING, label="20", group_id=7, index=2, metadata={"ta
 
 @pytest.fixture(scope="module")
 def router(engine) -> Iterator[str]:
-    cfg = RouterConfig(worker_urls=[engine], health_check_interval=0.5)
-    server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "router did not start within 30 s"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
+    with running_router(worker_urls=[engine], health_check_interval=0.5) as url:
+        yield url
 
 
 def with_capture(router: str, tok: Any, body: Callable[[CaptureServer], Awaitable[Any]], **kw: Any) -> Any:

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from slimish.config import EngineConfig
 from slimish.launch.local import engine_process
@@ -20,11 +20,6 @@ PROMPTS = [[5, 17, 42, 99, 7], [300, 301, 302], list(range(60, 90)), [11] * 9]
 @pytest.fixture(scope="module")
 def hf(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def post(url: str, path: str, body: dict | None = None, **kw) -> httpx.Response:

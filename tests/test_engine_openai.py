@@ -11,7 +11,6 @@ import json
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from slimish.engine.openai_api import _settled, parse_tool_calls
 
@@ -30,11 +29,6 @@ def url(engine):
 @pytest.fixture(scope="module")
 def client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def native(url: str, ids: list[int], max_new_tokens: int, **params) -> dict:

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -47,8 +46,7 @@ def engines(tiny_model_dir, tmp_path_factory) -> list[str]:
     logs = tmp_path_factory.mktemp("engine-logs")
     procs = [engine_process(tiny_model_dir, log_path=logs / f"engine{i}.log", max_running_requests=8) for i in range(2)]
     try:
-        with ThreadPoolExecutor(len(procs)) as pool:  # both load their model at once
-            list(pool.map(lambda p: p.start(), procs))
+        start_all(procs, timeout=120)  # both load their model at once
         yield [p.url for p in procs]
     finally:
         for p in procs:

@@ -9,21 +9,18 @@ served a reply is read from the router's `x-slimish-worker` header.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import Iterator
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from slimish.launch.local import engine_process, free_port, start_all
 from slimish.protocol import ROUTING_KEY_HEADER
-from slimish.router import RouterConfig, create_app
 from slimish.router.proxy import WORKER_HEADER
+
+from conftest import running_router
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPT = [5, 17, 42, 99, 7]
@@ -44,23 +41,6 @@ def engines(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def urls(engines) -> list[str]:
     return [p.url for p in engines]
-
-
-@contextmanager
-def running_router(**settings) -> Iterator[str]:
-    cfg = RouterConfig(**{"health_check_interval": 0.2, "health_failure_threshold": 1, **settings})
-    server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "router did not start within 10 s"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def generate(router: str, headers: dict | None = None, **body) -> httpx.Response:
