@@ -15,8 +15,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# The quickstart: a tiny model, an SFT warm start, then GRPO that raises held-out accuracy.
 demo: $(STAMP)
-	$(BIN)/python examples/quickstart.py
+	test -f runs/quickstart/model/config.json || $(BIN)/slimish make-tiny-model runs/quickstart/model --arch llama --size tiny
+	rm -rf runs/quickstart/run
+	$(BIN)/slimish train --config configs/quickstart.yaml
+	$(BIN)/slimish plot runs/quickstart/run
 
 test: $(STAMP)
 	$(BIN)/pytest -q
@@ -26,6 +30,9 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_throughput.py
+	$(BIN)/python benchmarks/rollout_throughput.py
+	$(BIN)/python benchmarks/weight_sync.py
+	$(BIN)/python benchmarks/vs_trl.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

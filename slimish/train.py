@@ -145,6 +145,9 @@ def train(cfg: RunConfig) -> None:
     seed_everything(cfg.seed)
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     resume_from = checkpoint.resolve(cfg.run_dir, cfg.checkpoint.resume)
+    if resume_from is None and checkpoint.latest(cfg.run_dir) is not None:
+        raise SystemExit(f"run_dir {cfg.run_dir} holds checkpoints of an earlier run: pass --resume auto to continue it, "
+                         "or choose another run_dir")  # fmt: skip
     state = checkpoint.load(resume_from) if resume_from else None
     start_step = state["step"] if state else 0
     with ExitStack() as stack:
