@@ -209,8 +209,8 @@ def filter_returns_number(group):
     [
         (reward_raises, None, [], "reward fn: KeyError: 'judge unavailable'"),
         (group_reward_short, None, [], "the group reward fn returned list [1.0]; expected a list of 2 rewards"),
-        (reward_dict, None, [], "dict reward ['correct', 'format'] needs reward_key (set rollout.reward_key)"),
-        (reward_dict, None, ["rollout.reward_key=accuracy"], "needs reward_key"),
+        (reward_dict, None, [], "dict reward ['correct', 'format'] needs rollout.reward_key"),
+        (reward_dict, None, ["rollout.reward_key=accuracy"], "rollout.reward_key 'accuracy' is not in its reward ['correct', 'format']"),
         (reward_dict, filter_returns_number, ["rollout.reward_key=correct"], "filter fn: TypeError: the filter fn returned int 0"),
     ],
 )

@@ -275,7 +275,7 @@ class RolloutManager:
                 try:
                     s.reward_value(key)
                 except ValueError as exc:
-                    _fail(s, f"{exc} (set rollout.reward_key)")
+                    _fail(s, str(exc))
 
     async def _filter(self, group: list[Sample]) -> str | None:
         if self.filter_fn is None:
