@@ -8,9 +8,7 @@ through the router. The direct path replays the prompt ids of the groups the man
 over the engines. Every request makes exactly `--new-tokens` tokens (`ignore_eos`), so both paths
 do the same engine work; the ratio is what the manager, the router and the bookkeeping cost. A
 third path sends the same requests through the router without the manager, which splits that
-cost between the router hop and the manager; a fourth sends them straight to the engines from
-aiohttp instead of `slimish.client.Client` (httpx), which shows what the HTTP client itself
-costs. Rounds alternate after a warm-up; medians are printed. Target: manager/direct >= 0.9x.
+cost between the router hop and the manager. Rounds alternate after a warm-up; medians are printed. Target: manager/direct >= 0.9x.
 
     .venv/bin/python benchmarks/rollout_throughput.py [--engines 2 --prompts 16 --n 4 --concurrency 32]
 
@@ -33,7 +31,6 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import aiohttp  # noqa: E402
 from engine_throughput import bench_model  # noqa: E402  (same directory)
 
 from slimish.buffer import Buffer  # noqa: E402
@@ -42,7 +39,6 @@ from slimish.config import RunConfig, load_run_config  # noqa: E402
 from slimish.launch.local import Servers, local_servers  # noqa: E402
 from slimish.rollout.api import RolloutContext, RolloutRuntime  # noqa: E402
 from slimish.rollout.data import PromptData  # noqa: E402
-from slimish.protocol import GenerateResponse  # noqa: E402
 from slimish.rollout.manager import RolloutManager  # noqa: E402
 from slimish.types import Sample  # noqa: E402
 
@@ -67,26 +63,14 @@ async def direct_round(clients: list[Client], prompts: list[list[int]], params: 
     return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
 
-async def aiohttp_round(session: aiohttp.ClientSession, urls: list[str], prompts: list[list[int]], params: dict, concurrency: int) -> int:
-    """The same requests from aiohttp (the router's own upstream client): the HTTP client's share."""
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(i: int, ids: list[int]) -> int:
-        async with gate, session.post(urls[i % len(urls)] + "/generate", json={"input_ids": ids, "sampling_params": params, "return_logprob": True}) as r:
-            return len(GenerateResponse.model_validate(await r.json()).output_ids)
-
-    return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-
-
 async def run(cfg: RunConfig, servers: Servers, repeats: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """samples/s per round of: the manager, the same requests straight to the engines, and the
     same requests through the router without the manager (what the router hop alone costs)."""
     runtime = await RolloutRuntime.create(cfg, servers.router_url)
     manager = RolloutManager(runtime, PromptData(cfg.data), Buffer(), rollout)
     engines, router = [Client(url) for url in servers.engine_urls], [Client(servers.router_url)]
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0))
     params = {**runtime.sampling_params, **FIXED_LENGTH}
-    rates: dict[str, list[float]] = {"manager": [], "direct": [], "router": [], "aiohttp": []}
+    rates: dict[str, list[float]] = {"manager": [], "direct": [], "router": []}
     cpu_ms: dict[str, list[float]] = {path: [] for path in rates}  # this process, per sample
     try:
         for r in range(repeats + 1):  # round 0 warms every path up
@@ -99,7 +83,6 @@ async def run(cfg: RunConfig, servers: Servers, repeats: int) -> tuple[dict[str,
             rounds = {
                 "direct": lambda: direct_round(engines, prompts, params, cfg.rollout.max_concurrency),
                 "router": lambda: direct_round(router, prompts, params, cfg.rollout.max_concurrency),
-                "aiohttp": lambda: aiohttp_round(session, servers.engine_urls, prompts, params, cfg.rollout.max_concurrency),
             }
             for path, send in rounds.items():
                 wall, cpu = time.perf_counter(), time.process_time()
@@ -115,7 +98,6 @@ async def run(cfg: RunConfig, servers: Servers, repeats: int) -> tuple[dict[str,
     finally:
         for c in engines + router:
             await c.close()
-        await session.close()
         await runtime.close()
     return rates, cpu_ms
 
@@ -143,10 +125,9 @@ def main() -> None:
           f"{args.new_tokens} new tokens each; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
     with tempfile.TemporaryDirectory() as logs, local_servers(cfg.launch, model, logs) as servers:
         rates, cpu_ms = asyncio.run(run(cfg, servers, args.repeats))
-    m, d, r, a = (statistics.median(rates[p]) for p in ("manager", "direct", "router", "aiohttp"))
-    print(f"median samples/s: manager {m:.1f}, direct {d:.1f}, router without manager {r:.1f}, direct from aiohttp {a:.1f}")
-    print(f"manager/direct {m / d:.2f}x (target >= 0.90x); router/direct {r / d:.2f}x; manager/router {m / r:.2f}x; "
-          f"direct/aiohttp {d / a:.2f}x (slimish.client's own cost)")  # fmt: skip
+    m, d, r = (statistics.median(rates[p]) for p in ("manager", "direct", "router"))
+    print(f"median samples/s: manager {m:.1f}, direct {d:.1f}, router without manager {r:.1f}")
+    print(f"manager/direct {m / d:.2f}x (target >= 0.90x); router/direct {r / d:.2f}x; manager/router {m / r:.2f}x")
     print("this process's CPU per sample: " + ", ".join(f"{p} {statistics.median(v):.2f} ms" for p, v in cpu_ms.items()))
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 

@@ -177,12 +177,11 @@ class CaptureServer:
                 return exc.response()
             except ServerError as exc:
                 error = {"message": exc.message, "type": "ServerError", "param": None, "code": exc.status}
-                return JSONResponse({"error": error}, status_code=exc.status)
+                return JSONResponse({"error": error}, status_code=exc.status or 502)  # 0: no reply upstream
 
         @app.get("/sessions/{session_id}/v1/models")
         async def models(session_id: str) -> Response:
-            r = await self.client.http.get("/v1/models")
-            return Response(r.content, status_code=r.status_code, media_type="application/json")
+            return JSONResponse(await self.client.models())
 
         return app
 
