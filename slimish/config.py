@@ -188,7 +188,8 @@ class RolloutConfig:
     # older weights: buffer.max_staleness must allow that (>= 1), else they restart from scratch.
     partial_rollout: bool = False
     # A step that has taken this many times rollout_batch_size prompts without filling its batch
-    # (every group failing or filtered) stops with an error naming the failures and filter reasons.
+    # (groups failing or filtered) trains on the groups that survived (metric rollout/groups_short),
+    # or, when none did, stops with an error naming the failures and filter reasons.
     max_prompts_factor: float = 8.0
     abort_timeout: float = 60.0  # seconds leftovers get to return after the end-of-step abort; then cancelled
     # Default sampling params for ctx.generate / ctx.chat.

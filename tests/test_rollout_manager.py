@@ -170,6 +170,18 @@ def test_zero_variance_groups_are_dropped_and_over_sampling_fills_the_batch(serv
     assert accounted(m) and stats["prompts_taken"] == stats["groups_kept"] + stats["groups_filtered"] + stats["requeued_pending"]
 
 
+def test_a_step_that_spends_its_prompt_cap_trains_on_the_groups_that_survived(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
+    """A model that has solved most prompts leaves few groups with variance: a short batch, not a crash."""
+    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=4", "rollout.max_prompts_factor=1")
+
+    async def body(m: RolloutManager) -> Any:
+        return await m.run_step(0), m.buffer.get_batch(10), m
+
+    stats, batch, m = run_manager(cfg, servers.router_url, short_rollout, body, reward_even_groups_flat, nonzero_std)
+    assert stats["prompts_taken"] == 4 and stats["groups_kept"] == 2 and stats["groups_short"] == 2
+    assert [g[0].group_id % 2 for g in batch] == [1, 1] and accounted(m)
+
+
 async def always_raises(ctx, sample):
     raise RuntimeError("no API key for the judge")
 

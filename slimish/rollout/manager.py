@@ -24,6 +24,7 @@ The end-of-step abort is engine-wide: do not run `evaluate` concurrently with th
 from __future__ import annotations
 
 import asyncio
+import logging
 import copy
 import inspect
 import math
@@ -33,7 +34,6 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
 
 from slimish.buffer import Buffer, group_version
 from slimish.client import ServerError
@@ -50,9 +50,11 @@ COUNTERS = (
 )  # fmt: skip
 ABORT_RETRY_S = 1.0  # while leftovers are still running, the abort is re-sent this often (late arrivals)
 
+log = logging.getLogger(__name__)
+
 
 class RolloutStalled(RuntimeError):
-    """A step took `max_prompts_factor * rollout_batch_size` prompts without filling its batch."""
+    """A step took `max_prompts_factor * rollout_batch_size` prompts and no group survived."""
 
 
 @dataclass
@@ -102,13 +104,16 @@ class RolloutManager:
                 while len(tasks) < math.ceil(self.cfg.over_sampling * (need - kept)) and taken < limit:
                     tasks.add(asyncio.create_task(self._run_group(self._take(current_version), abort)))
                     taken += 1
-                if not tasks:
-                    raise RolloutStalled(self._stall_message(taken, kept, before, reasons_before))
+                if not tasks:  # the prompt cap is spent: train on what survived, if anything did
+                    if kept == 0:
+                        raise RolloutStalled(self._stall_message(taken, kept, before, reasons_before))
+                    log.warning("rollout step: %s", self._stall_message(taken, kept, before, reasons_before))
+                    break
                 done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 kept += sum(t.result() for t in done)
         finally:
             await self._stop(tasks, abort)
-        return self._stats(started, before, reasons_before)
+        return {**self._stats(started, before, reasons_before), "groups_short": need - kept}
 
     def _take(self, current_version: int) -> _Prompt:
         """A requeued prompt first (dropping kept samples already too stale to train on), else a new one."""
@@ -339,8 +344,9 @@ class RolloutManager:
         return (
             f"rollout step took {taken} prompts (rollout.max_prompts_factor={self.cfg.max_prompts_factor} x "
             f"rollout_batch_size={self.cfg.rollout_batch_size}) but only {kept} groups survived: {failed} failed, "
-            f"{filtered} filtered {reasons or ''}. First errors: {errors}. Fix the rollout / reward function, or "
-            "loosen rollout.filter_fn (null keeps every group)"
+            f"{filtered} filtered {reasons or ''}. First errors: {errors}. If the model has solved the task (rewards "
+            "all 1), stop earlier or use harder prompts; else fix the rollout / reward function, or loosen "
+            "rollout.filter_fn (null keeps every group)"
         )
 
     def state_dict(self) -> dict[str, Any]:
