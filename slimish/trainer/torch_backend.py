@@ -21,7 +21,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -131,6 +131,19 @@ class TorchTrainer:
         self.sft_optimizer: torch.optim.Optimizer | None = None
         self.ref: torch.nn.Module | None = self._load(tc.ref_model, frozen=True) if tc.ref_model else None
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0  # greedy: T = 1
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        self.cpu_threads = tc.cpu_threads or max(1, (os.cpu_count() or 1) // local_ranks)
+
+    @contextmanager
+    def _threads(self) -> Iterator[None]:
+        """`trainer.cpu_threads` intra-op threads for one step on CPU, then back to what it was."""
+        before = torch.get_num_threads()
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.cpu_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     def _load(self, path: str, frozen: bool = False) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device)
@@ -152,6 +165,10 @@ class TorchTrainer:
     # -- RL ----------------------------------------------------------------------------------
 
     def train_step(self, groups: list[list[Sample]], step: int) -> dict[str, float]:
+        with self._threads():
+            return self._train_step(groups, step)
+
+    def _train_step(self, groups: list[list[Sample]], step: int) -> dict[str, float]:
         """One rollout batch: `trainer.updates_per_step` optimiser steps. `step` is the RL step
         (1-based); it must follow the optimiser's history, which catches a resume that did not
         restore the trainer's state."""
@@ -275,6 +292,10 @@ class TorchTrainer:
     # -- SFT ---------------------------------------------------------------------------------
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
+        with self._threads():
+            return self._sft_step(samples)
+
+    def _sft_step(self, samples: list[Sample]) -> dict[str, float]:
         """One supervised step on the full batch (every rank passes the same): token-mean NLL of
         the loss-mask-1 tokens, with its own AdamW at `sft.lr` so RL starts with a fresh one."""
         check_samples(samples)
