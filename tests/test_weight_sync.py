@@ -9,13 +9,19 @@ the trainer's.
 from __future__ import annotations
 
 import functools
+import multiprocessing as mp
+import os
+import signal
+import threading
+from datetime import timedelta
 
 import httpx
 import pytest
 import torch
 
 from slimish.config import WeightSyncConfig, load_run_config
-from slimish.launch.local import engine_process, start_all
+from slimish.distributed import init_custom_process_group
+from slimish.launch.local import engine_process, free_port, start_all
 from slimish.trainer.torch_backend import TorchTrainer
 from slimish.trainer.weight_sync import WeightSync, WeightSyncError
 from slimish.types import Sample
@@ -229,3 +235,51 @@ def test_engine_refusing_the_group_fails_connect_at_once(engines):
             refused.connect()  # well before the 600 s group timeout
     finally:
         refused.close()
+
+
+# -- a trainer that dies mid-broadcast ------------------------------------------------------------
+
+
+def dying_trainer(port: int, shapes: list[list[int]]) -> None:
+    """Rank 0 of a 2-rank group: broadcast the first of `shapes`, then die by SIGKILL."""
+    torch.set_num_threads(1)
+    group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "dying", timedelta(seconds=60))
+    torch.distributed.broadcast(torch.ones(shapes[0]), src=0, group=group)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_trainer_killed_mid_broadcast_leaves_torn_weights_that_the_engine_refuses(engines, sync, tiny_model_dir):
+    """Weights are received in place, so a broadcast that dies halfway leaves them half new: the
+    engine says so, refuses to generate and reports unhealthy until a full push arrives."""
+    url, model = engines[0], hf_model(tiny_model_dir)
+    names, shapes = zip(*[(n, list(p.shape)) for n, p in model.named_parameters()])
+    port = free_port()
+    child = mp.get_context("spawn").Process(target=dying_trainer, args=(port, shapes), daemon=True)
+    child.start()
+    try:
+        join = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                "group_name": "dying", "backend": "gloo"}  # fmt: skip
+        assert post(url, "/init_weights_update_group", join).json()["success"]
+        reply = {}
+        update = {"names": list(names), "dtypes": ["float32"] * len(names), "shapes": list(shapes), "group_name": "dying"}
+        poster = threading.Thread(target=lambda: reply.update(post(url, "/update_weights_from_distributed", update).json()))
+        poster.start()
+        child.join(timeout=WAIT_S)
+        poster.join(timeout=WAIT_S)
+        assert child.exitcode == -signal.SIGKILL
+        assert reply["success"] is False and "weights are torn" in reply["message"], reply
+
+        r = post(url, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
+        assert r.status_code == 503 and "weights are torn" in r.json()["error"]["message"], r.text
+        assert http().get(url + "/health").status_code == 503
+        assert http().get(engines[1] + "/health").status_code == 200  # not in that group
+
+        sync.push(list(model.named_parameters()), "whole")  # every parameter again, by the module's group
+        assert http().get(url + "/health").status_code == 200
+        assert_serves(url, model)
+        assert generate(url)["meta_info"]["weight_version"] == "whole"
+        assert post(url, "/destroy_weights_update_group", {"group_name": "dying"}).json()["success"]
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join(timeout=10)

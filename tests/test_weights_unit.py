@@ -190,14 +190,16 @@ def test_push_lands_exactly_and_reuses_buffers(engine, flattened):
     assert torch.equal(engine.updater.params["model.embed_tokens.weight"], first[names.index("lm_head.weight")])
     norm = first[names.index("model.norm.weight")]
     assert norm.dtype == torch.bfloat16 and engine.updater.params["model.norm.weight"].dtype == torch.float32
-    buffers = [engine.updater.bucket_buffer] if flattened else [engine.updater.recv_buffers[n] for n in names]
+    # Same-dtype tensors arrive straight in the parameters; only bf16 -> fp32 ones need buffers.
+    assert flattened or set(engine.updater.recv_buffers) == BF16
+    buffers = [engine.updater.bucket_buffer] if flattened else list(engine.updater.recv_buffers.values())
     ptrs = [b.data_ptr() for b in buffers]
 
     second = engine.push(2, flattened)
     assert params_equal(engine.updater, engine.specs, second)
     assert not torch.equal(first[0], second[0])
-    buffers = [engine.updater.bucket_buffer] if flattened else [engine.updater.recv_buffers[n] for n in names]
-    assert [b.data_ptr() for b in buffers] == ptrs
+    buffers = [engine.updater.bucket_buffer] if flattened else list(engine.updater.recv_buffers.values())
+    assert [b.data_ptr() for b in buffers] == ptrs and not engine.updater.torn
 
 
 def test_get_weights_by_name(engine):

@@ -32,6 +32,10 @@ class RequestError(ValueError):
     """Bad input found after schema validation; the message names the field."""
 
 
+class Unavailable(RuntimeError):
+    """The engine cannot serve now (503): its weights are torn by a failed broadcast."""
+
+
 @dataclass
 class Item:
     """One sequence to generate, as the HTTP layers describe it."""
@@ -123,6 +127,8 @@ class Engine:
         return ids
 
     def check(self, item: Item) -> None:
+        if (torn := self.weights.torn_error()) is not None:
+            raise Unavailable(torn)
         p, w, n_in = item.params, item.wish, len(item.input_ids)
         if (name := p.unsupported()) is not None:
             raise RequestError(f"sampling_params.{name}: constrained decoding is not supported by the built-in engine")

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 import slimish
 from slimish.config import EngineConfig, add_config_arguments, config_from_args
-from slimish.engine.engine import Engine, Item, RequestError
+from slimish.engine.engine import Engine, Item, RequestError, Unavailable
 from slimish.engine.openai_api import build_openai_router
 from slimish.engine.scheduler import LogprobWish
 from slimish.protocol import (
@@ -122,6 +122,10 @@ def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
     async def request_error(_: Request, exc: RequestError) -> JSONResponse:
         return error_message(str(exc))
 
+    @app.exception_handler(Unavailable)
+    async def unavailable(_: Request, exc: Unavailable) -> JSONResponse:
+        return error_message(str(exc), 503)
+
     # ---- generation -------------------------------------------------------------------------
 
     @app.api_route("/generate", methods=["POST", "PUT"])
@@ -196,6 +200,9 @@ def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
         try:
             await engine.run(load_and_version, needs_idle=True)
         except Exception as exc:
+            if (torn := engine.weights.torn_error()) is not None:  # paused requests must not resume on it
+                await engine.run(lambda: engine.scheduler.abort(abort_all=True))
+                return control(False, f"{fail.format(exc=exc)} ({torn})", **extra)
             return control(False, fail.format(exc=exc), **extra)
         note = f" Weight version updated to {req.weight_version}." if req.weight_version is not None else ""
         return control(True, ok + note, **extra)
@@ -276,11 +283,13 @@ def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
     @app.get("/health")
     @app.get("/ready")
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(status_code=503 if engine.weights.torn else 200)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
         s = engine.scheduler
+        if engine.weights.torn:
+            return Response(status_code=503)
         if s.running or s.waiting:
             return Response(status_code=200)
         item = Item([0], SamplingParams(max_new_tokens=1, temperature=0.0), f"health-{time.monotonic_ns()}", LogprobWish())
