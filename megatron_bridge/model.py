@@ -1,0 +1,72 @@
+"""Build a Megatron-Core GPTModel for the current parallel state and fill it from an HF checkpoint.
+
+Why here and not in the trainer: the model's shape, its layer spec and its weight layout are all
+decided by the bridge. A trainer only chooses TP/PP (`initialize_model_parallel`) and the dtype.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_bridge import cpu
+from megatron_bridge.config import BridgeConfig, load_hf_config
+from megatron_bridge.hf_io import hf_tensors
+from megatron_bridge.weights import hf_to_megatron
+
+
+def build_model(cfg: BridgeConfig, dtype: torch.dtype = torch.float32, seed: int = 0, **config_overrides: Any):
+    """An (unloaded) GPTModel holding this rank's TP/PP shard; needs `initialize_model_parallel` first.
+
+    Seeds Megatron's RNG tracker (`model_parallel_cuda_manual_seed(seed)`), which dropout and init
+    need. `config_overrides` go to `TransformerConfig` (recompute, dropout...).
+    """
+    cpu.apply()
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if parallel_state.get_expert_model_parallel_world_size() != 1:
+        raise ValueError("expert_model_parallel_size > 1 is not mapped by megatron_bridge (experts must be local)")
+    model_parallel_cuda_manual_seed(seed)
+    # The weights are loaded right after, so skip the random init; on CPU Megatron must build there.
+    overrides = {"use_cpu_initialization": not torch.cuda.is_available(), "perform_initialization": False}
+    overrides.update(config_overrides)
+    model = GPTModel(
+        config=cfg.transformer_config(tp, pp, dtype, **overrides),
+        transformer_layer_spec=cfg.layer_spec(),
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        **cfg.gpt_model_kwargs(tp),
+    )
+    return model
+
+
+def load_hf_weights(model: torch.nn.Module, cfg: BridgeConfig, hf_dir: str | Path) -> None:
+    """Copy this rank's shard of the HF checkpoint in `hf_dir` into `model` (strict key check)."""
+    from megatron.core import parallel_state
+
+    with hf_tensors(hf_dir) as get:
+        state = hf_to_megatron(
+            get,
+            cfg,
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+            pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+    model.load_state_dict(state, strict=True)
+
+
+def load_model(
+    hf_dir: str | Path, dtype: torch.dtype = torch.float32, make_vocab_size_divisible_by: int = 128, **config_overrides: Any
+) -> tuple[torch.nn.Module, BridgeConfig]:
+    """The GPTModel of this rank with the weights of `hf_dir`, and its BridgeConfig."""
+    cfg = load_hf_config(hf_dir, make_vocab_size_divisible_by)
+    model = build_model(cfg, dtype, **config_overrides)
+    load_hf_weights(model, cfg, hf_dir)
+    return model, cfg

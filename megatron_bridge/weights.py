@@ -1,0 +1,227 @@
+"""HF tensors <-> Megatron-Core GPTModel tensors, one (tp_rank, pp_rank) shard at a time.
+
+Why pure functions over explicit ranks: the same math serves three callers. The first is
+`load_model` (each rank loads its own shard of an HF checkpoint). The second is
+`slimish convert` (one process writes every shard, without torch.distributed). The third is
+`export_hf`, the weight-sync iterator, which gathers shards over the TP group and yields one full
+HF tensor at a time.
+
+Layouts (local layer spec, see ../shared/notes/megatron-on-cpu.md):
+- `linear_qkv` rows are grouped per KV group: [q heads of group 0, k0, v0, q heads of group 1, ...].
+  A TP rank therefore holds whole groups as one contiguous dim-0 slice. Biases use the same layout.
+- `linear_fc1` is [gate; up] in full. Each TP rank holds [gate_shard; up_shard], so a plain dim-0
+  split would be wrong.
+- Embedding and output rows are padded with zeros to `BridgeConfig.padded_vocab_size(tp)` and
+  stripped on export.
+- Under PP, stage p holds layers p*n .. p*n+n-1 as local layers 0..n-1. A tied output layer lives
+  on the last stage as a copy of the embedding. It is loaded from `model.embed_tokens.weight` but
+  not exported (the first stage exports that tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from megatron_bridge.config import BridgeConfig
+
+# replicated: same on every TP rank. row: RowParallelLinear, split dim 1.
+# vocab: padded, then split dim 0. qkv / gate_up: fused ColumnParallelLinear, see the module docstring.
+Kind = Literal["replicated", "row", "vocab", "qkv", "gate_up"]
+HFSource = Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Param:
+    """One Megatron tensor of a stage and the HF tensors it is made of (in fusion order)."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    kind: Kind
+    export: bool = True
+
+
+def _layer_params(cfg: BridgeConfig, local: int, layer: int) -> list[Param]:
+    m, h = f"decoder.layers.{local}.", f"model.layers.{layer}."
+    attn = h + "self_attn."
+    params = [
+        Param(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "replicated"),
+        Param(m + "self_attention.linear_qkv.weight", tuple(f"{attn}{p}_proj.weight" for p in "qkv"), "qkv"),
+    ]
+    if cfg.qkv_bias:
+        params.append(Param(m + "self_attention.linear_qkv.bias", tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv"))
+    if cfg.qk_norm:
+        params += [
+            Param(m + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), "replicated"),
+            Param(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "replicated"),
+        ]
+    params += [
+        Param(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"),
+        Param(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated"),
+    ]
+    if cfg.num_experts:
+        params.append(Param(m + "mlp.router.weight", (h + "mlp.gate.weight",), "replicated"))
+        experts = [(f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}.") for e in range(cfg.num_experts)]
+    else:
+        experts = [(m + "mlp.", h + "mlp.")]
+    for mp, hp in experts:
+        params += [
+            Param(mp + "linear_fc1.weight", (hp + "gate_proj.weight", hp + "up_proj.weight"), "gate_up"),
+            Param(mp + "linear_fc2.weight", (hp + "down_proj.weight",), "row"),
+        ]
+    return params
+
+
+def stage_params(cfg: BridgeConfig, pp_rank: int = 0, pp_size: int = 1) -> list[Param]:
+    """Every tensor in the GPTModel state_dict of pipeline stage `pp_rank`, in model order."""
+    cfg.check_parallel(1, pp_size)
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank must be in [0, {pp_size}), got {pp_rank}")
+    per_stage = cfg.num_layers // pp_size
+    params = []
+    if pp_rank == 0:
+        params.append(Param("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"))
+    for local in range(per_stage):
+        params += _layer_params(cfg, local, pp_rank * per_stage + local)
+    if pp_rank == pp_size - 1:
+        params.append(Param("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
+        if not cfg.tie_word_embeddings:
+            params.append(Param("output_layer.weight", ("lm_head.weight",), "vocab"))
+        elif pp_size > 1:  # the last stage keeps its own copy of the tied embedding
+            params.append(Param("output_layer.weight", ("model.embed_tokens.weight",), "vocab", export=False))
+    return params
+
+
+def _split(t: torch.Tensor, tp_rank: int, tp_size: int, dim: int = 0) -> torch.Tensor:
+    if t.shape[dim] % tp_size:
+        raise ValueError(f"dim {dim} of a tensor of shape {tuple(t.shape)} is not divisible by tp_size={tp_size}")
+    return t.chunk(tp_size, dim)[tp_rank]
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: BridgeConfig) -> torch.Tensor:
+    groups, rest = cfg.num_query_groups, q.shape[1:]
+    per_group = cfg.num_attention_heads // groups * cfg.head_dim
+    return torch.cat(
+        [q.reshape(groups, per_group, *rest), k.reshape(groups, cfg.head_dim, *rest), v.reshape(groups, cfg.head_dim, *rest)],
+        dim=1,
+    ).reshape(-1, *rest)
+
+
+def _unfuse_qkv(qkv: torch.Tensor, cfg: BridgeConfig) -> list[torch.Tensor]:
+    groups, rest = cfg.num_query_groups, qkv.shape[1:]
+    per_group = cfg.num_attention_heads // groups * cfg.head_dim
+    q, k, v = qkv.reshape(groups, -1, *rest).split([per_group, cfg.head_dim, cfg.head_dim], dim=1)
+    return [t.reshape(-1, *rest) for t in (q, k, v)]
+
+
+def shard(param: Param, hf: list[torch.Tensor], cfg: BridgeConfig, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The `tp_rank` slice of `param` built from its full HF tensors (a fresh contiguous tensor)."""
+    if param.kind == "replicated":
+        out = hf[0]
+    elif param.kind == "row":
+        out = _split(hf[0], tp_rank, tp_size, 1)
+    elif param.kind == "vocab":
+        padded = hf[0].new_zeros(cfg.padded_vocab_size(tp_size), *hf[0].shape[1:])
+        padded[: hf[0].shape[0]] = hf[0]
+        out = _split(padded, tp_rank, tp_size, 0)
+    elif param.kind == "qkv":
+        out = _split(_fuse_qkv(*hf, cfg), tp_rank, tp_size, 0)
+    elif param.kind == "gate_up":
+        out = torch.cat([_split(t, tp_rank, tp_size, 0) for t in hf])
+    else:
+        raise ValueError(f"unknown kind {param.kind!r} of {param.megatron}")
+    return out.clone(memory_format=torch.contiguous_format)
+
+
+def merge(param: Param, shards: list[torch.Tensor], cfg: BridgeConfig) -> list[torch.Tensor]:
+    """The full HF tensors of `param` (in `param.hf` order) from its shards of every TP rank."""
+    if param.kind == "replicated":
+        return [shards[0]]
+    if param.kind == "row":
+        return [torch.cat(shards, 1)]
+    if param.kind == "vocab":
+        return [torch.cat(shards, 0)[: cfg.vocab_size]]
+    if param.kind == "qkv":
+        return _unfuse_qkv(torch.cat(shards, 0), cfg)
+    if param.kind == "gate_up":
+        halves = [s.chunk(2, 0) for s in shards]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    raise ValueError(f"unknown kind {param.kind!r} of {param.megatron}")
+
+
+def hf_to_megatron(
+    hf_state: HFSource, cfg: BridgeConfig, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1
+) -> dict[str, torch.Tensor]:
+    """The GPTModel state_dict of shard (tp_rank, pp_rank) from full HF tensors.
+
+    `hf_state` is a dict or a getter `name -> tensor`. Only the tensors of this stage are requested,
+    so a lazy getter (safetensors) reads only what the shard needs.
+    """
+    cfg.check_parallel(tp_size, pp_size)
+    get = hf_state.__getitem__ if isinstance(hf_state, Mapping) else hf_state
+    return {p.megatron: shard(p, [get(n) for n in p.hf], cfg, tp_rank, tp_size) for p in stage_params(cfg, pp_rank, pp_size)}
+
+
+def megatron_to_hf(
+    shards: Callable[[str], list[torch.Tensor]], cfg: BridgeConfig, pp_rank: int = 0, pp_size: int = 1
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF tensors of stage `pp_rank`; `shards(megatron_key)` gives that key's tensors of every TP rank."""
+    for param in stage_params(cfg, pp_rank, pp_size):
+        if param.export:
+            yield from zip(param.hf, merge(param, shards(param.megatron), cfg))
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):  # mcore DDP / Float16Module
+        model = model.module
+    return model
+
+
+def export_hf(
+    model: torch.nn.Module,
+    cfg: BridgeConfig,
+    *,
+    grads: bool = False,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+    pp_rank: int | None = None,
+    pp_size: int | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for this pipeline stage, gathering over the TP group one tensor at a time.
+
+    Collective: every rank of the TP group must iterate to the end together. Layer numbers in the
+    names are global. With `grads=True` the gradients are yielded instead (`main_grad` under mcore
+    DDP, else `.grad`; zeros where none). Groups and ranks default to Megatron's parallel state.
+    Tensors come in the model's dtype. A replicated tensor (a norm, the router) may alias the live
+    parameter, so copy anything you keep past the next optimizer step.
+    """
+    from megatron.core import parallel_state
+
+    if tp_group is None:
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+    if pp_rank is None:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if pp_size is None:
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    tp_size = torch.distributed.get_world_size(tp_group)
+    params = dict(_unwrap(model).named_parameters())
+    kinds = {p.megatron: p.kind for p in stage_params(cfg, pp_rank, pp_size)}
+
+    def local(name: str) -> torch.Tensor:
+        p = params[name]
+        if not grads:
+            return p.detach()
+        g = p.main_grad if hasattr(p, "main_grad") else p.grad
+        return torch.zeros_like(p) if g is None else g.detach()
+
+    def gathered(name: str) -> list[torch.Tensor]:
+        t = local(name).contiguous()
+        if tp_size == 1 or kinds[name] == "replicated":
+            return [t]
+        out = [torch.empty_like(t) for _ in range(tp_size)]
+        torch.distributed.all_gather(out, t, group=tp_group)
+        return out
+
+    yield from megatron_to_hf(gathered, cfg, pp_rank, pp_size)
