@@ -1,4 +1,4 @@
-"""Per-token log-probabilities of target ids from vocab-parallel logits, without gathering the vocab.
+"""Per-token log-probabilities of target ids (and entropies) from vocab-parallel logits, without gathering the vocab.
 
 Why: the RL losses need log p(target) for every response token. Under TP each rank holds a
 [..., V/TP] slice of the logits, and gathering the full vocabulary would cost TP times the
@@ -61,3 +61,32 @@ def vocab_parallel_logprobs(
     picked = shifted.gather(-1, local_ids.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
     target_logit = reduce(torch.where(owned, picked, torch.zeros_like(picked)))
     return target_logit - sum_exp.log()
+
+
+def vocab_parallel_entropy(
+    logits_shard: torch.Tensor, tp_group: dist.ProcessGroup | None = None, vocab_size: int | None = None
+) -> torch.Tensor:
+    """Entropy of softmax(full logits) for each position, as `logsumexp - E_p[logit]`, from
+    this TP rank's `[..., V_pad/TP]` slice (same layout and arguments as `vocab_parallel_logprobs`).
+    Returns an fp32 [...] tensor, differentiable w.r.t. `logits_shard`."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    width = logits_shard.shape[-1]
+    start = (0 if tp_group is None else dist.get_rank(tp_group)) * width
+    logits = logits_shard.float()
+    real = None
+    if vocab_size is not None and start + width > vocab_size:
+        real = torch.arange(start, start + width, device=logits.device) < vocab_size
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        return t if tp_size == 1 else reduce_from_tensor_model_parallel_region(t, group=tp_group)
+
+    local_max = (logits if real is None else logits.masked_fill(~real, float("-inf"))).detach().amax(dim=-1)
+    if tp_size > 1:
+        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp_group)
+    shifted = logits - local_max.unsqueeze(-1)
+    exp = shifted.exp() if real is None else torch.where(real, shifted.exp(), 0.0)  # padded columns: p = 0
+    sum_exp = reduce(exp.sum(dim=-1))
+    expected_shifted = reduce((exp * shifted).sum(dim=-1)) / sum_exp
+    return sum_exp.log() - expected_shifted

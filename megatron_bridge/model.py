@@ -14,7 +14,7 @@ import torch
 from megatron_bridge import cpu
 from megatron_bridge.config import BridgeConfig, load_hf_config
 from megatron_bridge.hf_io import hf_tensors
-from megatron_bridge.weights import hf_to_megatron
+from megatron_bridge.weights import hf_to_megatron, stage_params
 
 
 def build_model(cfg: BridgeConfig, dtype: torch.dtype = torch.float32, seed: int = 0, **config_overrides: Any):
@@ -43,7 +43,22 @@ def build_model(cfg: BridgeConfig, dtype: torch.dtype = torch.float32, seed: int
         post_process=parallel_state.is_pipeline_last_stage(),
         **cfg.gpt_model_kwargs(tp),
     )
+    if not overrides["perform_initialization"]:
+        _mark_tensor_parallel(model, cfg, parallel_state.get_pipeline_model_parallel_rank(), pp)
     return model
+
+
+def _mark_tensor_parallel(model: torch.nn.Module, cfg: BridgeConfig, pp_rank: int, pp_size: int) -> None:
+    """Tag the TP-sharded weights as Megatron's init would have (`tensor_model_parallel`,
+    `partition_dim`): without `perform_initialization` Megatron skips that, and its grad norm
+    (so clipping) then counts only TP rank 0's shards of them. Biases are tagged already."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    params = dict(model.named_parameters())
+    for p in stage_params(cfg, pp_rank, pp_size):
+        param = params.get(p.megatron)
+        if p.kind != "replicated" and param is not None and not hasattr(param, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=1 if p.kind == "row" else 0, stride=1)
 
 
 def load_hf_weights(model: torch.nn.Module, cfg: BridgeConfig, hf_dir: str | Path) -> None:

@@ -37,6 +37,28 @@ class EngineConfig:
     stream_interval: int = 1  # decode steps between streamed chunks
     seed: int = 0  # torch seed for requests without `sampling_seed`
     log_level: str = "warning"
+    # Limits; each refusal names the field and the limit. Requests beyond the limits of what the
+    # engine can hold are a 400; a full engine is a 503 with `Retry-After` (try again later or
+    # elsewhere: the router does).
+    max_prompt_tokens: int | None = None  # None: only the context length bounds a prompt
+    max_new_tokens_cap: int | None = None  # larger explicit values are refused, larger defaults lowered
+    max_body_bytes: int = 32 << 20  # a batch of long `input_ids` prompts is a few MiB
+    # Sequences (n and batch items count one each) allowed to wait beyond the running batch.
+    max_queued_requests: int = 2048
+    retry_after_s: int = 1  # the `Retry-After` of a 503 when the queue is full
+    # Serve nothing (503, /health included) until a weight push has set every parameter: for an
+    # engine that joins or rejoins a running training run, so it never serves stale weights.
+    await_weights: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_running_requests", "max_prefill_tokens", "max_body_bytes", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_prompt_tokens", "max_new_tokens_cap"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
 
 
 POLICIES = ("least_inflight", "round_robin", "cache_aware", "session")
@@ -57,6 +79,13 @@ class RouterConfig:
     admin_key: str | None = None
     max_body_bytes: int = 32 << 20  # a batch of long `input_ids` prompts is a few MiB
     max_new_tokens_cap: int | None = None  # None: the engines' own limits apply
+    # `input_ids` prompts longer than this are refused (text prompts are counted by the engines:
+    # the router does not tokenize). None: the engines' own limits apply.
+    max_prompt_tokens: int | None = None
+    # Serving requests in flight (streams until their end) before the next gets a 429 with
+    # `Retry-After: retry_after_s`. Health, metrics and admin routes are never refused.
+    max_concurrent_requests: int = 4096
+    retry_after_s: int = 1
     # Upstream. A non-streamed request must finish within `request_timeout`; a stream may run
     # longer but no single wait for the next chunk may exceed it. 1800 s as sglang-router.
     request_timeout: float = 1800.0
@@ -88,8 +117,12 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        if self.max_new_tokens_cap is not None and self.max_new_tokens_cap < 1:
-            raise ValueError(f"max_new_tokens_cap must be >= 1, got {self.max_new_tokens_cap}")
+        for name in ("max_new_tokens_cap", "max_prompt_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_body_bytes", "max_concurrent_requests", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.health_failure_threshold < 1:
             raise ValueError(f"health_failure_threshold must be >= 1, got {self.health_failure_threshold}")
 
@@ -140,7 +173,8 @@ def config_from_args(schema: type[T], args: argparse.Namespace, **overrides: Any
 
 def _scalar(hint: Any) -> type:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
+    kind = args[0] if args else hint
+    return str if kind is bool else kind  # OmegaConf reads "true" / "false"; bool("false") is True
 
 
 # --- A training or rollout run: `slimish train|rollout --config C.yaml [key=value ...]` -------------
@@ -157,6 +191,40 @@ class LaunchConfig:
     policy: str = "least_inflight"  # the embedded router's policy
     api_key: str | None = None  # sent to the router / engines when they need one
     start_timeout: float = 300.0
+    # Where the engines run: local (child processes of rank 0) | ray (Ray actors, one placement
+    # group bundle each; the router stays on rank 0's machine).
+    mode: str = "local"
+    # builtin (slimish's engine) | sglang (`python -m sglang.launch_server`, GPU) | external
+    # (`engine_urls`, started and supervised elsewhere; a router is started in front of them).
+    engine_kind: str = "builtin"
+    engine_urls: list[str] = field(default_factory=list)  # engine_kind=external only
+    # Passed through to every SGLang server after --model-path/--host/--port, which the launcher
+    # owns; `--sglang-tp-size 2` and `--tp-size 2` mean the same.
+    sglang_args: list[str] = field(default_factory=list)
+    # mode=ray: the cluster to join ("auto": the one this node belongs to; "ray://h:10001" for
+    # Ray Client); None: a Ray instance of its own on 127.0.0.1 for this run.
+    ray_address: str | None = None
+    engine_cpus: float = 1.0  # mode=ray: CPUs of each engine's bundle
+    engine_gpus: float = 0.0  # mode=ray: GPUs of each engine's bundle (SGLang: its tp size)
+    placement_strategy: str = "PACK"  # mode=ray: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("local", "ray"):
+            raise ValueError(f"launch.mode must be local or ray, got {self.mode!r}")
+        if self.engine_kind not in ("builtin", "sglang", "external"):
+            raise ValueError(f"launch.engine_kind must be builtin, sglang or external, got {self.engine_kind!r}")
+        if self.engine_kind == "external" and not (self.engine_urls or self.router_url):
+            raise ValueError("launch.engine_urls: engine_kind=external needs the engines' URLs")
+        if self.engine_urls and self.engine_kind != "external":
+            raise ValueError(f"launch.engine_urls needs launch.engine_kind=external, got {self.engine_kind!r}")
+        if self.mode == "ray" and (self.engine_kind == "external" or self.router_url):
+            raise ValueError("launch.mode=ray places engines it starts: not with engine_kind=external or router_url")
+        if self.engines < 1 or self.engine_cpus < 0 or self.engine_gpus < 0:
+            raise ValueError(f"launch.engines must be >= 1 and engine_cpus/engine_gpus >= 0, got "
+                             f"{self.engines}, {self.engine_cpus}, {self.engine_gpus}")  # fmt: skip
+        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(f"launch.placement_strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, "
+                             f"got {self.placement_strategy!r}")  # fmt: skip
 
 
 @dataclass
@@ -248,6 +316,7 @@ class AlgorithmConfig:
     kl_importance_weight: bool = False
     entropy_coef: float = 0.0
     tis_cap: float | None = None  # truncated importance sampling against rollout logprobs
+    mis_cap: float | None = None  # masked importance sampling: tokens whose weight exceeds it are dropped
     recompute_old_logprobs: bool = False  # else the rollout's logprobs are the old policy
 
     def __post_init__(self) -> None:
@@ -261,8 +330,11 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.eps_clip_high must be > 0, got {self.eps_clip_high}")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1:
             raise ValueError(f"algorithm.dual_clip_c must be > 1, got {self.dual_clip_c}")
-        if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ValueError(f"algorithm.tis_cap must be > 0, got {self.tis_cap}")
+        for name in ("tis_cap", "mis_cap"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"algorithm.{name} must be > 0, got {getattr(self, name)}")
+        if self.tis_cap is not None and self.mis_cap is not None:
+            raise ValueError("algorithm.tis_cap and algorithm.mis_cap: set one importance-sampling correction, not both")
         if self.advantage_eps < 0 or self.kl_coef < 0:
             raise ValueError(f"algorithm.advantage_eps and algorithm.kl_coef must be >= 0, got {self.advantage_eps}, {self.kl_coef}")
 
@@ -274,10 +346,14 @@ PAUSE_MODES = ("abort", "retract", "in_place", "drain")
 
 @dataclass
 class TrainerConfig:
-    """The policy's optimiser and batching (slimish/trainer/torch_backend.py)."""
+    """The policy's optimiser and batching (slimish/trainer/base.py and the backends beside it)."""
 
     backend: str = "torch"  # torch | megatron
     nproc: int = 1  # torchrun ranks `slimish train` launches
+    # Megatron backend only: tensor- and pipeline-parallel sizes; the data-parallel size is the
+    # world size / (tp * pp), and a batch is split over data-parallel ranks only.
+    tp: int = 1
+    pp: int = 1
     lr: float = 1e-5
     lr_schedule: str = "constant"  # constant | cosine | linear (to 0 at the last optimiser step), after warmup
     warmup_steps: int = 0  # optimiser steps of linear warmup
@@ -288,8 +364,8 @@ class TrainerConfig:
     updates_per_step: int = 1  # optimiser steps per rollout batch: the batch split into this many mini-batches
     dtype: str | None = None  # None: float32 on CPU (bf16 is 12-18x slower there), bfloat16 on GPU
     # CPU intra-op threads while training (train and SFT steps); 0: this machine's cores / local
-    # ranks. In the sync loop the engines idle while the trainer trains, so it may take every core
-    # (2 threads: 1.7x faster fwd+bwd on 2 cores); rollout-side work stays at OMP_NUM_THREADS.
+    # ranks in sync mode, where the engines idle while the trainer trains (2 threads: 1.7x faster
+    # fwd+bwd on 2 cores), and OMP_NUM_THREADS in async mode, where they do not.
     cpu_threads: int = 0
     ref_model: str | None = None  # None with kl_coef > 0: a frozen copy of the policy at its first RL step
     seed: int = 0
@@ -297,11 +373,13 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.backend not in ("torch", "megatron"):
             raise ValueError(f"trainer.backend must be torch or megatron, got {self.backend!r}")
+        if self.backend == "torch" and (self.tp, self.pp) != (1, 1):
+            raise ValueError(f"trainer.tp and trainer.pp need trainer.backend=megatron, got tp={self.tp}, pp={self.pp}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"trainer.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"trainer.betas must be two numbers in [0, 1), got {list(self.betas)}")
-        for name in ("nproc", "micro_batch_tokens", "updates_per_step"):
+        for name in ("nproc", "tp", "pp", "micro_batch_tokens", "updates_per_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("lr", "warmup_steps", "weight_decay", "grad_clip", "cpu_threads"):
@@ -370,6 +448,9 @@ class RunConfig:
     run_dir: str = "runs/latest"
     steps: int = 10  # RL steps
     seed: int = 0
+    # sync: rollout, then train, then push. async: the rollout keeps going while the trainer
+    # trains, on weights up to buffer.max_staleness versions old (0: the same as sync).
+    mode: str = "sync"
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -380,6 +461,10 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"mode must be sync or async, got {self.mode!r}")
 
 
 def load_run_config(path: str | None, overrides: list[str] = (), **named: Any) -> RunConfig:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -37,8 +38,12 @@ def init_custom_process_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     timeout = timeout or c10d.default_pg_timeout
-    store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    url = urlparse(init_method)
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        raise ValueError(f"init_method must be tcp://HOST:PORT, got {init_method!r}")
+    # The store built here, not by `dist.rendezvous`: under torchrun (TORCHELASTIC_USE_AGENT_STORE)
+    # that would make rank 0 a client of a store nobody hosts, and the group would never form.
+    store = dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
     store = dist.PrefixStore(group_name, store)
     # An empty rank list makes torch build it like a default group: this process is a member
     # with the given rank, whether or not a default group exists.

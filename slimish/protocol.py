@@ -169,6 +169,15 @@ class MetaInfo(BaseModel):
     output_top_logprobs: list[Any] | None = None
     input_token_ids_logprobs: list[Any] | None = None
     output_token_ids_logprobs: list[Any] | None = None
+    # slimish's engine (optional extra, PROTOCOL.md 1.3): which weights made which output tokens,
+    # `[{"version", "start", "end"}]`, when a request outlived a weight update.
+    weight_versions: list[dict[str, Any]] | None = None
+
+    def output_versions(self) -> list[str]:
+        """The versions that made the output tokens, in order; just `weight_version` when the
+        engine reports no spans (SGLang): then a request that outlived an update counts as the newer."""
+        spans = [span["version"] for span in self.weight_versions or []]
+        return spans or [self.weight_version]
 
 
 class GenerateResponse(BaseModel):

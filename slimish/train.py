@@ -7,16 +7,24 @@ One step, in sync mode:
 
     rollout (rank 0) -> broadcast the batch -> train_step (all ranks) -> push weights (rank 0)
 
+In async mode (`mode: async`, `buffer.max_staleness` >= 1) the rollout never stops: the manager
+produces groups on its thread while the trainer trains, and a step starts by taking a batch no
+staler than the bound from the buffer (waiting only when there is none yet).
+
 `slimish train ...` is the same loop; it launches torchrun itself when `trainer.nproc` > 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import os
 import random
 import sys
 import time
+from collections import Counter
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,19 +34,19 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from slimish.buffer import Buffer
+from slimish.buffer import Buffer, group_version
 from slimish.config import RunConfig, load_run_config
-from slimish.launch.local import Servers, local_servers
+from slimish.launch import Servers, start_servers
 from slimish.loop_thread import LoopThread
 from slimish.metrics import RunLog
 from slimish.rollout.api import RolloutRuntime
 from slimish.rollout.data import PromptData, eval_rows
 from slimish.rollout.manager import RolloutManager
-from slimish.trainer import checkpoint
+from slimish.trainer import checkpoint, make_trainer
+from slimish.trainer.base import Trainer
 from slimish.trainer.sft import sft_batches
-from slimish.trainer.torch_backend import TorchTrainer
 from slimish.trainer.weight_sync import WeightSync
-from slimish.types import Sample
+from slimish.types import Sample, version_number
 
 T = TypeVar("T")
 
@@ -70,21 +78,66 @@ class Driver:
         self.buffer = Buffer(cfg.buffer.max_staleness)
         self.manager = RolloutManager.from_config(self.runtime, PromptData(cfg.data), self.buffer)
         self.eval_rows = eval_rows(cfg.data, cfg.rollout.eval_n_prompts)
+        self.servers = servers
         self.sync = WeightSync(cfg.weight_sync, servers.engine_urls, cfg.launch.api_key)
-        stack.callback(self.sync.close)
+        stack.callback(lambda: self.sync.close())  # the one in use then: a restart replaces it
         self.log = RunLog(cfg.run_dir, cfg.steps, start_step)
         stack.callback(self.log.close)
         self.trained = open(Path(cfg.run_dir) / "trained_prompts.jsonl", "a")
         stack.callback(self.trained.close)
+        self.producer: asyncio.Task | None = None  # async mode: the manager's `produce`
+        self.stop = asyncio.Event()
+
+    def start_producing(self, version: int, stack: ExitStack) -> None:
+        """Async mode: the rollout runs from now on, beside training; stopped (its leftovers
+        requeued) when the run ends."""
+
+        async def start() -> asyncio.Task:
+            await self.manager.set_version(version)
+            return asyncio.create_task(self.manager.produce(self.stop))
+
+        async def stop() -> None:
+            self.stop.set()
+            await asyncio.gather(self.producer, return_exceptions=True)
+
+        self.producer = self.loop.run(start())
+        stack.callback(lambda: self.loop.run(stop()))
 
     def rollout(self, version: int) -> tuple[list[list[Sample]], dict[str, float]]:
-        stats = self.loop.run(self.manager.run_step(version))
-        groups = self.buffer.get_batch(self.cfg.rollout.rollout_batch_size, self.cfg.buffer.max_staleness, version)
-        metrics = {f"rollout/{k}": float(v) for k, v in stats.items() if isinstance(v, (int, float))}
+        """The step's batch and its rollout metrics; `time/rollout` is how long the trainer waited."""
+        n = self.cfg.rollout.rollout_batch_size
+        if self.producer is None:
+            stats = self.loop.run(self.manager.run_step(version))
+            groups = self.buffer.get_batch(n, self.cfg.buffer.max_staleness, version)
+            waited = stats["seconds"]
+        else:
+            groups, stats = self.loop.run(self.manager.next_batch(n, self.producer))
+            waited = stats["wait_seconds"]
+        metrics = {f"rollout/{k}": float(v) for k, v in stats.items() if isinstance(v, (int, float)) and k != "seconds"}
         for reason, n in stats["filter_reasons"].items():
             metrics[f"rollout/filtered/{reason}"] = float(n)
-        metrics["time/rollout"] = metrics.pop("rollout/seconds")
+        staleness = Counter(version - group_version(g) for g in groups)
+        for lag, count in sorted(staleness.items()):
+            metrics[f"rollout/staleness/{lag}"] = float(count)
+        metrics["rollout/staleness_max"] = float(max(staleness, default=0))
+        metrics["rollout/dropped_stale_groups"] = float(self.buffer.dropped_stale)  # ever: never trained
+        metrics["time/rollout"] = waited
         return groups, metrics
+
+    def push(self, tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        """Every engine serves `version` after this. An engine of ours that died (the router has
+        routed around it since) is started again first and joins a new weight-update group:
+        it serves nothing until this push has set all its weights."""
+        restarted = self.servers.restart_dead(self.cfg.launch.start_timeout)
+        if restarted:
+            self.log.message(f"engines {', '.join(restarted)} had exited: restarted, they serve from version {version} on")
+            self.sync.close()
+            self.sync = WeightSync(self.cfg.weight_sync, self.servers.engine_urls, self.cfg.launch.api_key)
+            self.sync.connect()
+        metrics = {"time/weight_push": self.sync.push(tensors, str(version))["seconds"], "launch/engines_restarted": float(len(restarted))}
+        if self.producer is not None:
+            self.loop.run(self.manager.set_version(version))
+        return metrics
 
     def evaluate(self) -> dict[str, float]:
         if not self.eval_rows:
@@ -93,15 +146,20 @@ class Driver:
         return {f"eval/{k.removesuffix('_mean')}": v for k, v in results.items()}
 
     def record_trained(self, step: int, groups: list[list[Sample]]) -> None:
-        """Which prompts this step trained on: the resume test audits this file."""
-        import json
-
+        """Which prompts this step trained on, and the weight versions of their tokens: the
+        resume and async tests audit this file."""
         ids = [g[0].group_id for g in groups]
-        self.trained.write(json.dumps({"step": step, "group_ids": ids}) + "\n")
+        versions = [sorted({version_number(v) for s in g for v in s.weight_versions}) for g in groups]
+        self.trained.write(json.dumps({"step": step, "group_ids": ids, "versions": versions}) + "\n")
         self.trained.flush()
 
     def state(self) -> dict[str, Any]:
-        return {"manager": self.manager.state_dict(), "buffer": self.buffer.state_dict()}
+        """Taken on the rollout thread: in async mode groups are still arriving."""
+
+        async def state() -> dict[str, Any]:
+            return {"manager": self.manager.state_dict(), "buffer": self.buffer.state_dict()}
+
+        return self.loop.run(state())
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.manager.load_state_dict(state["manager"])
@@ -131,7 +189,7 @@ def broadcast(obj: T, world: int) -> T:
     return box[0]
 
 
-def warm_start(cfg: RunConfig, trainer: TorchTrainer, log: RunLog | None) -> None:
+def warm_start(cfg: RunConfig, trainer: Trainer, log: RunLog | None) -> None:
     """Supervised steps before RL (`sft.steps`); every rank gets the whole batch and trains on its share."""
     for i, batch in enumerate(sft_batches(cfg, trainer.tokenizer)):
         metrics = trainer.sft_step(batch)
@@ -151,10 +209,10 @@ def train(cfg: RunConfig) -> None:
     state = checkpoint.load(resume_from) if resume_from else None
     start_step = state["step"] if state else 0
     with ExitStack() as stack:
-        trainer = TorchTrainer(cfg)
+        trainer = make_trainer(cfg)
         driver = None
         if rank == 0:
-            servers = stack.enter_context(local_servers(cfg.launch, cfg.model, Path(cfg.run_dir) / "logs"))
+            servers = stack.enter_context(start_servers(cfg.launch, cfg.model, Path(cfg.run_dir) / "logs"))
             driver = Driver(cfg, servers, stack, start_step)
         if state:
             trainer.load_state_dict(state["trainer"])
@@ -171,17 +229,24 @@ def train(cfg: RunConfig) -> None:
             if cfg.eval.every:
                 first.update(driver.evaluate())
             driver.log.log(start_step, first)
+            if cfg.mode == "async" and cfg.buffer.max_staleness > 0:
+                driver.start_producing(start_step, stack)
+        else:
+            for _ in trainer.hf_tensors():  # this rank's part of rank 0's push (Megatron gathers over TP / PP)
+                pass
         for step in range(start_step + 1, cfg.steps + 1):
             started = time.perf_counter()
             groups, metrics = driver.rollout(step - 1) if driver else (None, {})
             groups = broadcast(groups, world)
             metrics.update(trainer.train_step(groups, step))
             if driver is None:
+                for _ in trainer.hf_tensors():  # this rank's part of rank 0's push
+                    pass
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or step == cfg.steps:
+                    trainer.state_dict()  # this rank's part of rank 0's (Megatron gathers the shards)
                     dist.barrier()  # rank 0 is writing the checkpoint
                 continue
-            push = driver.sync.push(trainer.hf_tensors(), str(step))
-            metrics["time/weight_push"] = push["seconds"]
+            metrics.update(driver.push(trainer.hf_tensors(), step))
             driver.record_trained(step, groups)
             if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
                 metrics.update(driver.evaluate())
@@ -193,9 +258,10 @@ def train(cfg: RunConfig) -> None:
                 if world > 1:
                     dist.barrier()
             metrics["time/step"] = time.perf_counter() - started
+            metrics["time/trainer_idle_fraction"] = metrics["time/rollout"] / metrics["time/step"]
             driver.log.log(step, metrics)
+        trainer.save_hf(Path(cfg.run_dir) / "hf")  # every rank takes part; rank 0 writes
         if driver:
-            trainer.save_hf(Path(cfg.run_dir) / "hf")
             driver.log.message(f"done: {cfg.steps} steps; HF export in {Path(cfg.run_dir) / 'hf'}")
     if world > 1:
         dist.destroy_process_group()

@@ -33,6 +33,7 @@ class GenerateResult:
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: str
     prompt_tokens: int = 0
+    weight_versions: list[str] = field(default_factory=list)  # that made output_ids, in order (one unless it spans an update)
 
 
 @dataclass
@@ -65,13 +66,15 @@ class Sample:
             raise ValueError(f"sample {self.group_id}/{self.index}: set_prompt after {self.response_length} response tokens")
         self.tokens = list(ids)
 
-    def append_model(self, ids: list[int], logprobs: list[float], weight_version: str | None = None) -> None:
-        """Tokens the policy generated: trained on (mask 1), with the engine's logprobs."""
+    def append_model(self, ids: list[int], logprobs: list[float], weight_version: str | list[str] | None = None) -> None:
+        """Tokens the policy generated: trained on (mask 1), with the engine's logprobs and the
+        weight version(s) that made them (a list when they span a weight update)."""
         if len(ids) != len(logprobs):
             raise ValueError(f"sample {self.group_id}/{self.index}: {len(ids)} ids but {len(logprobs)} logprobs")
         self._append(ids, [1] * len(ids), list(logprobs))
-        if weight_version is not None and (not self.weight_versions or self.weight_versions[-1] != weight_version):
-            self.weight_versions.append(weight_version)
+        for version in [weight_version] if isinstance(weight_version, str) else weight_version or []:
+            if not self.weight_versions or self.weight_versions[-1] != version:
+                self.weight_versions.append(version)
 
     def append_env(self, ids: list[int]) -> None:
         """Tokens from the environment (tool output, user turns): in context, not trained on."""

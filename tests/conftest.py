@@ -7,6 +7,10 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # notes/cpu-runtime.md: 2 threads were 5x slower here
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import json  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
@@ -83,3 +87,93 @@ def running_router(**settings) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_quickstart(tmp_path: Path, *overrides: str, timeout: float = 1200) -> list[dict]:
+    """`python -m slimish.train --config configs/quickstart.yaml`, shortened by `overrides`, on a
+    fresh tiny model as `make demo` builds it; its metrics rows (it must exit 0)."""
+    from slimish.metrics import read_metrics
+    from slimish.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", arch="llama", size="tiny", seed=0)
+    argv = [sys.executable, "-m", "slimish.train", "--config", str(ROOT / "configs/quickstart.yaml"),
+            f"model={model}", f"run_dir={tmp_path / 'run'}", "checkpoint.every=0", *overrides]  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return read_metrics(tmp_path / "run")
+
+
+def torchrun_ranks(worker: Path, args: list[str], out: Path, timeout: float = 300) -> dict[int, dict]:
+    """`worker args...` on 2 torchrun ranks; each writes `out/rank{r}.json` (an `error` key when
+    it failed). Own session, so a hung run is killed with all its ranks."""
+    from slimish.launch.local import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(worker), *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"{worker.name} did not finish within {timeout:.0f} s:\n{stderr[-4000:]}")
+    results = {}
+    for rank in (0, 1):
+        path = out / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no results (rc={proc.returncode}):\n{stderr[-4000:]}"
+        results[rank] = json.loads(path.read_text())
+        assert "error" not in results[rank], f"rank {rank} failed:\n{results[rank]['error']}"
+    assert proc.returncode == 0, stderr[-4000:]
+    return results
+
+
+# A rollout plugin that kills one engine while the first group of step 3 starts (4 groups a step,
+# no filter), once; `{kill}` is the body of `kill_one_engine()`.
+KILL_PLUGIN = """
+import os, signal
+from pathlib import Path
+from rollout_plugins import math
+
+def kill_one_engine():
+{kill}
+
+async def rollout(ctx, sample):
+    marker = Path(os.environ["KILL_MARKER"])
+    if sample.group_id == 8 and sample.index == 0 and not marker.exists():
+        marker.write_text("killed")
+        kill_one_engine()
+    return await math.rollout(ctx, sample)
+"""
+
+
+def assert_run_survives_an_engine_kill(tmp_path: Path, kill: str, *overrides: str, env: dict[str, str] | None = None) -> None:
+    """A 4-step run on 2 engines in which `kill` kills one mid-rollout of step 3: the router
+    retries its requests elsewhere, the run restarts it before the next push, and the run
+    finishes with every prompt trained once, none failed, and step 4 on step 3's weights."""
+    from slimish.metrics import read_metrics
+    from slimish.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", arch="llama", size="tiny", seed=0)
+    plugin = tmp_path / "kill_plugin.py"
+    plugin.write_text(KILL_PLUGIN.replace("{kill}", "\n".join("    " + line for line in kill.strip().splitlines())))
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "slimish.train", f"model={model}", f"run_dir={run_dir}", "steps=4",
+            "data.source=task:max_digit", "launch.engines=2", f"rollout.rollout_fn={plugin}:rollout",
+            "rollout.filter_fn=null", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
+            "rollout.max_new_tokens=8", "eval.every=0", "checkpoint.every=0", *overrides]  # fmt: skip
+    env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "KILL_MARKER": str(tmp_path / "killed")}
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "killed").exists()  # the fault did happen
+
+    rows = [r for r in read_metrics(run_dir) if r["step"] >= 1]
+    assert [r["launch/engines_restarted"] for r in rows] == [0.0, 0.0, 1.0, 0.0]
+    assert sum(r["rollout/groups_failed"] for r in rows) == 0  # the router retried the dead engine's requests
+    trained = [json.loads(line) for line in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
+    assert sorted(i for t in trained for i in t["group_ids"]) == list(range(16))  # every prompt once
+    assert trained[-1]["versions"] == [[3]] * 4  # step 4 ran on the weights pushed after step 3, both engines
+    assert "had exited: restarted" in done.stdout + done.stderr

@@ -229,6 +229,17 @@ def test_tis_weights_truncate_and_detach():
     assert not w.requires_grad
 
 
+def test_mis_weights_mask_what_tis_would_truncate():
+    old = t([[LN3, math.log(0.5), math.log(1.5), 7.0]])
+    exact(A.mis_weights(old, torch.zeros(1, 4), t([[1, 1, 1, 0]]), cap=2.0), [[0.0, 0.5, 1.5, 1.0]])  # 3 > cap: dropped
+    cfg = AlgorithmConfig(mis_cap=2.0)
+    ones = torch.ones(1, 4)
+    _, stats = A.rl_loss(cfg, old.clone(), old.clone(), ones, t([[1, 1, 1, 0]]), rollout_logprobs=torch.zeros(1, 4))
+    exact(stats["tis"], 2.0)  # 0 + 0.5 + 1.5 over the trained tokens
+    with pytest.raises(ValueError, match="set one importance-sampling correction"):
+        AlgorithmConfig(tis_cap=2.0, mis_cap=2.0)
+
+
 def test_entropy_logprobs_sft_hand_computed():
     logits = t([[[0.0, 0.0], [0.0, LN3]]])  # p = (.5, .5) and (.25, .75)
     exact(A.entropy_from_logits(logits), [[LN2, -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]])

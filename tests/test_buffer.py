@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 from slimish.buffer import Buffer, group_version
+from slimish.protocol import GenerateResponse, MetaInfo
+from slimish.rollout.api import to_result
 from slimish.types import Sample
 
 
@@ -50,3 +52,18 @@ def test_state_round_trips_through_json() -> None:
     assert restored.dropped_stale == 1 and len(restored) == 1
     (group,) = restored.get_batch(1, current_version=1)
     assert [s.to_dict() for s in group] == [s.to_dict() for s in _group(2, "1", "1")]
+
+
+def test_a_request_that_outlived_an_update_ages_its_group_by_its_oldest_tokens() -> None:
+    """The engine reports which version made which output tokens; the sample keeps them all, so a
+    group is as old as its first tokens, not its last (else retract / in_place would hide staleness)."""
+    spans = [{"version": "2", "start": 0, "end": 3}, {"version": "3", "start": 3, "end": 5}]
+    meta = {"id": "r", "prompt_tokens": 2, "completion_tokens": 5, "weight_version": "3",
+            "output_token_logprobs": [[-0.1, t, None] for t in range(5)], "finish_reason": {"type": "length"}}  # fmt: skip
+    result = to_result(GenerateResponse(text="", output_ids=list(range(5)), meta_info=MetaInfo(**meta, weight_versions=spans)))
+    assert result.weight_versions == ["2", "3"]
+    s = Sample(prompt="p", tokens=[1, 2])
+    s.append_model(result.output_ids, result.logprobs, result.weight_versions)
+    s.append_model([7], [-0.2], "3")
+    assert s.weight_versions == ["2", "3"] and group_version([s]) == 2
+    assert MetaInfo(**meta).output_versions() == ["3"]  # an engine without spans (SGLang): the final version

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 
 import httpx
@@ -431,11 +432,39 @@ def test_schema_errors_name_the_field(engine, body, field):
         ({"input_ids": [1, 2], "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
         ({"input_ids": [1, 2], "logprob_start_len": 5, "return_logprob": True}, "logprob_start_len"),
         ({"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params.n"),
+        # Found by tests/test_fuzz.py (each was a 500, or a scheduler step that aborted everyone):
+        ({"text": []}, "text: an empty batch"),
+        ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params: got 1 values for 2 prompts"),
+        ({"input_ids": [[1], [2]], "logprob_start_len": [0]}, "logprob_start_len: got 1 values for 2 prompts"),
+        ({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [2**70]}}, "sampling_params.stop_token_ids: token id"),
+        ({"input_ids": [1, 2], "sampling_params": {"sampling_seed": 2**64}}, "sampling_params.sampling_seed"),
+        ({"input_ids": [1, 2], "sampling_params": {"stop_regex": "("}}, "sampling_params.stop_regex: '(' is not a valid"),
+        ({"input_ids": [1, 2], "sampling_params": {"logit_bias": {"\u00b2": 1.0}}}, "sampling_params.logit_bias: keys"),
+        ({"text": "a\ud800"}, "lone surrogate"),
     ],
 )
 def test_request_errors_name_the_field(engine, body, words):
-    r = post(engine, "/generate", body)
+    r = httpx.post(engine + "/generate", content=json.dumps(body), timeout=60)  # ASCII JSON: "\ud800" escaped
     assert r.status_code == 400 and words in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "params, top",
+    [
+        ({"temperature": 5e-324}, 0),  # below SGLang's 1e-6: greedy, as SGLang
+        ({"repetition_penalty": 5e-324}, 0),  # a logit divided by it is +inf
+        ({"logit_bias": {"3": 1.7e308, "4": -1.7e308}}, 5),  # log 0 among the top logprobs
+        ({"min_new_tokens": 2}, 2000),  # the masked EOS is -inf
+    ],
+)
+def test_extreme_sampling_values_give_finite_json(engine, params, top):
+    """Each was a 500 (NaN or -inf logprobs are not JSON); -inf alternatives come back as null."""
+    out = generate(engine, input_ids=PROMPTS[0], return_logprob=True, top_logprobs_num=top,
+                   sampling_params={"max_new_tokens": 2, **params})  # fmt: skip
+    lps = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    assert len(lps) == 2 and all(math.isfinite(lp) for lp in lps)
+    if params.get("temperature") is not None:
+        assert out["output_ids"] == generate(engine, input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 2})["output_ids"]
 
 
 def test_malformed_json_and_server_keeps_serving(engine):

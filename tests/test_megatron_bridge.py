@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +23,7 @@ if importlib.util.find_spec("megatron.core") is None:
 
 from megatron_bridge.config import from_hf, load_hf_config  # noqa: E402
 from megatron_bridge.convert import hf_to_shards, shards_to_hf  # noqa: E402
-from slimish.launch.local import free_port  # noqa: E402
+from conftest import torchrun_ranks  # noqa: E402
 from slimish.tiny_model import make_tiny_model  # noqa: E402
 
 WORKER = Path(__file__).with_name("megatron_worker.py")
@@ -99,27 +97,9 @@ def results(models: dict[str, Path], convert_shards: Path, tmp_path_factory: pyt
     spec = out / "spec.json"
     paths = {k: str(v) for k, v in models.items()}
     spec.write_text(json.dumps({"models": paths, "tp2": TP2_ARCHS, "convert_shards": str(convert_shards)}))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port()), str(WORKER), str(spec), str(out),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    # Own session, so that a hung run is killed with all its ranks (torchrun's children included).
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        pytest.fail(f"megatron worker did not finish within 300 s:\n{stderr[-4000:]}")
     merged: dict = {}
-    for rank in (0, 1):
-        path = out / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no results (rc={proc.returncode}):\n{stderr[-4000:]}"
-        data = json.loads(path.read_text())
-        assert "error" not in data, f"rank {rank} failed:\n{data['error']}"
+    for rank, data in torchrun_ranks(WORKER, [str(spec), str(out)], out).items():
         merged.update({f"r{rank}:{k}": v for k, v in data.items()})
-    assert proc.returncode == 0, stderr[-4000:]
     return merged
 
 

@@ -24,6 +24,7 @@ from slimish.rollout.chat import ChatTokens
 from slimish.rollout.data import PromptData, eval_rows
 from slimish.rollout.filters import nonzero_std
 from slimish.rollout.manager import RolloutManager, RolloutStalled
+from slimish.protocol import DEFAULT_WEIGHT_VERSION
 from slimish.rollout.rewards import group_reward, math_reward
 from slimish.types import Sample, SampleStatus
 from rollout_plugins import math as math_plugin
@@ -310,6 +311,43 @@ def test_leftovers_are_aborted_requeued_and_partial_samples_resumed(servers: Ser
             kept = Sample.from_dict(partial[s.group_id][0])
             assert s.tokens[: len(kept.tokens)] == kept.tokens and s.rollout_logprobs[: kept.response_length] == kept.rollout_logprobs
     assert stats["partial_resumed"] == sum(len(p) for p in partial.values())
+
+
+def test_async_production_runs_ahead_by_the_staleness_bound(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
+    """`produce` starts groups only while the buffer owes the trainer at most 1 + max_staleness
+    batches: with bound 1 and no push, exactly two batches' prompts are taken; a push (the
+    engines' version and `set_version`) releases one more batch, made by the new version."""
+    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2",
+                   "buffer.max_staleness=1", "mode=async")  # fmt: skip
+
+    async def set_engines_version(version: str) -> None:
+        for url in servers.engine_urls:
+            async with Client(url) as client:
+                assert (await client.update_weight_version(version)).success
+
+    async def body(m: RolloutManager) -> Any:
+        stop = asyncio.Event()
+        producer = asyncio.create_task(m.produce(stop))
+        try:
+            first, _ = await m.next_batch(2, producer)
+            second, stats = await m.next_batch(2, producer)
+            taken_before_push = m.counters["prompts_taken"], len(m._inflight)
+            await set_engines_version("1")
+            await m.set_version(1)
+            third, _ = await m.next_batch(2, producer)
+        finally:
+            stop.set()
+            await producer
+            await set_engines_version(DEFAULT_WEIGHT_VERSION)
+        return first, second, third, stats, taken_before_push, m
+
+    first, second, third, stats, taken_before_push, m = run_manager(cfg, servers.router_url, math_plugin.rollout, body)
+    assert taken_before_push == (4, 0)
+    assert [g[0].group_id for g in first + second] == [0, 1, 2, 3]
+    assert {v for g in first + second for s in g for v in s.weight_versions} == {DEFAULT_WEIGHT_VERSION}
+    assert [g[0].group_id for g in third] == [4, 5] and {v for g in third for s in g for v in s.weight_versions} == {"1"}
+    assert 0.0 <= stats["engine_idle_fraction"] <= 1.0
+    assert accounted(m) and m.counters["prompts_taken"] == 6 + len(m.requeued)
 
 
 async def record_temperature(ctx, sample):

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from slimish.trainer.checkpoint import checkpoint_dir
+
 pytestmark = pytest.mark.slow
 
 STEPS, GROUPS = 6, 2
@@ -68,3 +70,57 @@ def test_sigkill_then_resume_trains_every_prompt_once(tiny_model_dir: Path, tmp_
     assert len(trained) == len(set(trained)) == STEPS * GROUPS, trained
     assert sorted(trained) == list(range(STEPS * GROUPS))  # the data stream in order: nothing skipped
     assert (run_dir / "hf" / "config.json").exists()
+
+
+# The trainer killed at a chosen point of step KILL_STEP, from inside: this launcher patches the
+# point to SIGKILL its own process, then runs `python -m slimish.train` as usual.
+KILL_STEP = 3
+KILLER = '''
+import os, signal, sys
+point, at = sys.argv.pop(1), int(sys.argv.pop(1))
+die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+def wrap(owner, name, before=None, after=None):
+    original = getattr(owner, name)
+    def patched(*args, **kwargs):
+        if before and before(*args, **kwargs): die()
+        out = original(*args, **kwargs)
+        if after and after(*args, **kwargs): die()
+        return out
+    setattr(owner, name, patched)
+from slimish.rollout.manager import RolloutManager
+from slimish.trainer import checkpoint
+from slimish.trainer.torch_backend import TorchTrainer
+from slimish.trainer.weight_sync import WeightSync
+if point == "rollout":  # while the step's second group is being taken: the first is in flight
+    wrap(RolloutManager, "_take", before=lambda self, v: self.next_group_id == (at - 1) * {groups} + 1)
+elif point == "train":  # the step's gradients applied, nothing pushed or saved
+    wrap(TorchTrainer, "train_step", after=lambda self, groups, step: step == at)
+elif point == "push":  # the engines paused, the broadcast not begun
+    wrap(WeightSync, "_push_buckets", before=lambda self, named, version: version == str(at))
+elif point == "checkpoint":  # the state written to the temporary directory, not yet renamed
+    wrap(checkpoint, "_fsync_dir", before=lambda path: path.name.startswith(".tmp-step_%08d" % at))
+from slimish.train import main
+sys.exit(main(sys.argv[1:]))
+'''.replace("{groups}", str(GROUPS))
+
+
+@pytest.mark.parametrize("point", ["rollout", "train", "push", "checkpoint"])
+def test_killed_at_a_chosen_point_resumes_training_every_prompt_once(tiny_model_dir: Path, tmp_path: Path, point: str) -> None:
+    data, run_dir = _prompts(tmp_path / "prompts.jsonl", 100), tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = _argv(tiny_model_dir, run_dir, data)
+    killer = [sys.executable, "-c", KILLER, point, str(KILL_STEP), *argv[3:]]
+    first = subprocess.run(killer, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == -9, first.stderr[-3000:]
+    saved = sorted(p.name for p in checkpoint_dir(run_dir).iterdir())
+    assert saved[-1] == f"step_{KILL_STEP - 1:08d}", saved  # the killed step's checkpoint is not there
+    assert (point == "checkpoint") == any(name.startswith(".tmp-") for name in saved)  # killed mid-write: ignored
+    second = subprocess.run(_argv(tiny_model_dir, run_dir, data, "--resume", "auto"), env=env,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert second.returncode == 0, second.stderr[-3000:]
+    lineage: dict[int, list[int]] = {}
+    for row in _trained(run_dir):
+        lineage[row["step"]] = row["group_ids"]
+    trained = [gid for step in sorted(lineage) for gid in lineage[step]]
+    assert sorted(lineage) == list(range(1, STEPS + 1))
+    assert sorted(trained) == list(range(STEPS * GROUPS))  # every prompt exactly once

@@ -24,6 +24,8 @@ from slimish.distributed import init_custom_process_group
 from slimish.launch.local import engine_process, free_port, start_all
 from slimish.trainer.torch_backend import TorchTrainer
 from slimish.trainer.weight_sync import WeightSync, WeightSyncError
+from slimish.protocol import GenerateResponse
+from slimish.rollout.api import to_result
 from slimish.types import Sample
 
 WAIT_S = 120.0
@@ -193,10 +195,8 @@ def rollouts(url: str, prompts: list[list[int]], n: int, seed: int) -> list[list
         for k in range(n):
             params = {"temperature": 1.0, "max_new_tokens": 8, "sampling_seed": seed * 1000 + g * 10 + k}
             out = generate(url, prompt, params)
-            s = Sample(prompt="", group_id=g, index=k)
-            s.set_prompt(prompt)
-            s.append_model(out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]],
-                           out["meta_info"]["weight_version"])  # fmt: skip
+            s, reply = Sample(prompt="", tokens=list(prompt), group_id=g, index=k), to_result(GenerateResponse(**out))
+            s.append_model(reply.output_ids, reply.logprobs, reply.weight_versions)
             s.reward = float(out["output_ids"][0] % 2 == 0)
             group.append(s)
         groups.append(group)
@@ -267,10 +267,10 @@ def test_trainer_killed_mid_broadcast_leaves_torn_weights_that_the_engine_refuse
         child.join(timeout=WAIT_S)
         poster.join(timeout=WAIT_S)
         assert child.exitcode == -signal.SIGKILL
-        assert reply["success"] is False and "weights are torn" in reply["message"], reply
+        assert reply["success"] is False and "were half-received" in reply["message"], reply
 
         r = post(url, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
-        assert r.status_code == 503 and "weights are torn" in r.json()["error"]["message"], r.text
+        assert r.status_code == 503 and "weights are not whole" in r.json()["error"]["message"], r.text
         assert http().get(url + "/health").status_code == 503
         assert http().get(engines[1] + "/health").status_code == 200  # not in that group
 
@@ -283,3 +283,25 @@ def test_trainer_killed_mid_broadcast_leaves_torn_weights_that_the_engine_refuse
         if child.is_alive():
             child.kill()
         child.join(timeout=10)
+
+
+def test_an_engine_started_to_await_weights_serves_only_after_a_full_push(tiny_model_dir, tmp_path):
+    """How a restarted engine rejoins a run: nothing is served (503, /health too) until every
+    parameter has been pushed, so the router cannot send it rollouts on its initial weights."""
+    proc = engine_process(tiny_model_dir, log_path=tmp_path / "engine.log", await_weights="true")
+    proc.health_path = "/model_info"  # /health is 503 by design until the push
+    try:
+        proc.start(WAIT_S)
+        assert http().get(proc.url + "/health").status_code == 503
+        r = post(proc.url, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
+        assert r.status_code == 503 and "have not been pushed" in r.json()["error"]["message"], r.text
+        model = hf_model(tiny_model_dir)
+        named = list(model.named_parameters())
+        with WeightSync(sync_config(group_name="late"), [proc.url]) as late:
+            late.push(named[:-1], "partial")  # all but one parameter: still not whole
+            assert http().get(proc.url + "/health").status_code == 503
+            late.push(named, "7")
+        assert http().get(proc.url + "/health").status_code == 200
+        assert generate(proc.url)["meta_info"]["weight_version"] == "7"
+    finally:
+        proc.stop()

@@ -8,6 +8,7 @@ through `Engine.submit`, so validation, tokenisation and reply building exist on
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from datetime import timedelta
@@ -34,6 +35,10 @@ class RequestError(ValueError):
 
 class Unavailable(RuntimeError):
     """The engine cannot serve now (503): its weights are torn by a failed broadcast."""
+
+
+class Overloaded(RuntimeError):
+    """The engine's queue is full (503 with `Retry-After`): retry later, or on another engine."""
 
 
 @dataclass
@@ -67,6 +72,8 @@ class Engine:
         self.eos_ids = _eos_ids(self.model_path, self.tokenizer)
         self.served_model_name = cfg.served_model_name or self.model_path
         self.weights = WeightUpdater(self.model, timeout=timedelta(seconds=cfg.weight_sync_timeout_s))
+        if cfg.await_weights:
+            self.weights.await_full_push()
         self.scheduler = Scheduler(
             Runner(self.model),
             max_running_requests=cfg.max_running_requests,
@@ -74,6 +81,9 @@ class Engine:
         )
         self.metrics = Metrics()
         self.started_at = time.time()
+        # Sequences submitted and not finished; only touched on the event loop's thread.
+        self.unfinished = 0
+        self.capacity = cfg.max_running_requests + cfg.max_queued_requests
 
     def start(self) -> None:
         self.scheduler.start()
@@ -90,12 +100,19 @@ class Engine:
     def items_from_generate(self, body: GenerateReqInput) -> list[Item]:
         """Expand a `/generate` body into items: batch order, then `n` copies of each prompt."""
         prompts = body.prompts()
+        if not prompts:
+            raise RequestError(f"{'text' if body.text is not None else 'input_ids'}: an empty batch has no prompt to generate from")
+        for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob"):
+            value = getattr(body, name)
+            per_item = isinstance(value, list) and (name != "token_ids_logprob" or (bool(value) and isinstance(value[0], list)))
+            if per_item and len(value) != len(prompts):
+                raise RequestError(f"{name}: got {len(value)} values for {len(prompts)} prompts (one per prompt, or one for all)")
         params = [body.per_item("sampling_params", i) for i in range(len(prompts))]
         if len({p.n for p in params}) > 1:
             raise RequestError("sampling_params.n: every item of a batch must use the same n")
-        if isinstance(body.rid, list) and len(body.rid) != len(prompts):
-            raise RequestError(f"rid: got {len(body.rid)} ids for {len(prompts)} prompts")
         n = params[0].n
+        self.check_size(len(prompts) * n, "sampling_params.n")
+        params = [self.capped(p) for p in params]
         batch = body.is_batch or n > 1
         base = body.rid if isinstance(body.rid, str) else uuid.uuid4().hex
         items = []
@@ -126,40 +143,87 @@ class Engine:
             raise RequestError(f"{field}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
+    def check_size(self, sequences: int, field: str) -> None:
+        """Before expanding a request: one that could never fit is a 400, not a 503 forever."""
+        if sequences > self.capacity:
+            raise RequestError(
+                f"{field}: the request makes {sequences} sequences (batch items x n); this engine holds at most "
+                f"{self.capacity} (--max-running-requests + --max-queued-requests)"
+            )
+
+    def default_max_new_tokens(self, default: int) -> int:
+        """A default the client did not choose is lowered to the cap (explicit values are checked)."""
+        cap = self.cfg.max_new_tokens_cap
+        return default if cap is None else min(default, cap)
+
+    def capped(self, params: SamplingParams) -> SamplingParams:
+        if "max_new_tokens" in params.model_fields_set:
+            return params
+        new = self.default_max_new_tokens(params.max_new_tokens)
+        return params if new == params.max_new_tokens else params.model_copy(update={"max_new_tokens": new})
+
     def check(self, item: Item) -> None:
         if (torn := self.weights.torn_error()) is not None:
             raise Unavailable(torn)
-        p, w, n_in = item.params, item.wish, len(item.input_ids)
+        p, w, n_in, cfg = item.params, item.wish, len(item.input_ids), self.cfg
         if (name := p.unsupported()) is not None:
             raise RequestError(f"sampling_params.{name}: constrained decoding is not supported by the built-in engine")
+        if cfg.max_prompt_tokens is not None and n_in > cfg.max_prompt_tokens:
+            raise RequestError(f"input_ids: the prompt has {n_in} tokens; this engine accepts at most {cfg.max_prompt_tokens} (--max-prompt-tokens)")
+        if cfg.max_new_tokens_cap is not None and p.max_new_tokens > cfg.max_new_tokens_cap:
+            raise RequestError(
+                f"sampling_params.max_new_tokens: {p.max_new_tokens} is over this engine's cap of {cfg.max_new_tokens_cap} (--max-new-tokens-cap)"
+            )
         if n_in + p.max_new_tokens > self.context_length:
             raise RequestError(
                 f"input_ids: the prompt ({n_in} tokens) plus sampling_params.max_new_tokens ({p.max_new_tokens}) "
                 f"exceeds the model's context length ({self.context_length} tokens)"
             )
+        if p.sampling_seed is not None and not -(2**63) <= p.sampling_seed <= 2**64 - p.n:
+            raise RequestError(f"sampling_params.sampling_seed: {p.sampling_seed} is outside [-2**63, 2**64 - n] (torch seeds are 64-bit)")
+        for rx in p.stop_regexes():
+            try:
+                re.compile(rx)
+            except re.error as exc:
+                raise RequestError(f"sampling_params.stop_regex: {rx!r} is not a valid regular expression ({exc})") from None
         if w.logprob_start_len >= n_in:
             raise RequestError(f"logprob_start_len: {w.logprob_start_len} must be smaller than the prompt length {n_in}")
         if w.top_logprobs_num < 0:
             raise RequestError("top_logprobs_num: must be >= 0")
-        for t in [*(w.token_ids_logprob or []), *(int(k) for k in (p.logit_bias or {}) if k.lstrip("-").isdigit())]:
-            if not 0 <= t < self.vocab_size:
-                raise RequestError(f"token_ids_logprob/logit_bias: token id {t} is outside the vocabulary")
-        if any(not k.lstrip("-").isdigit() for k in (p.logit_bias or {})):
+        if any(not (k.isascii() and k.lstrip("-").isdigit()) for k in (p.logit_bias or {})):
             raise RequestError("sampling_params.logit_bias: keys must be token ids written as strings")
+        for field, ids in (("token_ids_logprob", w.token_ids_logprob), ("sampling_params.stop_token_ids", p.stop_token_ids),
+                           ("sampling_params.logit_bias", [int(k) for k in p.logit_bias or {}])):  # fmt: skip
+            for t in ids or []:
+                if not 0 <= t < self.vocab_size:
+                    raise RequestError(f"{field}: token id {t} is outside the vocabulary [0, {self.vocab_size})")
 
-    async def submit(self, items: list[Item], stream: bool) -> AsyncIterator[tuple[list[Request], Update]]:
-        """Schedule the items; yield progress (every token when streaming, else only finishes).
+    def submit(self, items: list[Item], stream: bool) -> AsyncIterator[tuple[list[Request], Update]]:
+        """Schedule the items now (or raise Overloaded); iterate the result for their progress:
+        every token when streaming, else only finishes.
 
-        If the consumer stops early (client gone), the unfinished items are aborted.
+        Scheduling happens here, not on first iteration, so the queue limit is exact and a full
+        engine is refused before a stream's headers go out. If the consumer stops early (client
+        gone), the unfinished items are aborted; if it never starts, they run to their end.
         """
+        if self.unfinished + len(items) > self.capacity:
+            raise Overloaded(
+                f"the engine is full: {self.unfinished} sequences in flight, this request adds {len(items)}, "
+                f"the limit is {self.capacity} (--max-running-requests + --max-queued-requests); "
+                f"retry after {self.cfg.retry_after_s} s"
+            )
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Update] = asyncio.Queue()
         interval = max(1, self.cfg.stream_interval)
 
+        def deliver(update: Update) -> None:
+            self.unfinished -= update.finished
+            queue.put_nowait(update)
+
         def emitter(index: int):
             def emit(req: Request, finished: bool) -> None:
                 if finished or (stream and len(req.output_ids) % interval == 0):
-                    loop.call_soon_threadsafe(queue.put_nowait, Update(index, len(req.output_ids), finished))
+                    loop.call_soon_threadsafe(deliver, Update(index, len(req.output_ids), finished))
 
             return emit
 
@@ -176,8 +240,12 @@ class Engine:
             )
             for i, it in enumerate(items)
         ]
+        self.unfinished += len(reqs)
         for r in reqs:
             self.scheduler.submit(r)
+        return self._progress(reqs, queue)
+
+    async def _progress(self, reqs: list[Request], queue: asyncio.Queue[Update]) -> AsyncIterator[tuple[list[Request], Update]]:
         done = 0
         try:
             while done < len(reqs):

@@ -13,6 +13,7 @@ are the ids of the tokenizer's chat template.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import time
@@ -29,6 +30,7 @@ from slimish.engine.engine import Engine, Item, RequestError
 from slimish.engine.scheduler import LogprobWish
 from slimish.engine.scheduler import Request as Sequence
 from slimish.protocol import ChatCompletionRequest, CompletionRequest, SamplingParams, describe_validation_error
+from slimish.serving import load_json
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -59,8 +61,8 @@ def build_openai_router(engine: Engine) -> APIRouter:
             items, echoes = completion_items(engine, body)
         except OpenAIError as exc:
             return exc.response()
-        if body.stream:
-            return _sse(_completion_stream(engine, body, items, echoes))
+        if body.stream:  # scheduled before the headers go out: a full engine is a 503, not a broken stream
+            return _sse(_completion_stream(engine, body, items, echoes, engine.submit(items, stream=True)))
         reqs = await engine.generate(items)
         choices = [_completion_choice(engine, body, r, i, echoes[i]) for i, r in enumerate(reqs)]
         return JSONResponse(_final(engine, "text_completion", body, items, choices, reqs))
@@ -73,7 +75,7 @@ def build_openai_router(engine: Engine) -> APIRouter:
         except OpenAIError as exc:
             return exc.response()
         if body.stream:
-            return _sse(_chat_stream(engine, body, items))
+            return _sse(_chat_stream(engine, body, items, engine.submit(items, stream=True)))
         reqs = await engine.generate(items)
         choices = [_chat_choice(engine, body, r, i) for i, r in enumerate(reqs)]
         return JSONResponse(_final(engine, "chat.completion", body, items, choices, reqs))
@@ -87,7 +89,7 @@ def build_openai_router(engine: Engine) -> APIRouter:
 async def parse_body(request: Request, model: type[M]) -> M:
     raw = await request.body()
     try:
-        data = json.loads(raw)
+        data = load_json(raw)
     except ValueError as exc:
         raise OpenAIError(f"body: malformed JSON ({exc})", "body") from None
     if not isinstance(data, dict):
@@ -118,6 +120,10 @@ def _items(engine: Engine, body: Any, prompts: list[list[int]], params: Sampling
     """n items per prompt, prompt-major; ids like `/generate` (`rid`, or `rid-i` for several)."""
     base = body.rid or f"{prefix}{uuid.uuid4().hex}"
     count = len(prompts) * body.n
+    try:
+        engine.check_size(count, "n")
+    except RequestError as exc:
+        raise _field_error(str(exc)) from None
     items = [Item(ids, params, base if count == 1 else f"{base}-{i * body.n + j}", wish) for i, ids in enumerate(prompts) for j in range(body.n)]
     for item in items:
         try:
@@ -139,6 +145,8 @@ def completion_items(engine: Engine, body: CompletionRequest) -> tuple[list[Item
     except RequestError as exc:
         raise _field_error(str(exc)) from None
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    if "max_tokens" not in body.model_fields_set or body.max_tokens is None:
+        max_tokens = engine.default_max_new_tokens(max_tokens)
     if max_tokens < 1:
         raise OpenAIError(f"max_tokens: must be at least 1, got {max_tokens}", "max_tokens")
     want = body.logprobs is not None
@@ -160,7 +168,7 @@ def chat_items(engine: Engine, body: ChatCompletionRequest) -> list[Item]:
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:  # SGLang: up to the end of the context
-        max_tokens = engine.context_length - len(ids)
+        max_tokens = engine.default_max_new_tokens(engine.context_length - len(ids))
         if max_tokens < 1:
             raise OpenAIError(f"messages: the prompt ({len(ids)} tokens) fills the model's context length ({engine.context_length} tokens)", "messages")
     if max_tokens < 1:
@@ -176,6 +184,10 @@ def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
     """Prompt ids from the tokenizer's chat template, with SGLang's message normalisation."""
     messages = [template_message(m, i) for i, m in enumerate(body.messages)]
     tools = body.tools if tools_active(body) else None
+    params = inspect.signature(tokenizer.apply_chat_template).parameters
+    for key in body.chat_template_kwargs or {}:
+        if key in params and params[key].kind is not inspect.Parameter.VAR_KEYWORD:  # would change the call, not the template
+            raise OpenAIError(f"chat_template_kwargs.{key}: an argument of apply_chat_template, not a template variable", "chat_template_kwargs")
     try:
         ids = tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False, **(body.chat_template_kwargs or {})
@@ -401,10 +413,11 @@ class _Sent:
         return new
 
 
-async def _completion_stream(engine: Engine, body: CompletionRequest, items: list[Item], echoes: list[str]) -> AsyncIterator[dict[str, Any]]:
+async def _completion_stream(engine: Engine, body: CompletionRequest, items: list[Item], echoes: list[str],
+                             progress: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
     header, sent = _Header(engine, "text_completion", body, items), _Sent(len(items))
     reqs: list[Sequence] = []
-    async with aclosing(engine.submit(items, stream=True)) as updates:  # a client gone aborts
+    async with aclosing(progress) as updates:  # a client gone aborts
         async for reqs, up in updates:
             i, req = up.index, reqs[up.index]
             start, first = sent.tokens[i], sent.tokens[i] == 0
@@ -427,7 +440,7 @@ async def _completion_stream(engine: Engine, body: CompletionRequest, items: lis
         yield header([], usage=_usage(reqs, body.n))
 
 
-async def _chat_stream(engine: Engine, body: ChatCompletionRequest, items: list[Item]) -> AsyncIterator[dict[str, Any]]:
+async def _chat_stream(engine: Engine, body: ChatCompletionRequest, items: list[Item], progress: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
     """SGLang's chunk order per choice: role, content deltas (with their logprobs), finish.
 
     With tools, content is streamed only up to a possible `<tool_call>`; the rest of the content
@@ -440,7 +453,7 @@ async def _chat_stream(engine: Engine, body: ChatCompletionRequest, items: list[
     def chunk(i: int, delta: dict[str, Any], logprobs: Any = None, reason: str | None = None, matched: Any = None) -> dict[str, Any]:
         return header([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason, "matched_stop": matched}])
 
-    async with aclosing(engine.submit(items, stream=True)) as updates:
+    async with aclosing(progress) as updates:
         async for reqs, up in updates:
             i, req = up.index, reqs[up.index]
             start = sent.tokens[i]

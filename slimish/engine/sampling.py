@@ -12,6 +12,14 @@ import torch
 
 from slimish.protocol import TOP_K_OFF, SamplingParams
 
+# As SGLang: a temperature below this samples greedily (dividing the logits by it would overflow).
+SAMPLING_EPS = 1e-6
+
+
+def temperature_of(p: SamplingParams) -> float:
+    """The temperature logprobs use: 1 for greedy requests (T = 0 or below SAMPLING_EPS)."""
+    return p.temperature if p.temperature >= SAMPLING_EPS else 1.0
+
 
 @dataclass
 class RowState:
@@ -65,10 +73,13 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> tuple[list[int], torch
     """
     logits = logits.clone()
     _adjust_logits(logits, rows)
-    temps = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows])
-    logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
-    tokens = logits.argmax(dim=-1)
-    sampled = [i for i, r in enumerate(rows) if r.params.temperature > 0]
+    temps = torch.tensor([temperature_of(r.params) for r in rows])
+    # Extreme penalties or biases can push a logit to +inf, where softmax turns to NaN; the
+    # largest finite value keeps the distribution (a -inf mask stays -inf).
+    scaled = (logits / temps[:, None]).clamp(max=torch.finfo(logits.dtype).max)
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    tokens = scaled.argmax(dim=-1)
+    sampled = [i for i, r in enumerate(rows) if r.params.temperature >= SAMPLING_EPS]
     if sampled:
         probs = logprobs[sampled].exp()
         for k, i in enumerate(sampled):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import re
 import threading
 import time
@@ -27,7 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from slimish.engine.runner import KVBatch, Runner
-from slimish.engine.sampling import RowState, sample
+from slimish.engine.sampling import RowState, sample, temperature_of
 from slimish.protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -298,8 +299,7 @@ class Scheduler:
 
     def _input_logprobs(self, req: Request, logits: torch.Tensor) -> None:
         """Logprobs of prompt tokens from `logprob_start_len` on; the first token has none."""
-        t = req.params.temperature if req.params.temperature > 0 else 1.0
-        lp = torch.log_softmax(logits / t, dim=-1)  # row j predicts token j+1
+        lp = torch.log_softmax(logits / temperature_of(req.params), dim=-1)  # row j predicts token j+1
         ids, start, w = req.input_ids, req.wish.logprob_start_len, req.wish
         positions = range(start, len(ids))
         req.input_logprobs = [None if j == 0 else float(lp[j - 1, ids[j]]) for j in positions]
@@ -309,10 +309,15 @@ class Scheduler:
             req.input_ids_logprobs = [None if j == 0 else _pick(lp[j - 1], w.token_ids_logprob) for j in positions]
 
 
-def _top(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
+def _top(logprobs: torch.Tensor, k: int) -> list[tuple[float | None, int]]:
     vals, ids = torch.topk(logprobs, min(k, logprobs.numel()))
-    return list(zip(vals.tolist(), ids.tolist()))
+    return list(zip(_finite(vals.tolist()), ids.tolist()))
 
 
-def _pick(logprobs: torch.Tensor, ids: list[int]) -> list[tuple[float, int]]:
-    return list(zip(logprobs[torch.tensor(ids)].tolist(), ids))
+def _pick(logprobs: torch.Tensor, ids: list[int]) -> list[tuple[float | None, int]]:
+    return list(zip(_finite(logprobs[torch.tensor(ids)].tolist()), ids))
+
+
+def _finite(values: list[float]) -> list[float | None]:
+    """log 0 of a masked token is -inf, which JSON cannot carry: null, as SGLang's orjson writes it."""
+    return [v if math.isfinite(v) else None for v in values]

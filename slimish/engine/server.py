@@ -22,15 +22,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import slimish
 from slimish.config import EngineConfig, add_config_arguments, config_from_args
-from slimish.engine.engine import Engine, Item, RequestError, Unavailable
+from slimish.serving import document_bodies, load_json, warn_if_exposed
+from slimish.engine.engine import Engine, Item, Overloaded, RequestError, Unavailable
 from slimish.engine.openai_api import build_openai_router
 from slimish.engine.scheduler import LogprobWish
 from slimish.protocol import (
     AbortReq,
     BeginWeightUpdateReq,
+    ChatCompletionRequest,
+    CompletionRequest,
     ContinueGenerationReq,
     DestroyWeightsUpdateGroupReq,
     GenerateReqInput,
@@ -65,8 +69,39 @@ class BadRequest(Exception):
         self.body = body
 
 
-def error_message(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"error": {"message": message}}, status_code=status)
+def error_message(message: str, status: int = 400, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status, headers=headers)
+
+
+class BodyTooLarge(Exception):
+    """Raised from `receive` when a body without a (truthful) Content-Length grows past the limit."""
+
+
+class BodyLimit:
+    """413 for request bodies over `limit` bytes, before they are read into memory: by the
+    declared Content-Length, else by counting the chunks as the route reads them."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            response = error_message(f"body: {int(declared)} bytes; this engine accepts at most {self.limit} (--max-body-bytes)", 413)
+            return await response(scope, receive, send)
+        size = 0
+
+        async def counted() -> Message:
+            nonlocal size
+            message = await receive()
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                raise BodyTooLarge()
+            return message
+
+        await self.app(scope, counted, send)
 
 
 async def parse(request: Request, model: type[M], empty_ok: bool = True) -> M:
@@ -76,7 +111,7 @@ async def parse(request: Request, model: type[M], empty_ok: bool = True) -> M:
         data: Any = {}
     else:
         try:
-            data = json.loads(raw)
+            data = load_json(raw)
         except ValueError as exc:
             raise BadRequest({"error": {"message": f"body: malformed JSON ({exc})"}}) from None
     if not isinstance(data, dict):
@@ -103,6 +138,7 @@ def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
 
     app = FastAPI(title="slimish engine", version=slimish.__version__, lifespan=lifespan)
     app.state.engine = engine
+    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
@@ -126,6 +162,14 @@ def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
     async def unavailable(_: Request, exc: Unavailable) -> JSONResponse:
         return error_message(str(exc), 503)
 
+    @app.exception_handler(Overloaded)
+    async def overloaded(_: Request, exc: Overloaded) -> JSONResponse:
+        return error_message(str(exc), 503, {"Retry-After": str(cfg.retry_after_s)})
+
+    @app.exception_handler(BodyTooLarge)
+    async def body_too_large(_: Request, exc: BodyTooLarge) -> JSONResponse:
+        return error_message(f"body: over {cfg.max_body_bytes} bytes, this engine's limit (--max-body-bytes)", 413)
+
     # ---- generation -------------------------------------------------------------------------
 
     @app.api_route("/generate", methods=["POST", "PUT"])
@@ -135,14 +179,15 @@ def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
         batch = body.is_batch or len(items) > 1
         text_lp = body.return_text_in_logprobs
         if body.stream:
-            return StreamingResponse(stream_native(items, batch, text_lp), media_type="text/event-stream")
+            updates = engine.submit(items, stream=True)  # scheduled now: a full engine is a 503, not a broken stream
+            return StreamingResponse(stream_native(updates, batch, text_lp), media_type="text/event-stream")
         reqs = await engine.generate(items)
         out = [engine.reply(r, len(r.output_ids), True, text_lp) for r in reqs]
         return JSONResponse(out if batch else out[0])
 
-    async def stream_native(items: list[Item], batch: bool, text_lp: bool) -> AsyncIterator[str]:
+    async def stream_native(progress: AsyncIterator[tuple[list[Any], Any]], batch: bool, text_lp: bool) -> AsyncIterator[str]:
         reqs: list[Any] = []
-        async with aclosing(engine.submit(items, stream=True)) as updates:  # a client gone aborts
+        async with aclosing(progress) as updates:  # a client gone aborts
             async for reqs, up in updates:
                 chunk = engine.reply(reqs[up.index], up.n, up.finished, text_lp)
                 if batch:
@@ -352,7 +397,19 @@ def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
         return Response(engine.metrics.render(engine.scheduler), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(build_openai_router(engine))
+    document_bodies(app, REQUEST_BODIES)
     return app
+
+
+REQUEST_BODIES: dict[str, type[BaseModel]] = {
+    "/generate": GenerateReqInput, "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+    "/abort_request": AbortReq, "/pause_generation": PauseGenerationReq, "/continue_generation": ContinueGenerationReq,
+    "/init_weights_update_group": InitWeightsUpdateGroupReq, "/update_weights_from_distributed": UpdateWeightsFromDistributedReq,
+    "/destroy_weights_update_group": DestroyWeightsUpdateGroupReq, "/update_weights_from_disk": UpdateWeightsFromDiskReq,
+    "/begin_weight_update": BeginWeightUpdateReq, "/update_weight_version": UpdateWeightVersionReq,
+    "/get_weights_by_name": GetWeightsByNameReq, "/release_memory_occupation": MemoryOccupationReq,
+    "/resume_memory_occupation": MemoryOccupationReq,
+}  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -362,6 +419,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(EngineConfig, args)
     logging.basicConfig(level=cfg.log_level.upper())
+    warn_if_exposed("engine", cfg.host, cfg.api_key)
     app = create_app(cfg)  # loads the model before listening: /health is 200 only when ready
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False)
     return 0

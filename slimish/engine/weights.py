@@ -47,7 +47,7 @@ class WeightUpdater:
         # as much as the transfer itself (notes/cpu-runtime.md 2).
         self.recv_buffers: dict[str, torch.Tensor] = {}
         self.bucket_buffer = torch.empty(0, dtype=torch.uint8)
-        self.torn: dict[str, str] = {}  # canonical name -> why it may hold a half-received tensor
+        self.torn: dict[str, str] = {}  # canonical name -> why it does not hold a whole pushed tensor
 
     # -- groups --------------------------------------------------------------------------
 
@@ -84,13 +84,17 @@ class WeightUpdater:
         else:
             self._recv_each(group, req.names, dtypes, req.shapes)
 
+    def await_full_push(self) -> None:
+        """Count every parameter as missing until an update writes it (`--await-weights`)."""
+        self.torn = dict.fromkeys(self.canonical.values(), "have not been pushed since this engine started (--await-weights)")
+
     def torn_error(self) -> str | None:
-        """Why generating now would use half-received weights, or None."""
+        """Why generating now would use weights that are not whole, or None."""
         if not self.torn:
             return None
         names = sorted(self.torn)
-        return (f"weights are torn: {len(names)} parameters (e.g. {names[0]!r}) were half-received when "
-                f"{self.torn[names[0]]}; push them again (or update_weights_from_disk) before generating")  # fmt: skip
+        return (f"weights are not whole: {len(names)} parameters (e.g. {names[0]!r}) {self.torn[names[0]]}; "
+                "push them (or update_weights_from_disk) before generating")
 
     def update_from_disk(self, model_path: str) -> None:
         """Load every parameter from the `*.safetensors` files of an HF checkpoint directory."""
@@ -172,7 +176,7 @@ class WeightUpdater:
             for work in works:
                 work.wait()
         except Exception as exc:
-            self.torn.update(dict.fromkeys(in_place, f"a broadcast failed ({exc})"))
+            self.torn.update(dict.fromkeys(in_place, f"were half-received when a broadcast failed ({exc})"))
             raise
         for name in in_place:
             self.torn.pop(name, None)

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,7 +32,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerProcess:
-    """A `python -m slimish.cli <argv>` child serving HTTP on `host:port`."""
+    """A `python -m <module> <argv>` child (`slimish.cli` unless told) serving HTTP on `host:port`."""
 
     def __init__(
         self,
@@ -42,8 +42,10 @@ class ServerProcess:
         health_path: str = "/health",
         env: dict[str, str] | None = None,
         log_path: str | Path | None = None,
+        module: str = "slimish.cli",
     ) -> None:
-        self.argv, self.host, self.port, self.health_path = argv, host, port, health_path
+        self.argv, self.host, self.port, self.health_path, self.module = argv, host, port, health_path, module
+        self.name = argv[0] if module == "slimish.cli" else module  # for messages: "engine", "sglang.launch_server"
         self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen | None = None
@@ -63,7 +65,7 @@ class ServerProcess:
         the thread that lives as long as the child should: the signal follows the spawning thread."""
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "slimish.cli", *self.argv], env=self.env, stdout=out, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", self.module, *self.argv], env=self.env, stdout=out, stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )  # fmt: skip
 
@@ -72,7 +74,7 @@ class ServerProcess:
         with httpx.Client(timeout=2.0) as http:  # one client: each bare httpx.get builds an SSL context (~80 ms)
             while time.monotonic() < deadline:
                 if self.proc is not None and self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.argv[0]} on port {self.port} exited with {self.proc.returncode}{self._log_tail()}")
+                    raise RuntimeError(f"{self.name} on port {self.port} exited with {self.proc.returncode}{self._log_tail()}")
                 try:
                     if http.get(self.url + self.health_path).status_code == 200:
                         return
@@ -80,7 +82,7 @@ class ServerProcess:
                     pass
                 time.sleep(0.1)
         self.stop()
-        raise TimeoutError(f"{self.argv[0]} on port {self.port} not healthy within {timeout:.0f}s{self._log_tail()}")
+        raise TimeoutError(f"{self.name} on port {self.port} not healthy within {timeout:.0f}s{self._log_tail()}")
 
     def _log_tail(self) -> str:
         if self.log_path and self.log_path.exists():
@@ -123,56 +125,127 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def engine_process(model: str | Path, port: int | None = None, log_path: str | Path | None = None, **flags: object) -> ServerProcess:
-    """A built-in engine child; `flags` become `--flag value` (`max_running_requests=8`)."""
-    port = port or free_port()
-    argv = ["engine", "--model", str(model), "--port", str(port)]
+def engine_process(
+    model: str | Path, port: int | None = None, log_path: str | Path | None = None, host: str = "127.0.0.1", **flags: object
+) -> ServerProcess:
+    """A built-in engine child bound to `host`; `flags` become `--flag value` (`max_running_requests=8`)."""
+    port = port or free_port(host)
+    argv = ["engine", "--model", str(model), "--host", host, "--port", str(port)]
     for key, value in flags.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
-    return ServerProcess(argv, port=port, log_path=log_path)
+    return ServerProcess(argv, port=port, host=connect_host(host), log_path=log_path)
+
+
+def connect_host(bind_host: str) -> str:
+    """Where to reach a server bound to `bind_host`: loopback for the wildcard addresses."""
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "::", "") else bind_host
+
+
+def engine_server(launch: "LaunchConfig", model: str | Path, log_path: str | Path | None, host: str = "127.0.0.1") -> ServerProcess:
+    """One engine of `launch.engine_kind` (builtin or sglang) on a free port of `host`, not started."""
+    if launch.engine_kind == "sglang":
+        from slimish.launch.sglang import sglang_process
+
+        return sglang_process(model, launch.sglang_args, host, api_key=launch.api_key, log_path=log_path)
+    flags = dict(pair.split("=", 1) for pair in launch.engine_flag)
+    if owned := {"model", "host", "port"} & set(flags):
+        raise ValueError(f"launch.engine_flag: {', '.join(sorted(owned))} set by the launcher (the run's model; "
+                         "127.0.0.1, or the node's address under launch.mode=ray; a free port); remove it")  # fmt: skip
+    if launch.api_key:
+        flags.setdefault("api_key", launch.api_key)
+    return engine_process(model, log_path=log_path, host=host, **flags)
+
+
+def await_weights_on_relaunch(engine: ServerProcess) -> None:
+    """A built-in engine started again serves nothing (503) until a push has set every parameter,
+    so it is waited for on `/model_info` (up and loaded). SGLang has no such gate: a restarted
+    SGLang server serves its checkpoint until the push that follows its restart."""
+    if engine.module != "slimish.cli":
+        return
+    if "--await-weights" not in engine.argv:
+        engine.argv += ["--await-weights", "true"]
+    engine.health_path = "/model_info"
+
+
+def router_process(launch: "LaunchConfig", worker_urls: list[str], log_dir: Path) -> ServerProcess:
+    """The run's router, in front of `worker_urls`, not started."""
+    port = free_port()
+    argv = ["router", "--port", str(port), "--policy", launch.policy, "--worker-urls", *worker_urls]
+    if launch.api_key:
+        argv += ["--api-key", launch.api_key]
+    return ServerProcess(argv, port=port, log_path=log_dir / "router.log")
 
 
 @dataclass
 class Servers:
-    """What a run talks to: the router (rollouts) and each engine (weight sync)."""
+    """What a run talks to: the router (rollouts) and each engine (weight sync); `engines` are
+    the processes when this run started them (none for `launch.router_url` or external engines).
+    Other launchers (slimish/launch/ray_engines.py) subclass it and keep `restart_dead`'s contract."""
 
     router_url: str
     engine_urls: list[str]
+    engines: list[ServerProcess] = field(default_factory=list)
+
+    def restart_dead(self, timeout: float) -> list[str]:
+        """Start again, on the same port, every engine of ours that exited; returns their URLs.
+        Built-in ones come back with `--await-weights`: the router sees them unhealthy, and they
+        serve nothing, until the trainer's next push has set every parameter."""
+        dead = [e for e in self.engines if e.proc is not None and e.proc.poll() is not None]
+        for engine in dead:
+            await_weights_on_relaunch(engine)
+            engine.launch()
+        for engine in dead:
+            engine.wait_healthy(timeout)
+        return [e.url for e in dead]
 
 
 @contextmanager
 def local_servers(launch: "LaunchConfig", model: str | Path, log_dir: str | Path) -> Iterator[Servers]:
     """The engines and router a run needs: started here (children, stopped on exit) unless
-    `launch.router_url` names existing ones, whose engines are then read from its worker list."""
+    `launch.router_url` names existing ones, whose engines are then read from its worker list,
+    or `launch.engine_kind` is external (a router is started in front of `launch.engine_urls`)."""
     if launch.router_url:
         yield Servers(launch.router_url, existing_engine_urls(launch.router_url, launch.api_key))
         return
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    flags = dict(pair.split("=", 1) for pair in launch.engine_flag)
-    if launch.api_key:
-        flags.setdefault("api_key", launch.api_key)
-    engines = [engine_process(model, log_path=log_dir / f"engine{i}.log", **flags) for i in range(launch.engines)]
+    engines = []
+    if launch.engine_kind != "external":
+        engines = [engine_server(launch, model, log_dir / f"engine{i}.log") for i in range(launch.engines)]
+    urls = [e.url for e in engines] or [u.rstrip("/") for u in launch.engine_urls]
     router: ServerProcess | None = None
     try:
         start_all(engines, launch.start_timeout)
-        port = free_port()
-        argv = ["router", "--port", str(port), "--policy", launch.policy, "--worker-urls", *[e.url for e in engines]]
-        if launch.api_key:
-            argv += ["--api-key", launch.api_key]
-        router = ServerProcess(argv, port=port, log_path=log_dir / "router.log").start(launch.start_timeout)
-        yield Servers(router.url, [e.url for e in engines])
+        router = router_process(launch, urls, log_dir).start(launch.start_timeout)
+        yield Servers(router.url, urls, engines)
     finally:
         for proc in [router, *engines]:
             if proc is not None:
                 proc.stop()
 
 
+def _admin_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def existing_engine_urls(url: str, api_key: str | None = None) -> list[str]:
     """A router's workers (`GET /list_workers`), or `[url]` when `url` is an engine itself."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.get(url.rstrip("/") + "/list_workers", headers=headers, timeout=10.0)
+    r = httpx.get(url.rstrip("/") + "/list_workers", headers=_admin_headers(api_key), timeout=10.0)
     if r.status_code == 404:
         return [url.rstrip("/")]
     r.raise_for_status()
     return list(r.json()["urls"])
+
+
+def replace_worker(router_url: str, old: str | None, new: str, api_key: str | None = None) -> None:
+    """Swap `old` for `new` in a router's worker list with the sglang-router 0.3 registry routes
+    (`GET|POST /workers`, `DELETE /workers/<id>`), which the slimish router serves as well."""
+    with httpx.Client(base_url=router_url.rstrip("/"), headers=_admin_headers(api_key), timeout=10.0) as http:
+        listed = http.get("/workers")
+        listed.raise_for_status()
+        ids = {w["url"].rstrip("/"): w["id"] for w in listed.json()["workers"]}
+        old, new = (old or "").rstrip("/"), new.rstrip("/")
+        if old in ids and old != new:
+            http.delete(f"/workers/{ids[old]}").raise_for_status()
+        if new not in ids:  # one still listed comes back by the router's health checks
+            http.post("/workers", json={"url": new}).raise_for_status()

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from slimish.buffer import Buffer
 from slimish.config import RunConfig, load_run_config
-from slimish.launch.local import local_servers
+from slimish.launch import start_servers
 from slimish.rollout.data import PromptData
 from slimish.rollout.loader import LoadError, load_functions
 from slimish.types import Sample
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     steps = cfg.steps if args.steps is None else args.steps
     from slimish.rollout.manager import RolloutStalled  # torch and transformers: only once the checks passed
 
-    with local_servers(cfg.launch, cfg.model, Path(cfg.run_dir) / "logs") as servers:
+    with start_servers(cfg.launch, cfg.model, Path(cfg.run_dir) / "logs") as servers:
         try:
             asyncio.run(_rollout(cfg, servers.router_url, fns, data, steps, Path(args.out)))
         except RolloutStalled as exc:

@@ -18,6 +18,11 @@ failed, counted once, because a group with a hole would bias group-relative adva
 counters: completed / truncated / failed over finished groups, aborted for samples cut off at a
 step's end, filtered for the samples of filtered groups.
 
+In async mode (`produce`) there is no end of step: groups keep running while the trainer trains,
+up to what `buffer.max_staleness` lets it train on (see `produce`), and the trainer takes its
+batches with `next_batch`. The same accounting holds; a group in flight at a checkpoint is saved
+as a requeued prompt, so a resume runs it again instead of losing it.
+
 The end-of-step abort is engine-wide: do not run `evaluate` concurrently with the end of a step.
 """
 
@@ -82,7 +87,12 @@ class RolloutManager:
         self.next_group_id = 0
         self.counters: Counter[str] = Counter({k: 0 for k in COUNTERS})
         self.filter_reasons: Counter[str] = Counter()
-        self._step: dict[str, Any] = {}
+        self.version = 0  # the weights the engines serve (async mode: set by `set_version` after each push)
+        self.groups_kept_total = 0
+        self._inflight: dict[int, _Prompt] = {}  # group id -> its prompt, while its group runs
+        self._changed = asyncio.Event()  # a new version, or a group went into the buffer
+        self._idle = _IdleClock()
+        self._mark()
 
     @classmethod
     def from_config(cls, runtime: RolloutRuntime, data: PromptData, buffer: Buffer, on_group: GroupCallback | None = None) -> "RolloutManager":
@@ -92,9 +102,7 @@ class RolloutManager:
 
     async def run_step(self, current_version: int = 0) -> dict[str, Any]:
         """Fill the buffer with `rollout_batch_size` more groups that survive filtering."""
-        started = time.perf_counter()
-        before, reasons_before = Counter(self.counters), Counter(self.filter_reasons)
-        self._step = {"kept": [], "samples": 0, "errors": []}
+        self._mark()
         need, abort = self.cfg.rollout_batch_size, asyncio.Event()
         limit = math.ceil(self.cfg.max_prompts_factor * need)
         tasks: set[asyncio.Task[bool]] = set()
@@ -106,14 +114,79 @@ class RolloutManager:
                     taken += 1
                 if not tasks:  # the prompt cap is spent: train on what survived, if anything did
                     if kept == 0:
-                        raise RolloutStalled(self._stall_message(taken, kept, before, reasons_before))
-                    log.warning("rollout step: %s", self._stall_message(taken, kept, before, reasons_before))
+                        raise RolloutStalled(self._stall_message(taken, kept))
+                    log.warning("rollout step: %s", self._stall_message(taken, kept))
                     break
                 done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 kept += sum(t.result() for t in done)
         finally:
             await self._stop(tasks, abort)
-        return {**self._stats(started, before, reasons_before), "groups_short": need - kept}
+        return {**self._stats(self._step["kept"]), "groups_short": need - kept}
+
+    # ---- async mode -------------------------------------------------------------------------
+
+    async def produce(self, stop: asyncio.Event) -> None:
+        """Keep groups coming while the trainer trains, until `stop` is set.
+
+        Groups are started only while fewer than `(pushes so far + 1 + max_staleness)` batches
+        have gone into the buffer (plus what the buffer dropped as stale): a group started
+        later would come out too stale to train on. With max_staleness 1 the rollout runs one
+        batch ahead of the trainer. In flight at a push, a request does what
+        `weight_sync.pause_mode` says; its tokens record the versions that made them."""
+        batch, bound = self.cfg.rollout_batch_size, self.runtime.cfg.buffer.max_staleness
+        start, kept0, dropped0 = self.version, self.groups_kept_total, self.buffer.dropped_stale
+        limit = math.ceil(self.cfg.max_prompts_factor * batch)
+        tasks: set[asyncio.Task[bool]] = set()
+        taken_unkept = 0  # prompts taken since a group was last kept: the stall guard
+        self._mark()
+        try:
+            while not stop.is_set():
+                owed = (self.version - start + 1 + bound) * batch + self.buffer.dropped_stale - dropped0
+                wanted = owed - (self.groups_kept_total - kept0)
+                while len(tasks) < math.ceil(self.cfg.over_sampling * wanted):
+                    if taken_unkept >= limit:
+                        raise RolloutStalled(self._stall_message(taken_unkept, 0))
+                    tasks.add(asyncio.create_task(self._run_group(self._take(self.version), stop)))
+                    taken_unkept += 1
+                for task in await self._wait_change(*tasks, stop.wait()):
+                    tasks.discard(task)
+                    if task.result():
+                        taken_unkept = 0
+        finally:
+            await self._stop(tasks, stop)
+
+    async def set_version(self, version: int) -> None:
+        """The engines serve `version` now: production may run ahead by one more batch."""
+        self.version = version
+        self._changed.set()
+
+    async def next_batch(self, n_groups: int, producer: asyncio.Future) -> tuple[list[list[Sample]], dict[str, Any]]:
+        """`n_groups` groups no staler than the bound, waiting for them; the stats since the
+        last batch. A producer that failed fails this."""
+        batch: list[list[Sample]] = []
+        waited = time.perf_counter()
+        while True:
+            batch += self.buffer.get_batch(n_groups - len(batch), None, self.version)
+            if len(batch) == n_groups:
+                break
+            if producer.done():
+                producer.result()  # raises what stopped it
+                raise RuntimeError("the rollout producer stopped before the batch was full")
+            await self._wait_change(producer)
+        stats = {**self._stats(batch), "wait_seconds": time.perf_counter() - waited}
+        self._mark()
+        return batch, stats
+
+    async def _wait_change(self, *waitables: Any) -> set[asyncio.Future]:
+        """Until a version change, a kept group, or one of `waitables` is done; returns the
+        given futures among them that are done."""
+        self._changed.clear()
+        given = [w for w in waitables if isinstance(w, asyncio.Future)]
+        mine = [asyncio.ensure_future(w) for w in (self._changed.wait(), *waitables) if not isinstance(w, asyncio.Future)]
+        done, _ = await asyncio.wait([*given, *mine], return_when=asyncio.FIRST_COMPLETED)
+        for f in mine:
+            f.cancel()
+        return {f for f in done if f in given}
 
     def _take(self, current_version: int) -> _Prompt:
         """A requeued prompt first (dropping kept samples already too stale to train on), else a new one."""
@@ -152,6 +225,7 @@ class RolloutManager:
     async def _run_group(self, prompt: _Prompt, abort: asyncio.Event) -> bool:
         """Run, score and filter one group; True when it went into the buffer."""
         samples = [prompt.partial.get(i) or self._new_sample(prompt, i) for i in range(self.cfg.n_samples_per_prompt)]
+        self._inflight[prompt.group_id] = prompt
         try:  # every await is in here: a cancelled group is requeued, so its prompt is not lost
             results = await asyncio.gather(*(self._run_sample(s, abort) for s in samples))
             group = [s for out, _ in results for s in out]
@@ -170,6 +244,8 @@ class RolloutManager:
         except asyncio.CancelledError:
             self._requeue(_Prompt(prompt.group_id, prompt.row))
             raise
+        finally:
+            del self._inflight[prompt.group_id]
         if any(s.status == SampleStatus.FAILED for s in group):
             error = next(s.error for s in group if s.status == SampleStatus.FAILED)
             self._finish(group, "groups_failed", f"failed: {error}")
@@ -180,8 +256,10 @@ class RolloutManager:
             self._finish(group, "groups_filtered", reason)
             return False
         self.buffer.add(group)
+        self.groups_kept_total += 1
         self._step["kept"].append(group)
         self._finish(group, "groups_kept", None)
+        self._changed.set()
         return True
 
     def _new_sample(self, prompt: _Prompt, index: int) -> Sample:
@@ -198,6 +276,7 @@ class RolloutManager:
             if abort is not None and abort.is_set():
                 return [sample], True  # never started: stays pending
             ctx = RolloutContext(self.runtime, sample, sampling_params, abort)
+            self._idle.enter()
             try:
                 out = await self.rollout_fn(ctx, sample)
                 returned = [out] if isinstance(out, Sample) else out
@@ -213,6 +292,7 @@ class RolloutManager:
                 return [sample], False
             finally:
                 ctx.release()
+                self._idle.leave()
             return returned, ctx.resumable
 
     def _leftover(self, prompt: _Prompt, results: list[tuple[list[Sample], bool]]) -> None:
@@ -320,9 +400,17 @@ class RolloutManager:
 
     # ---- stats and state --------------------------------------------------------------------
 
-    def _stats(self, started: float, before: Counter[str], reasons_before: Counter[str]) -> dict[str, Any]:
-        seconds = time.perf_counter() - started
-        kept = [s for g in self._step["kept"] for s in g]
+    def _mark(self) -> None:
+        """Start the interval the next stats describe."""
+        self._since = (time.perf_counter(), Counter(self.counters), Counter(self.filter_reasons))
+        self._step: dict[str, Any] = {"kept": [], "samples": 0, "errors": []}
+
+    def _stats(self, kept_groups: list[list[Sample]]) -> dict[str, Any]:
+        """Counts since `_mark`; reward and length over `kept_groups` (the batch)."""
+        started, before, reasons_before = self._since
+        now = time.perf_counter()
+        seconds = now - started
+        kept = [s for g in kept_groups for s in g]
         stats: dict[str, Any] = {k: self.counters[k] - before[k] for k in COUNTERS}
         stats.update(
             requeued_pending=len(self.requeued),
@@ -333,10 +421,12 @@ class RolloutManager:
             reward_mean=_mean([s.reward_value(self.cfg.reward_key) for s in kept]),
             response_length_mean=_mean([float(s.response_length) for s in kept]),
             truncated_fraction=_mean([float(s.status == SampleStatus.TRUNCATED) for s in kept]),
+            engine_idle_fraction=self._idle.fraction_since_last(now),
         )
         return stats
 
-    def _stall_message(self, taken: int, kept: int, before: Counter[str], reasons_before: Counter[str]) -> str:
+    def _stall_message(self, taken: int, kept: int) -> str:
+        _, before, reasons_before = self._since
         failed = self.counters["groups_failed"] - before["groups_failed"]
         filtered = self.counters["groups_filtered"] - before["groups_filtered"]
         reasons = dict(self.filter_reasons - reasons_before)
@@ -353,7 +443,9 @@ class RolloutManager:
         return {
             "data": self.data.state_dict(),
             "next_group_id": self.next_group_id,
-            "requeued": [{"group_id": p.group_id, "row": p.row, "partial": [s.to_dict() for s in p.partial.values()]} for p in self.requeued],
+            # Groups in flight (async mode) are saved as requeued prompts: a resume runs them again.
+            "requeued": [{"group_id": p.group_id, "row": p.row, "partial": [s.to_dict() for s in p.partial.values()]} for p in self.requeued]
+            + [{"group_id": p.group_id, "row": p.row, "partial": []} for p in self._inflight.values()],
             "counters": dict(self.counters),
             "filter_reasons": dict(self.filter_reasons),
         }
@@ -368,6 +460,34 @@ class RolloutManager:
         self.counters = Counter({k: 0 for k in COUNTERS})
         self.counters.update(state["counters"])
         self.filter_reasons = Counter(state["filter_reasons"])
+
+
+class _IdleClock:
+    """Seconds with no rollout sample in flight: what the engines idle, as the rollout sees it.
+    Read once per batch, over the time since the last read (in sync mode: training included)."""
+
+    def __init__(self) -> None:
+        self.busy, self.idle, self.since = 0, 0.0, time.perf_counter()
+        self.read_at, self.read_idle = self.since, 0.0
+
+    def fraction_since_last(self, now: float) -> float:
+        idle = self.total()
+        fraction = (idle - self.read_idle) / (now - self.read_at) if now > self.read_at else 0.0
+        self.read_at, self.read_idle = now, idle
+        return fraction
+
+    def enter(self) -> None:
+        if self.busy == 0:
+            self.idle += time.perf_counter() - self.since
+        self.busy += 1
+
+    def leave(self) -> None:
+        self.busy -= 1
+        if self.busy == 0:
+            self.since = time.perf_counter()
+
+    def total(self) -> float:
+        return self.idle + (time.perf_counter() - self.since if self.busy == 0 else 0.0)
 
 
 def _fail(sample: Sample, error: str) -> None:

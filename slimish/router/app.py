@@ -23,11 +23,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from slimish.config import RouterConfig, add_config_arguments, config_from_args
-from slimish.protocol import ROUTING_KEY_HEADER
-from slimish.router.gate import apply_cap, check_key, parse_object, prompt_of, read_body
+from slimish.protocol import ROUTING_KEY_HEADER, ChatCompletionRequest, CompletionRequest, GenerateReqInput
+from slimish.router.gate import apply_cap, check_key, check_prompt_length, parse_object, prompt_of, read_body
 from slimish.router.metrics import RouterMetrics
 from slimish.router.policy import RouteInfo, make_policy
 from slimish.router.proxy import Proxy, RouterError, error_response
+from slimish.serving import document_bodies, warn_if_exposed
 from slimish.router.workers import Worker, WorkerRegistry
 
 SERVING_POST = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -55,11 +56,12 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
             checks.cancel()
             await proxy.close()
 
-    app = FastAPI(title="slimish router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="slimish router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    document_bodies(app, {"/generate": GenerateReqInput, "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
 
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, exc: RouterError) -> JSONResponse:
-        return error_response(exc.status, exc.message)
+        return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -82,6 +84,8 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
                 check_key(request, cfg.api_key, "--api-key")
                 body = await read_body(request, cfg.max_body_bytes)
                 payload = parse_object(body)
+                if cfg.max_prompt_tokens is not None:
+                    check_prompt_length(route, payload, cfg.max_prompt_tokens)
                 if cfg.max_new_tokens_cap is not None and apply_cap(route, payload, cfg.max_new_tokens_cap):
                     body = json.dumps(payload).encode()
                 routing_key = request.headers.get(ROUTING_KEY_HEADER)
@@ -93,7 +97,7 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
                 return await proxy.forward(route, started, request.method, route, body, headers, info, stream)
             except RouterError as exc:
                 metrics.observe(route, exc.status, time.perf_counter() - started)
-                return error_response(exc.status, exc.message)
+                return exc.response()
 
         return handler
 
@@ -105,7 +109,7 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
                 return await proxy.forward(route, started, "GET", route, None, {})
             except RouterError as exc:
                 metrics.observe(route, exc.status, time.perf_counter() - started)
-                return error_response(exc.status, exc.message)
+                return exc.response()
 
         return handler
 
@@ -224,20 +228,34 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    return _HotPaths(app, hot)
+    return _HotPaths(app, hot, cfg, metrics)
 
 
 class _HotPaths:
     """Serving routes dispatched straight from ASGI, past the middleware stack and the route scan
-    (measured: ~1.4x the req/s at concurrency 64). Everything else goes to the FastAPI app."""
+    (measured: ~1.4x the req/s at concurrency 64). Everything else goes to the FastAPI app.
 
-    def __init__(self, app: FastAPI, routes: dict[str, tuple[Callable, tuple[str, ...]]]) -> None:
-        self.app, self.routes = app, routes
+    Here too the concurrency limit: `active` counts serving requests from arrival until their
+    response (a stream's last byte) is sent; checked and counted with no await between, so the
+    limit is exact."""
+
+    def __init__(self, app: FastAPI, routes: dict[str, tuple[Callable, tuple[str, ...]]], cfg: RouterConfig, metrics: RouterMetrics) -> None:
+        self.app, self.routes, self.cfg, self.metrics = app, routes, cfg, metrics
+        self.active = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (hit := self.routes.get(scope["path"])) and scope["method"] in hit[1]:
-            response = await hit[0](Request(scope, receive))
-            await response(scope, receive, send)
+            if self.active >= self.cfg.max_concurrent_requests:
+                self.metrics.observe(scope["path"], 429, 0.0)
+                message = (f"the router is full: {self.active} requests in flight, the limit is "
+                           f"{self.cfg.max_concurrent_requests} (--max-concurrent-requests); retry after {self.cfg.retry_after_s} s")  # fmt: skip
+                return await RouterError(429, message, str(self.cfg.retry_after_s)).response()(scope, receive, send)
+            self.active += 1
+            try:
+                response = await hit[0](Request(scope, receive))
+                await response(scope, receive, send)
+            finally:
+                self.active -= 1
         else:
             await self.app(scope, receive, send)
 
@@ -254,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(RouterConfig, args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    warn_if_exposed("router", cfg.host, cfg.api_key)
     uvicorn.run(
         create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
         access_log=False, proxy_headers=False,

@@ -1,7 +1,7 @@
 """What the router checks and reads in a request before forwarding it.
 
-Keys, the body size limit and the `max_new_tokens` cap, each failing with a 4xx that names the
-limit; and the prompt, for cache_aware. The body itself is forwarded as received, except when
+Keys, the body size limit, the prompt length and the `max_new_tokens` cap, each failing with a
+4xx that names the limit; and the prompt, for cache_aware. The body itself is forwarded as received, except when
 the cap has to be filled in.
 """
 
@@ -90,6 +90,19 @@ def _cap_field(obj: dict[str, Any], key: str, default: int | None, cap: int, whe
     if isinstance(value, int) and not isinstance(value, bool) and value > cap:
         raise RouterError(400, f"{where} is {value}; this router allows at most {cap} (--max-new-tokens-cap)")
     return False
+
+
+def check_prompt_length(route: str, payload: dict[str, Any], cap: int) -> None:
+    """Refuse token-id prompts longer than `cap` (text is left to the engines, which tokenize)."""
+    prompt = payload.get("prompt") if route == "/v1/completions" else payload.get("input_ids")
+    if route == "/v1/chat/completions" or not isinstance(prompt, list):
+        return
+    field = "prompt" if route == "/v1/completions" else "input_ids"
+    is_batch = bool(prompt) and isinstance(prompt[0], list)
+    for i, ids in enumerate(prompt if is_batch else [prompt]):
+        if isinstance(ids, list) and len(ids) > cap:
+            where = f"{field}[{i}]" if is_batch else field
+            raise RouterError(400, f"{where} has {len(ids)} tokens; this router accepts at most {cap} (--max-prompt-tokens)")
 
 
 def prompt_of(route: str, payload: dict[str, Any]) -> str | list[int] | None:

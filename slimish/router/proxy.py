@@ -31,9 +31,12 @@ WORKER_HEADER = "x-slimish-worker"  # which worker served the reply: for logs an
 
 
 class RouterError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.retry_after = status, message, retry_after
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, {"Retry-After": self.retry_after} if self.retry_after else None)
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -41,7 +44,12 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
 
 
 class _Retry(Exception):
-    """This attempt failed in a way another worker may not: try again if attempts are left."""
+    """This attempt failed in a way another worker may not: try again if attempts are left.
+    `retry_after` is set when the worker was full (503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after: str | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Proxy:
@@ -91,7 +99,7 @@ class Proxy:
     ) -> Response:
         """The worker's reply as a Response; RouterError when no worker could give one."""
         tried: list[Worker] = []
-        failure = ""
+        failure = _Retry("")
         for _ in range(self.cfg.max_retries + 1):
             if tried:
                 self.metrics.retries.labels(tried[-1].url).inc()
@@ -100,8 +108,11 @@ class Proxy:
             try:
                 return await self._attempt(route, started, worker, method, path, body, headers, stream)
             except _Retry as exc:
-                failure = str(exc)
-        raise RouterError(502, f"{failure} (gave up after {len(tried)} attempt{'s' * (len(tried) > 1)})")
+                failure = exc
+        gave_up = f"{failure} (gave up after {len(tried)} attempt{'s' * (len(tried) > 1)})"
+        if failure.retry_after is not None:  # every engine tried was full: the client should come back
+            raise RouterError(503, gave_up, failure.retry_after)
+        raise RouterError(502, gave_up)
 
     async def _attempt(
         self, route: str, started: float, worker: Worker, method: str, path: str, body: bytes | None,
@@ -120,7 +131,7 @@ class Proxy:
             if resp.status >= 500:
                 detail = (await resp.read())[:500].decode(errors="replace")
                 self.metrics.errors.labels(worker.url, f"status_{resp.status}").inc()
-                raise _Retry(f"worker {worker.url} replied {resp.status}: {detail}")
+                raise _Retry(f"worker {worker.url} replied {resp.status}: {detail}", resp.headers.get("retry-after"))
             if stream and resp.content_type == "text/event-stream":
                 handed_off = True  # the relay owns the response and the in-flight count now
                 return _Relay(self, route, started, worker, resp)

@@ -272,16 +272,34 @@ def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator:
         return (kl_penalty(logprobs, ref_logprobs, estimator) * mask.to(logprobs.dtype)).sum(-1)
 
 
+def _rollout_ratio(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """pi_old / pi_rollout per token (1 where masked), detached."""
+    return torch.where(mask.bool(), old_logprobs - rollout_logprobs, 0.0).clamp(max=MAX_LOG_RATIO).exp().detach()
+
+
 def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, cap: float) -> Tensor:
     """Truncated importance sampling: min(pi_old / pi_rollout, cap) per token, detached.
 
     The engine samples with other kernels (and, async, older weights) than the trainer scores
     with, so the rollout distribution is not quite pi_old; these weights correct the gradient for
-    that mismatch, and the cap bounds their variance. With old = rollout logprobs they are 1."""
+    that mismatch, and the cap bounds their variance. With old = rollout logprobs they are 1.
+    With `recompute_old_logprobs`, pi_old is the trainer's own (proximal) policy and this is
+    decoupled PPO: clip against the proximal policy, weight by proximal / behaviour."""
     if cap <= 0:
         raise ValueError(f"tis_cap: must be > 0, got {cap}")
-    log_w = torch.where(mask.bool(), old_logprobs - rollout_logprobs, 0.0).clamp(max=MAX_LOG_RATIO)
-    return log_w.exp().clamp(max=cap).detach()
+    return _rollout_ratio(old_logprobs, rollout_logprobs, mask).clamp(max=cap)
+
+
+def mis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, cap: float) -> Tensor:
+    """Masked importance sampling: pi_old / pi_rollout where it is at most `cap`, else 0.
+
+    Where TIS keeps a too-off-policy token at weight `cap`, MIS drops it from the gradient:
+    a token the trainer finds far likelier than the engine did (stale weights, a kernel
+    outlier) says little about the current policy."""
+    if cap <= 0:
+        raise ValueError(f"mis_cap: must be > 0, got {cap}")
+    w = _rollout_ratio(old_logprobs, rollout_logprobs, mask)
+    return torch.where(w <= cap, w, 0.0)
 
 
 # --- The whole RL loss for one micro-batch -------------------------------------------------------
@@ -303,7 +321,7 @@ def rl_loss(
     `loss_normalizer`): this micro-batch's share.
 
     Needs `ref_logprobs` when kl_coef > 0 and the KL is a loss term, `rollout_logprobs` when
-    tis_cap is set, `entropy` when entropy_coef > 0 (entropy and KL are reported when given).
+    tis_cap or mis_cap is set (their weights are reported as `tis`), `entropy` when entropy_coef > 0 (entropy and KL are reported when given).
 
     Stats (detached scalars, all additive over micro-batches and ranks): `loss/policy`,
     `loss/kl`, `loss/entropy` are shares of the loss like the loss itself; `tokens` is the
@@ -316,10 +334,11 @@ def rl_loss(
     ratio = importance_ratio(logprobs, old_logprobs, mask, level)
     per_token, token_stats = ppo_clip_loss(ratio, advantages, cfg.eps_clip, cfg.eps_clip_high, cfg.dual_clip_c)
     token_stats["ratio"] = ratio.detach()
-    if cfg.tis_cap is not None:
+    if cfg.tis_cap is not None or cfg.mis_cap is not None:
         if rollout_logprobs is None:
-            raise ValueError("rollout_logprobs: needed when tis_cap is set")
-        token_stats["tis"] = tis_weights(old_logprobs, rollout_logprobs, mask, cfg.tis_cap)
+            raise ValueError("rollout_logprobs: needed when tis_cap or mis_cap is set")
+        weights = tis_weights if cfg.tis_cap is not None else mis_weights
+        token_stats["tis"] = weights(old_logprobs, rollout_logprobs, mask, cfg.tis_cap or cfg.mis_cap)
         per_token = per_token * token_stats["tis"]
     mode = cfg.loss_reduction
     pg = reduce_loss(per_token, mask, mode, normalizer)

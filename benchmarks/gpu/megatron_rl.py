@@ -1,0 +1,204 @@
+"""GPU check of the Megatron trainer: a few RL steps in bf16, each followed by a weight push; timings and self-checks.
+
+Runs under torchrun on a CUDA machine (it refuses to run without one):
+
+    torchrun --nproc-per-node 1 benchmarks/gpu/megatron_rl.py                     # small llama, TP=1 (~2 min)
+    torchrun --nproc-per-node 2 benchmarks/gpu/megatron_rl.py --tp 2 --model PATH # an HF llama/qwen directory
+
+Per step: rank 0 samples `--prompts` x `--n` responses from the engine (random prompt ids,
+temperature 1, the engine's logprobs; reward: the first response token is even), every rank
+trains on them (`MegatronTrainer.train_step`, bf16 params, fp32 main weights in Megatron's
+optimiser), then the weights are pushed. Into the built-in engine (CPU, fp32, a gloo group:
+it has no CUDA path) every step; into an SGLang server (NCCL) when `sglang` is installed and a
+spare GPU exists (NCCL refuses two ranks of one group on the same GPU). Printed per step:
+rollout, train and push seconds, push GB/s, the train/mismatch metric. Checks (exit 1 if one
+fails): every pushed tensor is served exactly (built-in engine: all names; SGLang: the first
+rows of every name), and the engines report the pushed weight version.
+
+Megatron here uses megatron_bridge's local layer spec (torch norms, unfused attention), not the
+Transformer Engine spec: TE fuses the pre-norms into the next linear layer
+(`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`), so the bridge's name table
+would need those two entries, and sequence parallelism would become possible. Whether TE is
+installed is printed; it is not used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
+import torch
+import torch.distributed as dist
+
+from slimish.config import WeightSyncConfig, load_run_config
+from slimish.launch.local import engine_process, free_port
+from slimish.tiny_model import make_tiny_model
+from slimish.trainer.weight_sync import WeightSync
+from slimish.protocol import GenerateResponse
+from slimish.rollout.api import to_result
+from slimish.types import Sample
+
+
+def rollouts(url: str, prompts: list[list[int]], n: int, seed: int, max_new_tokens: int) -> list[list[Sample]]:
+    groups = []
+    with httpx.Client(timeout=600) as http:
+        for g, prompt in enumerate(prompts):
+            body = {"input_ids": [prompt] * n, "return_logprob": True,
+                    "sampling_params": {"temperature": 1.0, "max_new_tokens": max_new_tokens, "sampling_seed": seed + g}}  # fmt: skip
+            outs = http.post(url + "/generate", json=body).raise_for_status().json()
+            group = []
+            for k, out in enumerate(outs):
+                s, reply = Sample(prompt="", tokens=list(prompt), group_id=g, index=k), to_result(GenerateResponse(**out))
+                s.append_model(reply.output_ids, reply.logprobs, reply.weight_versions)
+                s.reward = float(out["output_ids"][0] % 2 == 0)
+                group.append(s)
+            groups.append(group)
+    return groups
+
+
+def served(url: str, name: str, rows: int) -> torch.Tensor:
+    r = httpx.post(url + "/get_weights_by_name", json={"name": name, "truncate_size": rows}, timeout=600)
+    return torch.tensor(r.raise_for_status().json(), dtype=torch.float32)
+
+
+def check_served(url: str, exported: dict[str, torch.Tensor], rows: int | None) -> list[str]:
+    """Names whose served values differ from the export (all rows, or the first `rows`)."""
+    bad = []
+    for name, t in exported.items():
+        want = t.float().cpu()[: rows or t.shape[0]]
+        if not torch.equal(served(url, name, want.shape[0]).view_as(want), want):
+            bad.append(name)
+    return bad
+
+
+def served_version(url: str) -> str:
+    """The weight version an engine reports on a response (SGLang and the built-in engine alike)."""
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
+    return httpx.post(url + "/generate", json=body, timeout=600).raise_for_status().json()["meta_info"]["weight_version"]
+
+
+@contextmanager
+def sglang_server(model: str, gpu: int, log: Path, timeout: float = 900.0) -> Iterator[str]:
+    """An SGLang server on GPU `gpu`, bf16: its URL once healthy; terminated on exit."""
+    port = free_port()
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
+            "--dtype", "bfloat16", "--mem-fraction-static", "0.5", "--base-gpu-id", str(gpu)]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"sglang exited with {proc.returncode}; see {log}")
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sglang not healthy within {timeout} s; see {log}")
+            time.sleep(2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="HF model directory; default: the `small` tiny llama")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--out", default="runs/bench-megatron-rl")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("megatron_rl: needs a CUDA machine (the CPU path is tests/test_megatron_backend.py)")
+        return 2
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = Path(args.out)
+    model = args.model or str(out / "model")
+    if rank == 0 and args.model is None and not (out / "model" / "config.json").exists():
+        make_tiny_model(out / "model", arch="llama", size="small", seed=0)
+    dist.barrier()
+    from slimish.trainer.megatron_backend import MegatronTrainer  # after the process group: ~12 s import
+
+    overrides = [f"model={model}", "data.source=unused", "trainer.backend=megatron", f"trainer.tp={args.tp}",
+                 f"trainer.pp={args.pp}", "trainer.dtype=bfloat16", "trainer.lr=1e-5", f"steps={args.steps}"]  # fmt: skip
+    trainer = MegatronTrainer(load_run_config(None, overrides))
+    failures: list[str] = []
+    with ExitStack() as stack:
+        engines: dict[str, str] = {}
+        syncs: dict[str, WeightSync] = {}
+        if rank == 0:
+            print(f"world {world} (tp {args.tp}, pp {args.pp}), model {model}, "
+                  f"transformer_engine installed: {importlib.util.find_spec('transformer_engine') is not None} (not used)")  # fmt: skip
+            engines["builtin"] = stack.enter_context(engine_process(model, log_path=out / "engine.log")).url
+            syncs["builtin"] = stack.enter_context(WeightSync(WeightSyncConfig(backend="gloo"), [engines["builtin"]]))
+            if importlib.util.find_spec("sglang") is None:
+                print("sglang: not installed, skipped")
+            elif torch.cuda.device_count() <= world:
+                print(f"sglang: skipped, no spare GPU ({torch.cuda.device_count()} GPUs, {world} trainer ranks)")
+            else:
+                engines["sglang"] = stack.enter_context(sglang_server(model, world, out / "sglang.log"))
+                syncs["sglang"] = stack.enter_context(WeightSync(WeightSyncConfig(backend="nccl"), [engines["sglang"]]))
+        names = [list(engines)]
+        dist.broadcast_object_list(names, src=0)  # every rank takes part in each push's gather
+        for step in range(1, args.steps + 1):
+            t0 = time.perf_counter()
+            groups = None
+            if rank == 0:
+                rng = random.Random(step)
+                prompts = [[rng.randrange(100, 1000) for _ in range(16)] for _ in range(args.prompts)]
+                groups = rollouts(engines["builtin"], prompts, args.n, step * 1000, args.max_new_tokens)
+            box = [groups]
+            dist.broadcast_object_list(box, src=0)
+            t1 = time.perf_counter()
+            metrics = trainer.train_step(box[0], step)
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            line = f"step {step}: rollout {t1 - t0:.2f} s, train {t2 - t1:.2f} s, mismatch {metrics.get('train/mismatch', 0):.4f}"
+            for name in names[0]:
+                if rank == 0:
+                    push = syncs[name].push(trainer.hf_tensors(), str(step))
+                    line += f", push {name} {push['seconds']:.2f} s ({push['gb_per_s']:.2f} GB/s)"
+                else:
+                    for _ in trainer.hf_tensors():  # this rank's part of rank 0's gather
+                        pass
+            if rank == 0:
+                print(line, flush=True)
+        exported = {n: t.clone() for n, t in trainer.hf_tensors()}
+        if rank == 0:
+            for name, url in engines.items():
+                bad = check_served(url, exported, None if name == "builtin" else 4)
+                version = served_version(url)
+                failures += [f"{name}: serves other values of {n}" for n in bad]
+                if version != str(args.steps):
+                    failures.append(f"{name}: reports weight version {version!r}, pushed {args.steps}")
+                print(f"{name}: {len(exported) - len(bad)}/{len(exported)} tensors served exactly, weight version {version}")
+    dist.destroy_process_group()
+    if rank == 0:
+        print("OK" if not failures else "FAILED:\n  " + "\n  ".join(failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_DEBUG", "WARN")
+    sys.exit(main())

@@ -1,0 +1,409 @@
+"""What every trainer backend shares: the RL and SFT steps, from samples to metrics.
+
+A step's logic does not depend on how the model is run: advantages and the loss normaliser are
+computed on the whole batch (every rank is handed the same full batch), then each data-parallel
+rank trains on its share, balanced by tokens, in micro-batches of at most
+`trainer.micro_batch_tokens` padded tokens. Each micro-batch's loss is its share of the global
+batch's loss (algorithms.py), so any split, over ranks or micro-batches, gives the gradient of
+the full batch. The backends (torch_backend.py, megatron_backend.py) supply the forward and
+backward of those micro-batches, the optimiser step, the reduction over data-parallel ranks and
+the model state; `Trainer` lists these as the methods a backend implements.
+
+Micro-batches are right-padded rows, not one packed row: real tokens come before the padding, so
+a causal model computes them exactly as it would unpadded, with no attention mask, and attention
+stays quadratic in each sample's length instead of in the micro-batch's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+
+from slimish.buffer import group_version
+from slimish.config import RunConfig
+from slimish.trainer.algorithms import compute_advantages, loss_normalizer, rl_loss, sequence_kl, sft_loss
+from slimish.types import Sample
+
+# Additive statistics summed over micro-batches, updates and ranks (rl_loss's, plus ours).
+STAT_KEYS = ("loss/policy", "loss/kl", "loss/entropy", "tokens", "clip_low", "clip_high", "dual_clip",
+             "ratio", "tis", "kl", "entropy", "mismatch", "mismatch_tokens", "mismatch_fresh", "mismatch_fresh_tokens")  # fmt: skip
+
+# (sample indices, response logprobs [B, R], entropies [B, R] or None) -> (loss share, stats)
+LossFn = Callable[[list[int], Tensor, Tensor | None], tuple[Tensor, dict[str, Tensor]]]
+
+
+# -- pure helpers ---------------------------------------------------------------------------------
+
+
+def mismatch(logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, fresh: list[float]) -> dict[str, Tensor]:
+    """Sums of |trainer - engine logprob| over trained tokens, and token counts, over all rows
+    and over the `fresh` ones (1.0: made by the weights the step starts from)."""
+    per_row, tokens = ((logprobs - rollout_logprobs).abs() * mask).sum(-1), mask.sum(-1)
+    is_fresh = torch.tensor(fresh, dtype=per_row.dtype, device=per_row.device)
+    return {"mismatch": per_row.sum(), "mismatch_tokens": tokens.sum(),
+            "mismatch_fresh": (per_row * is_fresh).sum(), "mismatch_fresh_tokens": (tokens * is_fresh).sum()}  # fmt: skip
+
+
+def lr_factor(schedule: str, warmup: int, total: int, step: int) -> float:
+    """LR multiplier for optimiser step `step` (0-based) of `total`: linear warmup over `warmup`
+    steps, then constant, or cosine / linear decay reaching 0 after the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "linear":
+        return 1.0 - progress
+    raise ValueError(f"trainer.lr_schedule: expected constant, cosine or linear, got {schedule!r}")
+
+
+def shard(lengths: list[int], world: int) -> list[list[int]]:
+    """Sample indices per rank, balanced by tokens: longest first, each to the least-loaded rank."""
+    loads, out = [0] * world, [[] for _ in range(world)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world), key=lambda r: (loads[r], r))
+        out[r].append(i)
+        loads[r] += lengths[i]
+    return out
+
+
+def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices in micro-batches of at most `budget` padded tokens (rows x longest); sorted by
+    length so that rows of a micro-batch pad little. A longer sample goes alone."""
+    out: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def split_minibatches(n: int, parts: int) -> list[list[int]]:
+    """0..n-1 in `parts` contiguous, near-equal chunks (none empty)."""
+    parts = min(parts, n)
+    bounds = [round(k * n / parts) for k in range(parts + 1)]
+    return [list(range(bounds[k], bounds[k + 1])) for k in range(parts)]
+
+
+def check_samples(samples: list[Sample]) -> None:
+    for s in samples:
+        s.check()
+        if s.prompt_length < 1:
+            raise ValueError(f"sample {s.group_id}/{s.index}: needs at least one prompt token, got tokens of length {len(s.tokens)}")
+
+
+def response_index(batch: list[Sample], first: int) -> Tensor:
+    """`[B, R]` positions, in logits that start at position `first`, of the logits that predict
+    each sample's response tokens (position p predicts token p + 1); 0 past a sample's end."""
+    index = torch.zeros(len(batch), max(s.response_length for s in batch), dtype=torch.long)
+    for row, s in enumerate(batch):
+        index[row, : s.response_length] = torch.arange(s.response_length) + (s.prompt_length - 1 - first)
+    return index
+
+
+# -- the shared steps -----------------------------------------------------------------------------
+
+
+class Trainer(ABC):
+    """The RL and SFT steps of every backend. A backend's `__init__` sets the attributes below
+    (`_setup` does the common ones) and implements the abstract methods.
+
+    Collective calls: `train_step`, `sft_step`, `logprobs`, `hf_tensors`, `state_dict` and
+    `save_hf` are called on every rank; `hf_tensors` and `state_dict` are complete on rank 0."""
+
+    cfg: RunConfig
+    rank: int  # global rank
+    dp_rank: int  # which share of a batch this rank trains on
+    dp_size: int
+    device: torch.device
+    tokenizer: Any
+    pad_id: int
+    temperature: float
+    cpu_threads: int
+    ref: Any  # the frozen reference model, None until needed
+    optimizer: Any
+    sft_optimizer: Any
+
+    def _setup(self, cfg: RunConfig, tokenizer: Any, local_ranks: int) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0  # greedy: T = 1
+        self.sft_optimizer = None
+        engines_idle = cfg.mode == "sync" or cfg.buffer.max_staleness == 0  # while this trains
+        cores = max(1, (os.cpu_count() or 1) // local_ranks) if engines_idle else torch.get_num_threads()
+        self.cpu_threads = cfg.trainer.cpu_threads or cores
+
+    @contextmanager
+    def _threads(self) -> Iterator[None]:
+        """`trainer.cpu_threads` intra-op threads for one step on CPU, then back to what it was."""
+        before = torch.get_num_threads()
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.cpu_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    # -- RL ----------------------------------------------------------------------------------
+
+    def train_step(self, groups: list[list[Sample]], step: int) -> dict[str, float]:
+        with self._threads():
+            return self._train_step(groups, step)
+
+    def _train_step(self, groups: list[list[Sample]], step: int) -> dict[str, float]:
+        """One rollout batch: `trainer.updates_per_step` optimiser steps. `step` is the RL step
+        (1-based); it must follow the optimiser's history, which catches a resume that did not
+        restore the trainer's state."""
+        started = time.perf_counter()
+        algo, tc = self.cfg.algorithm, self.cfg.trainer
+        done = self._updates_done()
+        if done != (step - 1) * tc.updates_per_step:
+            raise ValueError(f"train_step(step={step}): the trainer has taken {done} optimiser steps, expected "
+                             f"{(step - 1) * tc.updates_per_step}; load its state_dict when resuming")  # fmt: skip
+        if not groups or not all(groups):
+            raise ValueError(f"train_step: groups must be non-empty lists of samples, got sizes {[len(g) for g in groups]}")
+        samples = [s for g in groups for s in g]
+        check_samples(samples)
+        rewards = torch.tensor([s.reward_value(self.cfg.rollout.reward_key) for s in samples], dtype=torch.float32)
+        lengths = [len(s.tokens) for s in samples]
+        minis = split_minibatches(len(samples), tc.updates_per_step)
+        shares = [[mini[i] for i in shard([lengths[j] for j in mini], self.dp_size)[self.dp_rank]] for mini in minis]
+        mine = [i for share in shares for i in share]
+        stats = dict.fromkeys(STAT_KEYS, 0.0)
+        # Made by the weights this step starts from (async mode also trains on older ones): their
+        # mismatch is the engine's numerics alone, the rest's includes the policy's drift.
+        fresh = [float(group_version([s]) >= step - 1) for s in samples]
+
+        old = {i: self._rollout_logprobs(samples[i]) for i in mine}
+        if algo.recompute_old_logprobs:
+            recomputed = dict(zip(mine, self.logprobs([samples[i] for i in mine])))
+            rows = [samples[i] for i in mine]
+            measured = mismatch(self._pad([recomputed[i] for i in mine]), self._pad([self._rollout_logprobs(s) for s in rows]),
+                                self._pad([self._mask(s) for s in rows]), [fresh[i] for i in mine])  # fmt: skip
+            for key, value in measured.items():
+                stats[key] += float(value)
+            old = recomputed
+        ref = None
+        if algo.kl_coef > 0:
+            if self.ref is None:  # the initial policy: the one this first RL step starts from
+                self.ref = self._frozen_copy()
+            ref = dict(zip(mine, self.logprobs([samples[i] for i in mine], self.ref)))
+        raw_rewards = rewards
+        if algo.kl_in_reward and ref is not None:
+            kl = torch.zeros(len(samples))
+            for i in mine:
+                kl[i] = sequence_kl(old[i], ref[i], self._mask(samples[i]), algo.kl_estimator)
+            rewards = rewards - algo.kl_coef * self._all_reduce(kl.to(self.device)).cpu()
+        advantages = self._advantages(groups, rewards)
+
+        grad_norms: list[float] = []
+        lrs: list[float] = []
+        for u, (mini, share) in enumerate(zip(minis, shares)):
+            n_tokens = sum(sum(samples[i].loss_mask) for i in mini)
+            lrs.append(self._lr())
+            if not n_tokens:  # nothing to learn from: no step (Adam would still apply momentum)
+                self._scheduler_step()
+                continue
+            normalizer = loss_normalizer(
+                algo.loss_reduction, n_tokens=n_tokens, n_samples=len(mini), max_response_len=self.cfg.rollout.max_new_tokens
+            )
+            measure = u == 0 and not algo.recompute_old_logprobs  # weights still the rollout's
+
+            def loss_fn(idx: list[int], logprobs: Tensor, entropy: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+                batch = [samples[i] for i in idx]
+                rollout = self._pad([self._rollout_logprobs(s) for s in batch])
+                mask = self._pad([self._mask(s) for s in batch])
+                loss, st = rl_loss(
+                    algo, logprobs, self._pad([old[i] for i in idx]), advantages[idx].to(self.device), mask,
+                    normalizer, ref_logprobs=self._pad([ref[i] for i in idx]) if ref is not None else None,
+                    rollout_logprobs=rollout, entropy=entropy,
+                )  # fmt: skip
+                if measure:
+                    st.update(mismatch(logprobs.detach(), rollout, mask, [fresh[i] for i in idx]))
+                return loss, st
+
+            entropy = True if algo.entropy_coef > 0 else None  # else measured without gradient
+            for key, value in self._accumulate([samples[i] for i in share], share, loss_fn, entropy).items():
+                stats[key] += value
+            grad_norms.append(self._optimizer_step(self.optimizer))
+            self._scheduler_step()
+
+        totals = dict(zip(STAT_KEYS, self._all_reduce(torch.tensor([stats[k] for k in STAT_KEYS], dtype=torch.float64,
+                                                                    device=self.device)).tolist()))  # fmt: skip
+        metrics = self._metrics(totals, samples, raw_rewards, grad_norms, time.perf_counter() - started, ref is not None)
+        metrics["train/lr"] = lrs[-1]
+        return metrics
+
+    def _advantages(self, groups: list[list[Sample]], rewards: Tensor) -> Tensor:
+        """One per sample. Equal-size groups go through in one call; ragged groups (a sample
+        lost to a failure) per group, which only group-local estimators allow."""
+        algo = self.cfg.algorithm
+        sizes = [len(g) for g in groups]
+        if len(set(sizes)) == 1:
+            return compute_advantages(algo.advantage, rewards.view(len(groups), sizes[0]), eps=algo.advantage_eps).reshape(-1)
+        if algo.advantage == "reinforce_pp":  # whitened over the whole batch: groups do not matter
+            return compute_advantages(algo.advantage, rewards.view(1, -1), eps=algo.advantage_eps).reshape(-1)
+        if algo.advantage == "reinforce_pp_baseline":
+            raise ValueError(f"advantage reinforce_pp_baseline needs groups of equal size, got sizes {sizes}")
+        parts = rewards.split(sizes)
+        return torch.cat([compute_advantages(algo.advantage, p.view(1, -1), eps=algo.advantage_eps).reshape(-1) for p in parts])
+
+    def _metrics(self, t: dict[str, float], samples: list[Sample], rewards: Tensor, grad_norms: list[float],
+                 seconds: float, with_ref: bool) -> dict[str, float]:  # fmt: skip
+        updates = max(len(grad_norms), 1)
+        tokens = max(t["tokens"], 1.0)
+        out = {
+            "train/loss": (t["loss/policy"] + t["loss/kl"] + t["loss/entropy"]) / updates,
+            "train/policy_loss": t["loss/policy"] / updates,
+            "train/entropy": t["entropy"] / tokens,
+            "train/clip_frac": (t["clip_low"] + t["clip_high"]) / tokens,
+            "train/clip_low": t["clip_low"] / tokens,
+            "train/clip_high": t["clip_high"] / tokens,
+            "train/ratio": t["ratio"] / tokens,
+            "train/grad_norm": sum(grad_norms) / updates,  # over the updates that had tokens
+            "train/tokens_per_s": sum(len(s.tokens) for s in samples) / seconds,
+            "response/length": sum(s.response_length for s in samples) / len(samples),
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "time/train": seconds,
+        }
+        if t["mismatch_tokens"]:
+            out["train/mismatch"] = t["mismatch"] / t["mismatch_tokens"]
+        if t["mismatch_fresh_tokens"]:  # tokens of the weights this step started from
+            out["train/mismatch_fresh"] = t["mismatch_fresh"] / t["mismatch_fresh_tokens"]
+        stale_tokens = t["mismatch_tokens"] - t["mismatch_fresh_tokens"]
+        if stale_tokens:  # async: tokens of older weights
+            out["train/mismatch_stale"] = (t["mismatch"] - t["mismatch_fresh"]) / stale_tokens
+        if with_ref:
+            out["train/kl"] = t["kl"] / tokens
+        if self.cfg.algorithm.dual_clip_c is not None:
+            out["train/dual_clip_frac"] = t["dual_clip"] / tokens
+        if self.cfg.algorithm.tis_cap is not None:
+            out["train/tis"] = t["tis"] / tokens
+        return out
+
+    # -- SFT ---------------------------------------------------------------------------------
+
+    def sft_step(self, samples: list[Sample]) -> dict[str, float]:
+        with self._threads():
+            return self._sft_step(samples)
+
+    def _sft_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One supervised step on the full batch (every rank passes the same): token-mean NLL of
+        the loss-mask-1 tokens, with its own AdamW at `sft.lr` so RL starts with a fresh one."""
+        check_samples(samples)
+        if self.sft_optimizer is None:
+            self.sft_optimizer = self._new_optimizer(self.cfg.sft.lr)
+        n_tokens = sum(sum(s.loss_mask) for s in samples)
+        if not n_tokens:
+            raise ValueError("sft_step: the batch has no loss-mask-1 token to train on")
+        normalizer = float(n_tokens)
+        share = shard([len(s.tokens) for s in samples], self.dp_size)[self.dp_rank]
+
+        def loss_fn(idx: list[int], logprobs: Tensor, _: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+            mask = self._pad([self._mask(samples[i]) for i in idx])
+            loss = sft_loss(logprobs, mask, normalizer)
+            return loss, {"loss/policy": loss.detach(), "tokens": mask.sum()}
+
+        stats = self._accumulate([samples[i] for i in share], share, loss_fn, entropy=False)
+        grad_norm = self._optimizer_step(self.sft_optimizer)
+        loss, tokens = self._all_reduce(torch.tensor([stats.get("loss/policy", 0.0), stats.get("tokens", 0.0)],
+                                                     dtype=torch.float64, device=self.device)).tolist()  # fmt: skip
+        return {"sft/loss": loss, "sft/grad_norm": grad_norm, "sft/tokens": tokens}
+
+    # -- micro-batches and tensors of samples --------------------------------------------------
+
+    def _micro_groups(self, batch: list[Sample]) -> list[list[int]]:
+        """`batch` positions in micro-batches, samples without response tokens left out."""
+        budget = self.cfg.trainer.micro_batch_tokens
+        groups = [[k for k in mb if batch[k].response_length > 0]
+                  for mb in micro_batches([len(s.tokens) for s in batch], budget)]  # fmt: skip
+        return [g for g in groups if g]
+
+    def _input_ids(self, batch: list[Sample]) -> Tensor:
+        """`[B, longest]` token ids, right-padded with the pad id, on the device."""
+        ids = torch.full((len(batch), max(len(s.tokens) for s in batch)), self.pad_id, dtype=torch.long)
+        for row, s in enumerate(batch):
+            ids[row, : len(s.tokens)] = torch.tensor(s.tokens)
+        return ids.to(self.device)
+
+    def _rollout_logprobs(self, s: Sample) -> Tensor:
+        return torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
+
+    def _mask(self, s: Sample) -> Tensor:
+        return torch.tensor(s.loss_mask, dtype=torch.float32, device=self.device)
+
+    def _pad(self, rows: list[Tensor]) -> Tensor:
+        return pad_sequence(rows, batch_first=True)
+
+    # -- what a backend implements ---------------------------------------------------------------
+
+    @abstractmethod
+    def logprobs(self, samples: list[Sample], model: Any = None) -> list[Tensor]:
+        """Per-sample logprobs of the response tokens under `model` (default: the policy), at the
+        rollout temperature, as the engine reports them."""
+
+    @abstractmethod
+    def _accumulate(self, batch: list[Sample], idx: list[int], loss_fn: LossFn, entropy: bool | None) -> dict[str, float]:
+        """Backward of this rank's share `batch` (`idx`: the samples' batch indices, which
+        `loss_fn` takes) in `_micro_groups`; the summed stats. Afterwards every rank holds the
+        gradient of the whole batch's loss: each data-parallel rank must take part, even with
+        nothing to train on. `entropy`: with gradient (True), measured (None) or not (False)."""
+
+    @abstractmethod
+    def _optimizer_step(self, optimizer: Any) -> float:
+        """Clip to `trainer.grad_clip` (0: no clipping), step, zero the grads; the global grad norm."""
+
+    @abstractmethod
+    def _new_optimizer(self, lr: float) -> Any:
+        """An optimiser over the policy at a constant `lr` (the SFT warm start's)."""
+
+    @abstractmethod
+    def _all_reduce(self, t: Tensor) -> Tensor:
+        """Sum over data-parallel ranks, in place; every rank gets the result."""
+
+    @abstractmethod
+    def _frozen_copy(self) -> Any:
+        """A frozen model holding the policy's current weights (the KL reference)."""
+
+    @abstractmethod
+    def _updates_done(self) -> int:
+        """RL optimiser steps taken (the schedule's position)."""
+
+    @abstractmethod
+    def _lr(self) -> float:
+        """The learning rate of the next RL optimiser step."""
+
+    @abstractmethod
+    def _scheduler_step(self) -> None:
+        """Advance the RL learning-rate schedule by one optimiser step."""
+
+    @abstractmethod
+    def hf_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, full tensor) of every parameter, a tied one once: what the engines' weight
+        loaders take. Complete on rank 0; other ranks may yield nothing (but must iterate)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimiser and schedule (and a copied reference): what a resume needs."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned on rank 0 (every rank is given it)."""
+
+    @abstractmethod
+    def save_hf(self, path: str) -> None:
+        """An HF model directory (weights, config, tokenizer) that `from_pretrained` loads; rank 0 writes it."""
