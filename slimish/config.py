@@ -284,6 +284,9 @@ class RolloutConfig:
 @dataclass
 class BufferConfig:
     max_staleness: int = 0  # weight versions a trained sample may lag behind; 0 = on-policy
+    # Mask out the tokens older than the bound instead of dropping the whole group (async: the
+    # long tail outlives the bound, and dropping it biases training toward short samples).
+    mask_stale_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:

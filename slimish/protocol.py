@@ -173,11 +173,11 @@ class MetaInfo(BaseModel):
     # `[{"version", "start", "end"}]`, when a request outlived a weight update.
     weight_versions: list[dict[str, Any]] | None = None
 
-    def output_versions(self) -> list[str]:
-        """The versions that made the output tokens, in order; just `weight_version` when the
+    def output_versions(self, n: int) -> list[str]:
+        """The version that made each of the `n` output tokens; all `weight_version` when the
         engine reports no spans (SGLang): then a request that outlived an update counts as the newer."""
-        spans = [span["version"] for span in self.weight_versions or []]
-        return spans or [self.weight_version]
+        versions = [span["version"] for span in self.weight_versions or [] for _ in range(span["end"] - span["start"])]
+        return versions if len(versions) == n else [self.weight_version] * n
 
 
 class GenerateResponse(BaseModel):

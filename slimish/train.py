@@ -46,7 +46,7 @@ from slimish.trainer import checkpoint, make_trainer
 from slimish.trainer.base import Trainer
 from slimish.trainer.sft import sft_batches
 from slimish.trainer.weight_sync import WeightSync
-from slimish.types import Sample, version_number
+from slimish.types import Sample
 
 T = TypeVar("T")
 
@@ -75,7 +75,7 @@ class Driver:
         stack.callback(self.loop.close)
         self.runtime = self.loop.run(RolloutRuntime.create(cfg, servers.router_url))
         stack.callback(lambda: self.loop.run(self.runtime.close()))
-        self.buffer = Buffer(cfg.buffer.max_staleness)
+        self.buffer = Buffer(cfg.buffer.max_staleness, cfg.buffer.mask_stale_tokens)
         self.manager = RolloutManager.from_config(self.runtime, PromptData(cfg.data), self.buffer)
         self.eval_rows = eval_rows(cfg.data, cfg.rollout.eval_n_prompts)
         self.servers = servers
@@ -121,6 +121,7 @@ class Driver:
             metrics[f"rollout/staleness/{lag}"] = float(count)
         metrics["rollout/staleness_max"] = float(max(staleness, default=0))
         metrics["rollout/dropped_stale_groups"] = float(self.buffer.dropped_stale)  # ever: never trained
+        metrics["rollout/masked_stale_tokens"] = float(self.buffer.masked_stale_tokens)  # ever
         metrics["time/rollout"] = waited
         return groups, metrics
 
@@ -146,10 +147,10 @@ class Driver:
         return {f"eval/{k.removesuffix('_mean')}": v for k, v in results.items()}
 
     def record_trained(self, step: int, groups: list[list[Sample]]) -> None:
-        """Which prompts this step trained on, and the weight versions of their tokens: the
-        resume and async tests audit this file."""
+        """Which prompts this step trained on, and the weight versions of the tokens it trained
+        on: the resume and async tests audit this file."""
         ids = [g[0].group_id for g in groups]
-        versions = [sorted({version_number(v) for s in g for v in s.weight_versions}) for g in groups]
+        versions = [sorted(set().union(*(s.trained_versions() for s in g))) for g in groups]
         self.trained.write(json.dumps({"step": step, "group_ids": ids, "versions": versions}) + "\n")
         self.trained.flush()
 

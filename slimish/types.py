@@ -33,7 +33,7 @@ class GenerateResult:
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: str
     prompt_tokens: int = 0
-    weight_versions: list[str] = field(default_factory=list)  # that made output_ids, in order (one unless it spans an update)
+    token_versions: list[str] = field(default_factory=list)  # per output id: the weights that made it
 
 
 @dataclass
@@ -47,6 +47,9 @@ class Sample:
     reward: float | dict[str, float] | None = None
     status: SampleStatus = SampleStatus.PENDING
     weight_versions: list[str] = field(default_factory=list)  # versions that produced its tokens, in order
+    # Per response token: the version number that made it; -1 for environment tokens and where
+    # unknown. Empty for samples built without versions (then `weight_versions` alone counts).
+    token_versions: list[int] = field(default_factory=list)
     group_id: int = 0  # the prompt's position in the data stream: unique per prompt taken
     index: int = 0  # position within its group
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -68,25 +71,47 @@ class Sample:
 
     def append_model(self, ids: list[int], logprobs: list[float], weight_version: str | list[str] | None = None) -> None:
         """Tokens the policy generated: trained on (mask 1), with the engine's logprobs and the
-        weight version(s) that made them (a list when they span a weight update)."""
+        weight version that made them (one per token when they span a weight update)."""
         if len(ids) != len(logprobs):
             raise ValueError(f"sample {self.group_id}/{self.index}: {len(ids)} ids but {len(logprobs)} logprobs")
-        self._append(ids, [1] * len(ids), list(logprobs))
-        for version in [weight_version] if isinstance(weight_version, str) else weight_version or []:
-            if not self.weight_versions or self.weight_versions[-1] != version:
+        versions = [weight_version] * len(ids) if weight_version is None or isinstance(weight_version, str) else list(weight_version)
+        if len(versions) != len(ids):
+            raise ValueError(f"sample {self.group_id}/{self.index}: {len(ids)} ids but {len(versions)} token versions")
+        self._append(ids, [1] * len(ids), list(logprobs), [-1 if v is None else version_number(v) for v in versions])
+        for version in versions:
+            if version is not None and (not self.weight_versions or self.weight_versions[-1] != version):
                 self.weight_versions.append(version)
 
     def append_env(self, ids: list[int]) -> None:
         """Tokens from the environment (tool output, user turns): in context, not trained on."""
-        self._append(ids, [0] * len(ids), [0.0] * len(ids))
+        self._append(ids, [0] * len(ids), [0.0] * len(ids), [-1] * len(ids))
 
-    def _append(self, ids: list[int], mask: list[int], logprobs: list[float]) -> None:
+    def _append(self, ids: list[int], mask: list[int], logprobs: list[float], versions: list[int]) -> None:
         if not self.tokens:
             raise ValueError(f"sample {self.group_id}/{self.index}: set the prompt before appending response tokens")
+        if len(self.token_versions) != self.response_length:  # a sample from before per-token versions
+            self.token_versions = [-1] * self.response_length
         self.tokens.extend(ids)
         self.loss_mask.extend(mask)
         self.rollout_logprobs.extend(logprobs)
+        self.token_versions.extend(versions)
         self.response_length += len(ids)
+
+    def trained_versions(self) -> set[int]:
+        """The versions of the tokens it trains on (mask 1); without a per-token record, all of
+        `weight_versions`."""
+        if self.token_versions:
+            return {v for v, m in zip(self.token_versions, self.loss_mask) if m and v >= 0}
+        return {version_number(v) for v in self.weight_versions}
+
+    def mask_older_than(self, version: int) -> int:
+        """Stop training on tokens made by weights older than `version`; how many were masked."""
+        masked = 0
+        for t, v in enumerate(self.token_versions):
+            if self.loss_mask[t] and 0 <= v < version:
+                self.loss_mask[t], self.rollout_logprobs[t] = 0, 0.0
+                masked += 1
+        return masked
 
     def reward_value(self, key: str | None = None) -> float:
         """The scalar the advantage uses: the reward, or `reward[key]` for dict rewards."""
@@ -105,7 +130,7 @@ class Sample:
         where = f"sample {self.group_id}/{self.index}"
         if not 0 <= self.response_length <= len(self.tokens):
             raise ValueError(f"{where}: response_length {self.response_length} outside 0..{len(self.tokens)} tokens")
-        for name in ("loss_mask", "rollout_logprobs"):
+        for name in ("loss_mask", "rollout_logprobs", *(("token_versions",) if self.token_versions else ())):
             if len(getattr(self, name)) != self.response_length:
                 raise ValueError(f"{where}: {name} has {len(getattr(self, name))} entries, response_length is {self.response_length}")
         if any(m not in (0, 1) for m in self.loss_mask):

@@ -61,9 +61,28 @@ def test_a_request_that_outlived_an_update_ages_its_group_by_its_oldest_tokens()
     meta = {"id": "r", "prompt_tokens": 2, "completion_tokens": 5, "weight_version": "3",
             "output_token_logprobs": [[-0.1, t, None] for t in range(5)], "finish_reason": {"type": "length"}}  # fmt: skip
     result = to_result(GenerateResponse(text="", output_ids=list(range(5)), meta_info=MetaInfo(**meta, weight_versions=spans)))
-    assert result.weight_versions == ["2", "3"]
+    assert result.token_versions == ["2", "2", "2", "3", "3"]
     s = Sample(prompt="p", tokens=[1, 2])
-    s.append_model(result.output_ids, result.logprobs, result.weight_versions)
+    s.append_model(result.output_ids, result.logprobs, result.token_versions)
+    s.append_env([9])
     s.append_model([7], [-0.2], "3")
-    assert s.weight_versions == ["2", "3"] and group_version([s]) == 2
-    assert MetaInfo(**meta).output_versions() == ["3"]  # an engine without spans (SGLang): the final version
+    s.check()
+    assert s.weight_versions == ["2", "3"] and s.token_versions == [2, 2, 2, 3, 3, -1, 3] and group_version([s]) == 2
+    assert MetaInfo(**meta).output_versions(5) == ["3"] * 5  # an engine without spans (SGLang): the final version
+
+
+def test_mask_stale_tokens_trains_the_fresh_part_of_a_long_sample() -> None:
+    """Instead of dropping a group whose first tokens are too old, mask those tokens out; a group
+    left with nothing to train on is dropped and counted."""
+    long = Sample(prompt="p", tokens=[1], group_id=0, reward=1.0)
+    long.append_model([3, 4, 5, 6], [-0.1, -0.2, -0.3, -0.4], ["1", "1", "3", "4"])
+    old = Sample(prompt="p", tokens=[1], group_id=1, reward=1.0)
+    old.append_model([3], [-0.5], "1")
+    buf = Buffer(max_staleness=1, mask_stale_tokens=True)
+    buf.add([long])
+    buf.add([old])
+    batch = buf.get_batch(2, current_version=4)
+    assert [g[0].group_id for g in batch] == [0]
+    assert long.loss_mask == [0, 0, 1, 1] and long.rollout_logprobs == [0.0, 0.0, -0.3, -0.4]
+    assert group_version(batch[0]) == 3 and long.trained_versions() == {3, 4}
+    assert (buf.masked_stale_tokens, buf.dropped_stale) == (3, 1)

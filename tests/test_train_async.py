@@ -14,10 +14,11 @@ from conftest import run_quickstart
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # minutes on a loaded machine
 
 
-@pytest.mark.parametrize("bound, pause_mode", [(1, "retract"), (2, "abort")])
-def test_async_quickstart_learns_within_the_staleness_bound(tmp_path: Path, bound: int, pause_mode: str) -> None:
+@pytest.mark.parametrize("bound, pause_mode, mask", [(1, "retract", False), (2, "abort", True)])
+def test_async_quickstart_learns_within_the_staleness_bound(tmp_path: Path, bound: int, pause_mode: str, mask: bool) -> None:
     rows = run_quickstart(tmp_path, "steps=10", "eval.every=10", "mode=async", f"buffer.max_staleness={bound}",
-                          f"weight_sync.pause_mode={pause_mode}", f"rollout.partial_rollout={pause_mode == 'abort'}")
+                          f"weight_sync.pause_mode={pause_mode}", f"rollout.partial_rollout={pause_mode == 'abort'}",
+                          f"buffer.mask_stale_tokens={mask}")  # fmt: skip
     run_dir = tmp_path / "run"
     before, after = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
     assert before < 0.3 and after >= before + 0.1, f"held-out accuracy {before} -> {after} after 10 async RL steps"

@@ -139,7 +139,7 @@ def two_steps_batches(trainer: TorchTrainer) -> list[list[list[Sample]]]:
     first = with_rollout_logprobs(trainer, make_groups(1), noise=0.3, seed=1)
     small = make_groups(2, n_groups=1, group_size=2)
     empty = small[0][1]
-    empty.tokens, empty.response_length, empty.loss_mask, empty.rollout_logprobs = empty.tokens[:3], 0, [], []
+    empty.tokens, empty.response_length, empty.loss_mask, empty.rollout_logprobs, empty.token_versions = empty.tokens[:3], 0, [], [], []
     return [first, with_rollout_logprobs(trainer, small, noise=0.3, seed=2)]
 
 

@@ -196,7 +196,7 @@ def rollouts(url: str, prompts: list[list[int]], n: int, seed: int) -> list[list
             params = {"temperature": 1.0, "max_new_tokens": 8, "sampling_seed": seed * 1000 + g * 10 + k}
             out = generate(url, prompt, params)
             s, reply = Sample(prompt="", tokens=list(prompt), group_id=g, index=k), to_result(GenerateResponse(**out))
-            s.append_model(reply.output_ids, reply.logprobs, reply.weight_versions)
+            s.append_model(reply.output_ids, reply.logprobs, reply.token_versions)
             s.reward = float(out["output_ids"][0] % 2 == 0)
             group.append(s)
         groups.append(group)

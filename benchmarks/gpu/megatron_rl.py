@@ -58,7 +58,7 @@ def rollouts(url: str, prompts: list[list[int]], n: int, seed: int, max_new_toke
             group = []
             for k, out in enumerate(outs):
                 s, reply = Sample(prompt="", tokens=list(prompt), group_id=g, index=k), to_result(GenerateResponse(**out))
-                s.append_model(reply.output_ids, reply.logprobs, reply.weight_versions)
+                s.append_model(reply.output_ids, reply.logprobs, reply.token_versions)
                 s.reward = float(out["output_ids"][0] % 2 == 0)
                 group.append(s)
             groups.append(group)

@@ -53,7 +53,7 @@ def to_result(out: GenerateResponse) -> GenerateResult:
         finish_reason=meta.finish_reason.type if meta.finish_reason else "abort",
         weight_version=meta.weight_version,
         prompt_tokens=meta.prompt_tokens,
-        weight_versions=meta.output_versions(),
+        token_versions=meta.output_versions(len(out.output_ids)),
     )
 
 
@@ -203,7 +203,7 @@ class RolloutContext:
     def append_model(self, result: GenerateResult) -> None:
         """The engine's tokens (mask 1, its logprobs, its weight version); status from the finish reason."""
         sample = self._need_sample("append_model")
-        sample.append_model(result.output_ids, result.logprobs, result.weight_versions if result.output_ids else None)
+        sample.append_model(result.output_ids, result.logprobs, result.token_versions)
         sample.status = STATUS[result.finish_reason]
 
     def append_env(self, ids: list[int]) -> None:
