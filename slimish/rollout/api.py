@@ -203,7 +203,7 @@ class RolloutContext:
     def append_model(self, result: GenerateResult) -> None:
         """The engine's tokens (mask 1, its logprobs, its weight version); status from the finish reason."""
         sample = self._need_sample("append_model")
-        sample.append_model(result.output_ids, result.logprobs, result.token_versions)
+        sample.append_model(result.output_ids, result.logprobs, result.token_versions or result.weight_version or None)
         sample.status = STATUS[result.finish_reason]
 
     def append_env(self, ids: list[int]) -> None:
