@@ -88,7 +88,6 @@ class RolloutManager:
         self.counters: Counter[str] = Counter({k: 0 for k in COUNTERS})
         self.filter_reasons: Counter[str] = Counter()
         self.version = 0  # the weights the engines serve (async mode: set by `set_version` after each push)
-        self.groups_kept_total = 0
         self._inflight: dict[int, _Prompt] = {}  # group id -> its prompt, while its group runs
         self._changed = asyncio.Event()  # a new version, or a group went into the buffer
         self._idle = _IdleClock()
@@ -134,7 +133,7 @@ class RolloutManager:
         batch ahead of the trainer. In flight at a push, a request does what
         `weight_sync.pause_mode` says; its tokens record the versions that made them."""
         batch, bound = self.cfg.rollout_batch_size, self.runtime.cfg.buffer.max_staleness
-        start, kept0, dropped0 = self.version, self.groups_kept_total, self.buffer.dropped_stale
+        start, kept0, dropped0 = self.version, self.counters["groups_kept"], self.buffer.dropped_stale
         limit = math.ceil(self.cfg.max_prompts_factor * batch)
         tasks: set[asyncio.Task[bool]] = set()
         taken_unkept = 0  # prompts taken since a group was last kept: the stall guard
@@ -142,7 +141,7 @@ class RolloutManager:
         try:
             while not stop.is_set():
                 owed = (self.version - start + 1 + bound) * batch + self.buffer.dropped_stale - dropped0
-                wanted = owed - (self.groups_kept_total - kept0)
+                wanted = owed - (self.counters["groups_kept"] - kept0)
                 while len(tasks) < math.ceil(self.cfg.over_sampling * wanted):
                     if taken_unkept >= limit:
                         raise RolloutStalled(self._stall_message(taken_unkept, 0))
@@ -256,7 +255,6 @@ class RolloutManager:
             self._finish(group, "groups_filtered", reason)
             return False
         self.buffer.add(group)
-        self.groups_kept_total += 1
         self._step["kept"].append(group)
         self._finish(group, "groups_kept", None)
         self._changed.set()
