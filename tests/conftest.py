@@ -92,13 +92,13 @@ def running_router(**settings) -> Iterator[str]:
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_quickstart(tmp_path: Path, *overrides: str, timeout: float = 1200) -> list[dict]:
-    """`python -m slimish.train --config configs/quickstart.yaml`, shortened by `overrides`, on a
-    fresh tiny model as `make demo` builds it; its metrics rows (it must exit 0)."""
+def run_quickstart(tmp_path: Path, *overrides: str, model: Path | None = None, timeout: float = 1200) -> list[dict]:
+    """`python -m slimish.train --config configs/quickstart.yaml`, shortened by `overrides`, on
+    `model` or a fresh tiny model as `make demo` builds it; its metrics rows (it must exit 0)."""
     from slimish.metrics import read_metrics
     from slimish.tiny_model import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "model", arch="llama", size="tiny", seed=0)
+    model = model or make_tiny_model(tmp_path / "model", arch="llama", size="tiny", seed=0)
     argv = [sys.executable, "-m", "slimish.train", "--config", str(ROOT / "configs/quickstart.yaml"),
             f"model={model}", f"run_dir={tmp_path / 'run'}", "checkpoint.every=0", *overrides]  # fmt: skip
     done = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=timeout)

@@ -1,7 +1,11 @@
-"""Async training end to end: the quickstart, shortened, with the rollout running beside the
-trainer under a staleness bound. It must learn as the sync loop does (tests/test_quickstart.py),
-train no token staler than the bound, and every trained sample's versions must be pushes that
-happened before its step."""
+"""Async training end to end: the quickstart task with the rollout running beside the trainer
+under a staleness bound. It must learn as the sync loop does, train no token staler than the
+bound, and every trained sample's versions must be pushes that happened before its step.
+
+One SFT warm start is shared; from it, sync and async with bounds 1 and 2 each run 30 GRPO steps
+and are evaluated greedily on the same 256 held-out prompts. At step 30 the three land on a
+plateau of the learning curve (measured twice, all within 0.02 of each other: 0.586 / 0.586 /
+0.578 and 0.598 / 0.605 / 0.582), so a gap over 0.05 is a real difference, not noise."""
 
 from __future__ import annotations
 
@@ -11,22 +15,49 @@ from pathlib import Path
 import pytest
 from conftest import run_quickstart
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # minutes on a loaded machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # ~8 minutes on a quiet machine
+
+STEPS, EVAL_PROMPTS = 30, 256
+MODES = {  # name -> overrides; bound 1 retracts requests at a push, bound 2 aborts and resumes them
+    "sync": ["mode=sync"],
+    "async-1": ["mode=async", "buffer.max_staleness=1", "weight_sync.pause_mode=retract", "rollout.partial_rollout=false"],
+    "async-2": ["mode=async", "buffer.max_staleness=2", "weight_sync.pause_mode=abort", "rollout.partial_rollout=true",
+                "buffer.mask_stale_tokens=true"],
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("bound, pause_mode, mask", [(1, "retract", False), (2, "abort", True)])
-def test_async_quickstart_learns_within_the_staleness_bound(tmp_path: Path, bound: int, pause_mode: str, mask: bool) -> None:
-    rows = run_quickstart(tmp_path, "steps=10", "eval.every=10", "mode=async", f"buffer.max_staleness={bound}",
-                          f"weight_sync.pause_mode={pause_mode}", f"rollout.partial_rollout={pause_mode == 'abort'}",
-                          f"buffer.mask_stale_tokens={mask}")  # fmt: skip
-    run_dir = tmp_path / "run"
-    before, after = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
-    assert before < 0.3 and after >= before + 0.1, f"held-out accuracy {before} -> {after} after 10 async RL steps"
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict], Path]]:
+    """Each mode's metrics rows and run directory, all from one SFT warm start."""
+    sft = tmp_path_factory.mktemp("sft")
+    run_quickstart(sft, "steps=0", "eval.every=0")
+    out = {}
+    for name, overrides in MODES.items():
+        tmp = tmp_path_factory.mktemp(name)
+        rows = run_quickstart(tmp, f"steps={STEPS}", f"eval.every={STEPS}", f"rollout.eval_n_prompts={EVAL_PROMPTS}",
+                              "sft.steps=0", *overrides, model=sft / "run" / "hf")  # fmt: skip
+        out[name] = rows, tmp / "run"
+    return out
+
+
+def test_async_learns_the_quickstart_as_well_as_sync(runs: dict[str, tuple[list[dict], Path]]) -> None:
+    acc = {name: (rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]) for name, (rows, _) in runs.items()}
+    befores = [before for before, _ in acc.values()]
+    assert max(befores) - min(befores) <= 0.01, acc  # one warm start, one greedy eval (batching may flip a token)
+    before, sync = acc["sync"]
+    assert before < 0.3 and sync >= before + 0.2, f"sync did not learn: {acc}"
+    for name in ("async-1", "async-2"):
+        assert abs(acc[name][1] - sync) <= 0.05, f"{name} ended at {acc[name][1]}, sync at {sync}: {acc}"
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_async_trains_nothing_staler_than_the_bound(runs: dict[str, tuple[list[dict], Path]], bound: int) -> None:
+    rows, run_dir = runs[f"async-{bound}"]
     assert all(r["rollout/staleness_max"] <= bound for r in rows[1:])
     assert max(r["rollout/staleness_max"] for r in rows[1:]) >= 1  # the rollout did run ahead
 
     trained = [json.loads(line) for line in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
-    assert [t["step"] for t in trained] == list(range(1, 11))
+    assert [t["step"] for t in trained] == list(range(1, STEPS + 1))
     for t in trained:
         for versions in t["versions"]:  # version v = the weights pushed after step v (0: the start)
             assert versions and all(t["step"] - 1 - bound <= v <= t["step"] - 1 for v in versions), t
