@@ -14,7 +14,7 @@ the staleness of what async trained on, and how many groups async dropped as too
 `buffer.mask_stale_tokens`, set here, only tokens past the bound are masked; `--set
 buffer.mask_stale_tokens=false` drops such groups whole, which biases toward short samples).
 
-    .venv/bin/python benchmarks/async_vs_sync.py                      # tiny llama, 12 + 2 steps (~4-6 min)
+    .venv/bin/python benchmarks/async_vs_sync.py                      # tiny llama, 24 + 2 steps (~6-8 min)
     .venv/bin/python benchmarks/async_vs_sync.py --steps 4 --warmup 1 # smoke run
 """
 
@@ -92,7 +92,7 @@ def idle(rows: list[dict], key: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12, help="measured RL steps per mode")
+    parser.add_argument("--steps", type=int, default=24, help="measured RL steps per mode")
     parser.add_argument("--warmup", type=int, default=2, help="steps before the measurement starts")
     parser.add_argument("--staleness", type=int, default=2, help="async buffer.max_staleness")
     parser.add_argument("--batch", type=int, default=8, help="groups per step")

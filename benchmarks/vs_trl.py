@@ -27,6 +27,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -78,7 +79,8 @@ def run_config(args: argparse.Namespace, model: Path, run_dir: Path, steps: int)
 def run_slimish(cfg: RunConfig, warmup: int, timeout: float) -> Result:
     """`python -m slimish.train` on `cfg` in a child process; its metrics.jsonl is the result."""
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time, not a resume of the last one
+    run_dir.mkdir(parents=True)
     config_path = run_dir / "bench.yaml"
     config_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     cmd = [sys.executable, "-m", "slimish.train", "--config", str(config_path)]

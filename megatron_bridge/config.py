@@ -9,9 +9,11 @@ The mapping covers Llama, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm, free head_dim) a
 (top-k softmax router, no shared expert). A feature it does not map raises ValueError naming the
 HF config field, because silently dropping it would give a different model.
 
-MoE runs on the local spec with SequentialMLP experts and expert parallelism 1. Megatron refuses
-MoE *training* at TP>1 without sequence parallelism, and the local spec's torch norms cannot do
-sequence parallelism. So on CPU, MoE trains at TP=1 only; the forward pass works at any TP.
+`spec` picks the layer spec, which decides the Megatron tensor names (weights.py): `local`
+(Megatron-Core modules, torch norms; what runs on CPU) or `te` (Transformer Engine, GPU only; it
+fuses each pre-norm into the linear layer after it). MoE uses SequentialMLP experts and expert
+parallelism 1 under both. Megatron refuses MoE *training* at TP>1 without sequence parallelism,
+which neither spec turns on here. So MoE trains at TP=1 only; the forward pass works at any TP.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SPECS = ("local", "te")
 
 # Megatron's llama3 RoPE scaling hard-codes these (rotary_pos_embedding.py `_apply_scaling`);
 # only `factor` is a GPTModel argument.
@@ -54,6 +57,11 @@ class BridgeConfig:
     moe_ffn_hidden_size: int | None = None
     norm_topk_prob: bool = False
     make_vocab_size_divisible_by: int = 128
+    spec: str = "local"  # the layer spec: local (Megatron-Core modules) | te (Transformer Engine)
+
+    def __post_init__(self) -> None:
+        if self.spec not in SPECS:
+            raise ValueError(f"spec must be one of {SPECS} (the layer spec), got {self.spec!r}")
 
     def padded_vocab_size(self, tp_size: int) -> int:
         """Megatron's embedding rows: the vocab rounded up so that every TP rank gets an equal slice."""
@@ -111,7 +119,7 @@ class BridgeConfig:
             fp16=dtype == torch.float16,
             tensor_model_parallel_size=tp_size,
             pipeline_model_parallel_size=pp_size,
-            sequence_parallel=False,  # torch norms of the local spec cannot do SP
+            sequence_parallel=False,  # the local spec's torch norms cannot do SP; off under te too
         )
         if self.num_experts:
             kwargs.update(
@@ -132,11 +140,18 @@ class BridgeConfig:
         return TransformerConfig(**kwargs)
 
     def layer_spec(self):
-        """The local (non-Transformer-Engine) layer spec; SequentialMLP experts for MoE (no grouped GEMM)."""
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        """Megatron's layer spec named by `spec`; SequentialMLP experts for MoE (no grouped GEMM)."""
+        from megatron.core.models.gpt import gpt_layer_specs
 
-        return get_gpt_layer_local_spec(
-            num_experts=self.num_experts, moe_grouped_gemm=False, qk_layernorm=self.qk_norm, normalization="RMSNorm"
+        if self.spec == "local":
+            return gpt_layer_specs.get_gpt_layer_local_spec(
+                num_experts=self.num_experts, moe_grouped_gemm=False, qk_layernorm=self.qk_norm, normalization="RMSNorm"
+            )
+        if not gpt_layer_specs.HAVE_TE:  # megatron-core sets it when `import transformer_engine` works
+            raise ValueError("spec='te' (trainer.megatron_spec in a run) needs Transformer Engine, which does not "
+                             "import here: pip install transformer-engine[pytorch] on a CUDA machine, or use 'local'")  # fmt: skip
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=self.num_experts, moe_grouped_gemm=False, qk_layernorm=self.qk_norm
         )
 
     def gpt_model_kwargs(self, tp_size: int = 1) -> dict[str, Any]:
@@ -178,7 +193,7 @@ def _require(hf: Any, field: str, expected: Any) -> None:
         raise ValueError(f"{hf.model_type} config {field}={value!r} is not supported (expected {expected!r})")
 
 
-def from_hf(hf: Any, make_vocab_size_divisible_by: int = 128) -> BridgeConfig:
+def from_hf(hf: Any, make_vocab_size_divisible_by: int = 128, spec: str = "local") -> BridgeConfig:
     """Map a transformers `PretrainedConfig` (Llama, Qwen2, Qwen3, Qwen3-MoE) to a BridgeConfig."""
     model_type = getattr(hf, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -219,12 +234,13 @@ def from_hf(hf: Any, make_vocab_size_divisible_by: int = 128) -> BridgeConfig:
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         rope_scaling_factor=rope_factor,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        spec=spec,
         **moe,
     )
 
 
-def load_hf_config(hf_dir: str | Path, make_vocab_size_divisible_by: int = 128) -> BridgeConfig:
+def load_hf_config(hf_dir: str | Path, make_vocab_size_divisible_by: int = 128, spec: str = "local") -> BridgeConfig:
     """`from_hf` of the config.json in `hf_dir`."""
     from transformers import AutoConfig
 
-    return from_hf(AutoConfig.from_pretrained(hf_dir), make_vocab_size_divisible_by)
+    return from_hf(AutoConfig.from_pretrained(hf_dir), make_vocab_size_divisible_by, spec)

@@ -6,7 +6,12 @@ Why pure functions over explicit ranks: the same math serves three callers. The 
 `export_hf`, the weight-sync iterator, which gathers shards over the TP group and yields one full
 HF tensor at a time.
 
-Layouts (local layer spec, see ../shared/notes/megatron-on-cpu.md):
+Names follow `BridgeConfig.spec`. The `te` spec has no `input_layernorm` and, in dense layers,
+no `pre_mlp_layernorm`: those RMSNorm weights are `layer_norm_weight` of the fused
+`linear_qkv` / `linear_fc1` (TELayerNormColumnParallelLinear). MoE layers keep `pre_mlp_layernorm`.
+TE's `_extra_state` entries hold no weights and are not listed.
+
+Layouts (the same under both specs, see ../shared/notes/megatron-on-cpu.md):
 - `linear_qkv` rows are grouped per KV group: [q heads of group 0, k0, v0, q heads of group 1, ...].
   A TP rank therefore holds whole groups as one contiguous dim-0 slice. Biases use the same layout.
 - `linear_fc1` is [gate; up] in full. Each TP rank holds [gate_shard; up_shard], so a plain dim-0
@@ -47,8 +52,11 @@ class Param:
 def _layer_params(cfg: BridgeConfig, local: int, layer: int) -> list[Param]:
     m, h = f"decoder.layers.{local}.", f"model.layers.{layer}."
     attn = h + "self_attn."
+    te = cfg.spec == "te"
+    input_norm = "self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"
+    mlp_norm = "mlp.linear_fc1.layer_norm_weight" if te and not cfg.num_experts else "pre_mlp_layernorm.weight"
     params = [
-        Param(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "replicated"),
+        Param(m + input_norm, (h + "input_layernorm.weight",), "replicated"),
         Param(m + "self_attention.linear_qkv.weight", tuple(f"{attn}{p}_proj.weight" for p in "qkv"), "qkv"),
     ]
     if cfg.qkv_bias:
@@ -60,7 +68,7 @@ def _layer_params(cfg: BridgeConfig, local: int, layer: int) -> list[Param]:
         ]
     params += [
         Param(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"),
-        Param(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated"),
+        Param(m + mlp_norm, (h + "post_attention_layernorm.weight",), "replicated"),
     ]
     if cfg.num_experts:
         params.append(Param(m + "mlp.router.weight", (h + "mlp.gate.weight",), "replicated"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -30,6 +31,9 @@ class EngineConfig:
     max_prefill_tokens: int = 4096  # prompt tokens prefilled per scheduler step (decode is never starved)
     context_length: int | None = None  # default: the model's max_position_embeddings
     dtype: str = "float32"  # fp32 on CPU: bf16 is 12-18x slower there (notes/cpu-runtime.md)
+    # cpu | cuda | cuda:K. The model and every tensor the engine makes live there, so a weight
+    # push over an NCCL group (PROTOCOL.md 4) lands straight in GPU parameters.
+    device: str = "cpu"
     served_model_name: str | None = None  # default: the model path
     api_key: str | None = None  # Bearer key for every route except health and metrics
     admin_api_key: str | None = None  # Bearer key for weight and control routes (default: api_key)
@@ -59,6 +63,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
+            raise ValueError(f"engine.device (--device) must be cpu, cuda or cuda:K, got {self.device!r}")
 
 
 POLICIES = ("least_inflight", "round_robin", "cache_aware", "session")
@@ -357,6 +363,9 @@ class TrainerConfig:
     # world size / (tp * pp), and a batch is split over data-parallel ranks only.
     tp: int = 1
     pp: int = 1
+    # Megatron backend only: the layer spec (megatron_bridge BridgeConfig.spec). local: Megatron-Core
+    # modules, CPU or GPU; te: Transformer Engine's fused norm+linear modules, GPU only.
+    megatron_spec: str = "local"
     lr: float = 1e-5
     lr_schedule: str = "constant"  # constant | cosine | linear (to 0 at the last optimiser step), after warmup
     warmup_steps: int = 0  # optimiser steps of linear warmup
@@ -378,6 +387,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.backend must be torch or megatron, got {self.backend!r}")
         if self.backend == "torch" and (self.tp, self.pp) != (1, 1):
             raise ValueError(f"trainer.tp and trainer.pp need trainer.backend=megatron, got tp={self.tp}, pp={self.pp}")
+        if self.megatron_spec not in ("local", "te"):
+            raise ValueError(f"trainer.megatron_spec must be local or te, got {self.megatron_spec!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"trainer.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):

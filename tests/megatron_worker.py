@@ -5,11 +5,15 @@ after another (TP=1 with ranks splitting the models, then TP=2, then PP=2), re-i
 Megatron's parallel state between them. Each rank writes `OUT/rank{r}.json`: {check: number},
 differences as max |a - b|. The test module asserts on them.
 
+Transformer Engine needs CUDA, so the `te` spec's names are checked on `te_standin_spec`: the
+local spec rebuilt the way TE's is laid out (each pre-norm fused into the next linear).
+
     python -m torch.distributed.run --nproc-per-node 2 tests/megatron_worker.py SPEC.json OUT_DIR
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -25,10 +29,13 @@ from megatron_bridge import cpu
 cpu.apply()
 
 from megatron.core import parallel_state  # noqa: E402
+from megatron.core.models.gpt import gpt_layer_specs  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel import ColumnParallelLinear  # noqa: E402
+from megatron.core.transformer.identity_op import IdentityOp  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from megatron_bridge.config import load_hf_config  # noqa: E402
+from megatron_bridge.config import BridgeConfig, load_hf_config  # noqa: E402
 from megatron_bridge.hf_io import hf_tensors  # noqa: E402
 from megatron_bridge.logprobs import vocab_parallel_logprobs  # noqa: E402
 from megatron_bridge.model import build_model, load_hf_weights  # noqa: E402
@@ -49,6 +56,32 @@ def tokens(vocab: int, seed: int, batch: int = BATCH, seq: int = SEQ) -> torch.T
 
 def hf_model(path: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+class NormColumnParallelLinear(ColumnParallelLinear):
+    """Stand-in of TE's LayerNormColumnParallelLinear: RMSNorm with its own `layer_norm_weight`,
+    then the column-parallel linear (the weight is replicated over TP, like TE's)."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, **kwargs) -> None:
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
+        self.eps = config.layernorm_epsilon
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        x = torch.nn.functional.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps)
+        return super().forward(x, *args, **kwargs)
+
+
+def te_standin_spec(cfg: BridgeConfig):
+    """The local spec with TE's layout: no input norm; in dense layers no pre-MLP norm either."""
+    spec = dataclasses.replace(cfg, spec="local").layer_spec()
+    layer = spec.submodules
+    layer.input_layernorm = IdentityOp
+    layer.self_attention.submodules.linear_qkv = NormColumnParallelLinear
+    if not cfg.num_experts:  # TE's MoE layers keep a separate pre_mlp_layernorm
+        layer.pre_mlp_layernorm = IdentityOp
+        layer.mlp.submodules.linear_fc1 = NormColumnParallelLinear
+    return spec
 
 
 def init(tp: int, pp: int) -> None:
@@ -83,10 +116,12 @@ def check_export(key: str, model: torch.nn.Module, cfg, path: str, pp_rank: int 
         results[f"{key}/export_dtype_ok"] = int(all(t.dtype == get(n).dtype for n, t in exported.items()))
 
 
-def check_model(key: str, path: str, tp: int, divisible_by: int, seq: int = SEQ) -> None:
-    """Load, compare logits with HF (first V columns; padded columns must be 0), export round trip."""
-    cfg = load_hf_config(path, divisible_by)
-    model = build_model(cfg).eval()  # eval: Megatron refuses MoE training at TP>1 without sequence parallel
+def check_model(key: str, path: str, tp: int, divisible_by: int, seq: int = SEQ, spec: str = "local") -> None:
+    """Load, compare logits with HF (first V columns; padded columns must be 0), export round trip.
+    `spec="te"`: the te name table on `te_standin_spec`."""
+    cfg = load_hf_config(path, divisible_by, spec)
+    layer_spec = te_standin_spec(cfg) if spec == "te" else None
+    model = build_model(cfg, layer_spec=layer_spec).eval()  # eval: Megatron refuses MoE training at TP>1 without SP
     load_hf_weights(model, cfg, path)
     ids = tokens(cfg.vocab_size, seed=1, batch=1 if seq > SEQ else BATCH, seq=seq)
     logits = full_logits(model, ids)
@@ -233,10 +268,21 @@ def main() -> None:
             if i % world == rank:
                 # llama3 RoPE scaling changes only long wavelengths: 1024 positions make it visible
                 check_model(f"tp1/{arch}", path, 1, 128, seq=1024 if arch == "llama3_rope" else SEQ)
+        te_models: dict[str, str] = spec["te_models"]  # random norm weights
+        for i, (arch, path) in enumerate(sorted(te_models.items())):
+            if i % world == rank:
+                check_model(f"te_tp1/{arch}", path, 1, 128, spec="te")
+        if rank == 0 and not gpt_layer_specs.HAVE_TE:
+            try:
+                load_hf_config(models["llama"], spec="te").layer_spec()
+            except ValueError as exc:
+                results["te_missing_error"] = str(exc)
         init(2, 1)
         check_logprobs_random()
         for arch in spec["tp2"]:
             check_model(f"tp2/{arch}", models[arch], 2, 100)  # 1024 -> 1200 rows: 88 padded rows per rank
+        for arch in spec["te_tp2"]:
+            check_model(f"te_tp2/{arch}", te_models[arch], 2, 100, spec="te")
         check_convert_shards("tp2/convert_shards", models["llama"], spec["convert_shards"])
         init(1, 2)
         check_pipeline_grads("pp2/llama", models["llama"])

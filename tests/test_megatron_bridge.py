@@ -1,8 +1,9 @@
 """megatron_bridge: HF <-> Megatron-Core on real torchrun/gloo processes, CPU only.
 
 One torchrun launch (tests/megatron_worker.py, 2 ranks) runs every Megatron check: TP=1, TP=2
-and PP=2 for llama, llama with llama3 RoPE scaling, qwen2, qwen3 and Qwen3-MoE. The tests below
-assert on its JSON results. Conversion and config mapping need no Megatron import and run here.
+and PP=2 for llama, llama with llama3 RoPE scaling, qwen2, qwen3 and Qwen3-MoE, and the
+Transformer Engine spec's name table on a CPU stand-in of that spec. The tests below assert on
+its JSON results. Conversion and config mapping need no Megatron import and run here.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ if importlib.util.find_spec("megatron.core") is None:
 
 from megatron_bridge.config import from_hf, load_hf_config  # noqa: E402
 from megatron_bridge.convert import hf_to_shards, shards_to_hf  # noqa: E402
+from megatron_bridge.weights import stage_params  # noqa: E402
 from conftest import torchrun_ranks  # noqa: E402
 from slimish.tiny_model import make_tiny_model  # noqa: E402
 
 WORKER = Path(__file__).with_name("megatron_worker.py")
 ARCHS = ("llama", "llama3_rope", "qwen2", "qwen3", "qwen3_moe")
 TP2_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+TE_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+TE_TP2_ARCHS = ("llama", "qwen3_moe")
 TOL = 1e-5
 
 
@@ -69,6 +73,21 @@ def _llama3_rope(path: Path) -> Path:
     return path
 
 
+def _random_norms(src: Path, dst: Path) -> Path:
+    """`src` with every RMSNorm weight drawn at random: a fresh model's are all ones, which would
+    hide a norm weight loaded into the wrong place."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(dst)
+    return dst
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mbridge")
@@ -96,7 +115,9 @@ def results(models: dict[str, Path], convert_shards: Path, tmp_path_factory: pyt
     out = tmp_path_factory.mktemp("worker")
     spec = out / "spec.json"
     paths = {k: str(v) for k, v in models.items()}
-    spec.write_text(json.dumps({"models": paths, "tp2": TP2_ARCHS, "convert_shards": str(convert_shards)}))
+    te_models = {arch: str(_random_norms(models[arch], out / f"{arch}_norms")) for arch in TE_ARCHS}
+    spec.write_text(json.dumps({"models": paths, "tp2": TP2_ARCHS, "te_models": te_models, "te_tp2": TE_TP2_ARCHS,
+                                "convert_shards": str(convert_shards)}))  # fmt: skip
     merged: dict = {}
     for rank, data in torchrun_ranks(WORKER, [str(spec), str(out)], out).items():
         merged.update({f"r{rank}:{k}": v for k, v in data.items()})
@@ -110,32 +131,58 @@ def _values(results: dict, check: str) -> list:
     return found
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_tp1_logits_match_hf(results: dict, arch: str) -> None:
-    assert max(_values(results, f"tp1/{arch}/logits_diff")) < TOL
+# Worker keys: `tp1/ARCH` on the local spec; `te_tp1/ARCH` is the te name table on the CPU
+# stand-in of TE's spec, with random norm weights, so each norm must land in its place.
+TP1_KEYS = [f"tp1/{a}" for a in ARCHS] + [f"te_tp1/{a}" for a in TE_ARCHS]
+TP2_KEYS = [f"tp2/{a}" for a in TP2_ARCHS] + [f"te_tp2/{a}" for a in TE_TP2_ARCHS]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_tp1_export_round_trip_is_exact(results: dict, arch: str) -> None:
-    assert _values(results, f"tp1/{arch}/state_keys_ok") == [1]  # the mapping covers every GPTModel tensor
-    assert _values(results, f"tp1/{arch}/export_names_ok") == [1]
-    assert _values(results, f"tp1/{arch}/export_dtype_ok") == [1]
-    assert _values(results, f"tp1/{arch}/export_diff") == [0.0]
+@pytest.mark.parametrize("key", TP1_KEYS)
+def test_tp1_logits_match_hf(results: dict, key: str) -> None:
+    assert max(_values(results, f"{key}/logits_diff")) < TOL
 
 
-@pytest.mark.parametrize("arch", TP2_ARCHS)
-def test_tp2_logits_match_hf_with_padded_vocab(results: dict, arch: str) -> None:
-    assert max(_values(results, f"tp2/{arch}/logits_diff")) < TOL
-    expected_rows = 1000 if arch == "qwen3_moe" else 1200  # vocab rounded up to a multiple of 100 * TP
-    assert _values(results, f"tp2/{arch}/padded_vocab") == [expected_rows] * 2
-    assert _values(results, f"tp2/{arch}/padded_logits_max") == [0.0] * 2  # zero rows, stripped on export
+@pytest.mark.parametrize("key", TP1_KEYS)
+def test_tp1_export_round_trip_is_exact(results: dict, key: str) -> None:
+    assert _values(results, f"{key}/state_keys_ok") == [1]  # the mapping covers every GPTModel tensor
+    assert _values(results, f"{key}/export_names_ok") == [1]
+    assert _values(results, f"{key}/export_dtype_ok") == [1]
+    assert _values(results, f"{key}/export_diff") == [0.0]
 
 
-@pytest.mark.parametrize("arch", TP2_ARCHS)
-def test_tp2_export_gathers_exact_hf_tensors(results: dict, arch: str) -> None:
-    assert _values(results, f"tp2/{arch}/state_keys_ok") == [1, 1]
-    assert _values(results, f"tp2/{arch}/export_names_ok") == [1, 1]
-    assert _values(results, f"tp2/{arch}/export_diff") == [0.0, 0.0]
+@pytest.mark.parametrize("key", TP2_KEYS)
+def test_tp2_logits_match_hf_with_padded_vocab(results: dict, key: str) -> None:
+    assert max(_values(results, f"{key}/logits_diff")) < TOL
+    expected_rows = 1000 if key.endswith("qwen3_moe") else 1200  # vocab rounded up to a multiple of 100 * TP
+    assert _values(results, f"{key}/padded_vocab") == [expected_rows] * 2
+    assert _values(results, f"{key}/padded_logits_max") == [0.0] * 2  # zero rows, stripped on export
+
+
+@pytest.mark.parametrize("key", TP2_KEYS)
+def test_tp2_export_gathers_exact_hf_tensors(results: dict, key: str) -> None:
+    assert _values(results, f"{key}/state_keys_ok") == [1, 1]
+    assert _values(results, f"{key}/export_names_ok") == [1, 1]
+    assert _values(results, f"{key}/export_diff") == [0.0, 0.0]
+
+
+def test_te_spec_without_transformer_engine_names_the_field(results: dict) -> None:
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed")
+    assert "spec='te' (trainer.megatron_spec in a run) needs Transformer Engine" in _values(results, "te_missing_error")[0]
+
+
+def test_te_name_table_fuses_the_dense_pre_norms(models: dict[str, Path]) -> None:
+    """TE names (megatron-core gpt_layer_specs: linear_qkv and, for dense MLPs, linear_fc1 are
+    TELayerNormColumnParallelLinear); MoE layers keep pre_mlp_layernorm."""
+    names = {arch: {p.megatron: p.hf for p in stage_params(load_hf_config(models[arch], spec="te"))} for arch in ("llama", "qwen3_moe")}
+    layer = "decoder.layers.1."
+    assert names["llama"][layer + "self_attention.linear_qkv.layer_norm_weight"] == ("model.layers.1.input_layernorm.weight",)
+    assert names["llama"][layer + "mlp.linear_fc1.layer_norm_weight"] == ("model.layers.1.post_attention_layernorm.weight",)
+    assert not any("input_layernorm" in n or "pre_mlp_layernorm" in n for n in names["llama"])
+    assert names["qwen3_moe"][layer + "pre_mlp_layernorm.weight"] == ("model.layers.1.post_attention_layernorm.weight",)
+    assert layer + "self_attention.linear_qkv.layer_norm_weight" in names["qwen3_moe"]
+    with pytest.raises(ValueError, match="spec must be one of"):
+        load_hf_config(models["llama"], spec="transformer_engine")
 
 
 @pytest.mark.parametrize("arch", TP2_ARCHS)

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from slimish.config import EngineConfig
 from slimish.engine.metrics import Metrics
-from slimish.engine.runner import Runner, load_model
+from slimish.engine.runner import Runner, engine_device, load_model, use_device
 from slimish.engine.scheduler import LogprobWish, Request, Scheduler
 from slimish.engine.weights import WeightUpdater
 from slimish.protocol import GenerateReqInput, SamplingParams
@@ -64,8 +64,10 @@ class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.model_path = str(Path(cfg.model).resolve())
+        self.device = engine_device(cfg.device)
+        use_device(self.device)
         torch.manual_seed(cfg.seed)
-        self.model = load_model(self.model_path, cfg.dtype)
+        self.model = load_model(self.model_path, cfg.dtype, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.vocab_size = self.model.config.vocab_size
         self.context_length = cfg.context_length or self.model.config.max_position_embeddings

@@ -16,8 +16,28 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 
-def load_model(path: str, dtype: str) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+def engine_device(name: str) -> torch.device:
+    """The device `engine.device` names, checked against this machine (`cuda` is `cuda:0`)."""
+    device = torch.device(name)
+    if device.type == "cpu":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"engine.device (--device) is {name!r}, but CUDA is not available here; use cpu")
+    index = device.index or 0
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"engine.device (--device) is {name!r}, but this machine has {torch.cuda.device_count()} GPUs")
+    return torch.device("cuda", index)
+
+
+def use_device(device: torch.device) -> None:
+    """Make a CUDA `device` the calling thread's current one (CUDA keeps it per thread): NCCL
+    groups and tensors made without an explicit device land there, not on GPU 0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def load_model(path: str, dtype: str, device: torch.device) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
     model.eval()
     return model
 
@@ -34,7 +54,7 @@ class KVBatch:
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.cache = DynamicCache(config=model.config)
-        self.mask = torch.zeros(0, 0, dtype=torch.long)
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=model.device)
         self.lens: list[int] = []
 
     def __len__(self) -> int:
@@ -48,7 +68,7 @@ class KVBatch:
         """Append prefilled single-row caches as new rows, padding everything to one width."""
         width = max([self.width, *lens])
         masks = [F.pad(self.mask, (width - self.width, 0))] if len(self) else []
-        masks += [F.pad(torch.ones(1, n, dtype=torch.long), (width - n, 0)) for n in lens]
+        masks += [F.pad(torch.ones(1, n, dtype=torch.long, device=self.mask.device), (width - n, 0)) for n in lens]
         for i, layer in enumerate(self.cache.layers):
             parts_k, parts_v = [], []
             if len(self):
@@ -66,10 +86,10 @@ class KVBatch:
         self.lens = [self.lens[r] for r in rows]
         if not rows:
             self.cache = DynamicCache(config=self.model.config)
-            self.mask = torch.zeros(0, 0, dtype=torch.long)
+            self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.mask.device)
             return
         start = self.width - max(self.lens)
-        index = torch.tensor(rows)
+        index = torch.tensor(rows, device=self.mask.device)
         self.mask = self.mask[index, start:]
         for layer in self.cache.layers:
             _set_layer(layer, layer.keys[index, :, start:], layer.values[index, :, start:])
@@ -86,22 +106,24 @@ class Runner:
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
+        self.device = model.device
 
     @torch.inference_mode()
     def prefill(self, input_ids: list[int], all_logits: bool) -> PrefillOutput:
         cache = DynamicCache(config=self.model.config)
-        ids = torch.tensor([input_ids])
+        ids = torch.tensor([input_ids], device=self.device)
         out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
         return PrefillOutput(cache=cache, logits=out.logits[0].float())
 
     @torch.inference_mode()
     def decode(self, batch: KVBatch, tokens: list[int]) -> torch.Tensor:
         """Feed one token per row; returns next-token logits [rows, vocab] in fp32."""
-        batch.mask = torch.cat([batch.mask, torch.ones(len(batch), 1, dtype=torch.long)], dim=1)
+        device = self.device
+        batch.mask = torch.cat([batch.mask, torch.ones(len(batch), 1, dtype=torch.long, device=device)], dim=1)
         out = self.model(
-            input_ids=torch.tensor(tokens).unsqueeze(1),
+            input_ids=torch.tensor(tokens, device=device).unsqueeze(1),
             attention_mask=batch.mask,
-            position_ids=torch.tensor(batch.lens).unsqueeze(1),
+            position_ids=torch.tensor(batch.lens, device=device).unsqueeze(1),
             cache=batch.cache,
             use_cache=True,
             logits_to_keep=1,

@@ -34,20 +34,21 @@ class RowState:
 
 def _adjust_logits(logits: torch.Tensor, rows: list[RowState]) -> None:
     """In place: penalties, logit bias, and no stop token before `min_new_tokens`."""
+    device = logits.device
     for i, r in enumerate(rows):
         p = r.params
         if p.repetition_penalty != 1.0 and r.seen_ids:
-            ids = torch.tensor(sorted(set(r.seen_ids)))
+            ids = torch.tensor(sorted(set(r.seen_ids)), device=device)
             vals = logits[i, ids]
             logits[i, ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
-            counts = torch.bincount(torch.tensor(r.output_ids), minlength=logits.shape[1])[: logits.shape[1]].float()
+            counts = torch.bincount(torch.tensor(r.output_ids, device=device), minlength=logits.shape[1])[: logits.shape[1]].float()
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         if p.logit_bias:
             for tok, bias in p.logit_bias.items():
                 logits[i, int(tok)] += bias
         if len(r.output_ids) < p.min_new_tokens and r.stop_ids:
-            logits[i, torch.tensor(sorted(r.stop_ids))] = float("-inf")
+            logits[i, torch.tensor(sorted(r.stop_ids), device=device)] = float("-inf")
 
 
 def _truncate(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -73,7 +74,7 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> tuple[list[int], torch
     """
     logits = logits.clone()
     _adjust_logits(logits, rows)
-    temps = torch.tensor([temperature_of(r.params) for r in rows])
+    temps = torch.tensor([temperature_of(r.params) for r in rows], device=logits.device)
     # Extreme penalties or biases can push a logit to +inf, where softmax turns to NaN; the
     # largest finite value keeps the distribution (a -inf mask stays -inf).
     scaled = (logits / temps[:, None]).clamp(max=torch.finfo(logits.dtype).max)
@@ -85,7 +86,8 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> tuple[list[int], torch
         for k, i in enumerate(sampled):
             probs[k] = _truncate(probs[k], rows[i].params)
         cdf = probs.cumsum(dim=-1)
-        u = torch.stack([torch.rand((), generator=rows[i].generator) for i in sampled])
+        # Generators stay on the CPU: a seed draws the same numbers whatever the engine's device.
+        u = torch.stack([torch.rand((), generator=rows[i].generator) for i in sampled]).to(cdf.device)
         picks = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         tokens[sampled] = picks.clamp(max=probs.shape[1] - 1)
     return tokens.tolist(), logprobs

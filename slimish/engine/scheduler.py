@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from slimish.engine.runner import KVBatch, Runner
+from slimish.engine.runner import KVBatch, Runner, use_device
 from slimish.engine.sampling import RowState, sample, temperature_of
 from slimish.protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
 
@@ -165,6 +165,7 @@ class Scheduler:
         return self.paused is None and bool(self.waiting or self.running)
 
     def _loop(self) -> None:
+        use_device(self.runner.device)
         while True:
             with self._wake:
                 while not self._stopped and not self._has_work():
@@ -315,7 +316,7 @@ def _top(logprobs: torch.Tensor, k: int) -> list[tuple[float | None, int]]:
 
 
 def _pick(logprobs: torch.Tensor, ids: list[int]) -> list[tuple[float | None, int]]:
-    return list(zip(_finite(logprobs[torch.tensor(ids)].tolist()), ids))
+    return list(zip(_finite(logprobs[torch.tensor(ids, device=logprobs.device)].tolist()), ids))
 
 
 def _finite(values: list[float]) -> list[float | None]:

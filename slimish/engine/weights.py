@@ -31,6 +31,7 @@ from slimish.distributed import (
     init_custom_process_group,
     parse_dtype,
 )
+from slimish.engine.runner import use_device
 from slimish.protocol import InitWeightsUpdateGroupReq, UpdateWeightsFromDistributedReq
 
 
@@ -39,6 +40,7 @@ class WeightUpdater:
         # Tied weights appear under every name (lm_head.weight and model.embed_tokens.weight),
         # so a push under either name lands in the one shared tensor.
         self.params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+        self.device = next(iter(self.params.values())).device  # receive buffers live there too (NCCL needs it)
         first: dict[int, str] = {}
         self.canonical = {name: first.setdefault(id(p), name) for name, p in self.params.items()}
         self.timeout = timeout
@@ -46,7 +48,7 @@ class WeightUpdater:
         # Receive buffers are kept between pushes: allocating fresh memory per receive costs
         # as much as the transfer itself (notes/cpu-runtime.md 2).
         self.recv_buffers: dict[str, torch.Tensor] = {}
-        self.bucket_buffer = torch.empty(0, dtype=torch.uint8)
+        self.bucket_buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
         self.torn: dict[str, str] = {}  # canonical name -> why it does not hold a whole pushed tensor
 
     # -- groups --------------------------------------------------------------------------
@@ -55,6 +57,7 @@ class WeightUpdater:
         """Join `req.group_name` as rank `rank_offset` (tp_size is 1); blocks until all joined."""
         if req.group_name in self.groups:
             raise ValueError(f"group_name {req.group_name!r} already exists; destroy it first")
+        use_device(self.device)  # called on a worker thread
         self.groups[req.group_name] = init_custom_process_group(
             req.backend,
             f"tcp://{req.master_address}:{req.master_port}",
@@ -167,7 +170,7 @@ class WeightUpdater:
                 continue
             buf = self.recv_buffers.get(name)
             if buf is None or buf.dtype != dtype or list(buf.shape) != list(shape):
-                buf = self.recv_buffers[name] = torch.empty(shape, dtype=dtype)
+                buf = self.recv_buffers[name] = torch.empty(shape, dtype=dtype, device=self.device)
             targets.append(buf)
             converted.append((name, buf))
         try:
@@ -186,7 +189,7 @@ class WeightUpdater:
         ranges = flattened_layout(names, dtypes, shapes)
         total = ranges[-1][1]
         if self.bucket_buffer.numel() < total:
-            self.bucket_buffer = torch.empty(total, dtype=torch.uint8)
+            self.bucket_buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
         flat = self.bucket_buffer[:total]
         dist.broadcast(flat, src=0, group=group)
         return [flat[start:end].view(dtype).view(shape) for (start, end), dtype, shape in zip(ranges, dtypes, shapes)]

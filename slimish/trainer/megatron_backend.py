@@ -105,7 +105,7 @@ class MegatronTrainer(Trainer):
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.dtype = getattr(torch, tc.dtype) if tc.dtype else (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self._setup(cfg, AutoTokenizer.from_pretrained(cfg.model), int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
-        self.bridge = load_hf_config(cfg.model)
+        self.bridge = load_hf_config(cfg.model, spec=tc.megatron_spec)
         self.model = self._build()
         load_hf_weights(self.model, self.bridge, cfg.model)
         ddp_config = DistributedDataParallelConfig(
