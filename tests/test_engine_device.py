@@ -31,6 +31,7 @@ def test_cuda_without_cuda_is_refused_at_start(tiny_model_dir: Path, device: str
         Engine(EngineConfig(model=str(tiny_model_dir), device=device))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_forward_and_sampling_match_cpu(tiny_model_dir: Path) -> None:
     """Prefill, a batched decode step and seeded sampling give the CPU's logits and tokens."""

@@ -343,9 +343,9 @@ def test_async_production_runs_ahead_by_the_staleness_bound(servers: Servers, ti
 
     first, second, third, stats, taken_before_push, m = run_manager(cfg, servers.router_url, math_plugin.rollout, body)
     assert taken_before_push == (4, 0)
-    assert [g[0].group_id for g in first + second] == [0, 1, 2, 3]
+    assert sorted(g[0].group_id for g in first + second) == [0, 1, 2, 3]  # groups finish in any order
     assert {v for g in first + second for s in g for v in s.weight_versions} == {DEFAULT_WEIGHT_VERSION}
-    assert [g[0].group_id for g in third] == [4, 5] and {v for g in third for s in g for v in s.weight_versions} == {"1"}
+    assert sorted(g[0].group_id for g in third) == [4, 5] and {v for g in third for s in g for v in s.weight_versions} == {"1"}
     assert 0.0 <= stats["engine_idle_fraction"] <= 1.0
     assert accounted(m) and m.counters["prompts_taken"] == 6 + len(m.requeued)
 
