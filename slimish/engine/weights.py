@@ -2,8 +2,7 @@
 
 A `WeightUpdater` maps HF checkpoint names onto one model's parameters and loads new values
 from a trainer's broadcast or from a checkpoint directory. Requests are validated before the
-first receive (a receive the trainer never sends would desync the collective); a refused
-request's broadcast is still received, and dropped.
+first receive (a receive the trainer never sends would desync the collective).
 
 A broadcast whose wire dtype is the parameter's own is received straight into the parameter:
 copying out of a receive buffer afterwards costs as much as the transfer (1 GB: 0.6-0.8x of raw
@@ -82,11 +81,7 @@ class WeightUpdater:
             raise ValueError(f"group_name {req.group_name!r} is not an initialised weight-update group")
         if not req.names:
             raise ValueError("names is empty")
-        try:
-            dtypes = self._validate(req.names, req.dtypes, req.shapes)
-        except ValueError:
-            self._discard(group, req)
-            raise
+        dtypes = self._validate(req.names, req.dtypes, req.shapes)
         if req.load_format == "flattened_bucket":
             self._load(zip(req.names, self._recv_flattened(group, req.names, dtypes, req.shapes)))
         else:
@@ -189,22 +184,6 @@ class WeightUpdater:
         for name in in_place:
             self.torn.pop(name, None)
         self._load(converted)
-
-    def _discard(self, group: ProcessGroup, req: UpdateWeightsFromDistributedReq) -> None:
-        """Receive and drop what rank 0 broadcasts for a refused request. Left unreceived, its
-        send stalls rank 0 (and its group's teardown) for the whole timeout, and the bytes would
-        be read as the next request's data."""
-        try:
-            dtypes = [parse_dtype(d) for d in req.dtypes]
-        except ValueError:
-            return  # nothing to size the receive by: rank 0's timeout ends its send
-        if any(d < 0 for shape in req.shapes for d in shape):
-            return
-        if req.load_format == "flattened_bucket":
-            self._recv_flattened(group, req.names, dtypes, req.shapes)
-            return
-        for dtype, shape in zip(dtypes, req.shapes):
-            dist.broadcast(torch.empty(shape, dtype=dtype, device=self.device), src=0, group=group)
 
     def _recv_flattened(self, group: ProcessGroup, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         ranges = flattened_layout(names, dtypes, shapes)

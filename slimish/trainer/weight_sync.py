@@ -196,9 +196,8 @@ class WeightSync:
             transfer = time.perf_counter() - t0
         except BaseException as exc:
             if sending and self.cfg.transport == "distributed":
-                # An engine may refuse a bucket without receiving it (the built-in engine receives
-                # and drops it; not every server does): what this rank sent may still be queued
-                # in the group, to be read as the next push's data.
+                # Engines that refused a bucket never received it: what this rank sent is still
+                # queued in the group and would be read as the next push's data.
                 self.broken = str(exc) or type(exc).__name__
             raise
         finally:
