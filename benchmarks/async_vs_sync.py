@@ -14,7 +14,15 @@ the staleness of what async trained on, and how many groups async dropped as too
 `buffer.mask_stale_tokens`, set here, only tokens past the bound are masked; `--set
 buffer.mask_stale_tokens=false` drops such groups whole, which biases toward short samples).
 
-    .venv/bin/python benchmarks/async_vs_sync.py                      # tiny llama, 24 + 2 steps (~6-8 min)
+Placement (`--placement`), the same for both modes:
+- `split` (default): the engine on one core, the trainer (and the router) on another, as async
+  RL runs on a cluster, rollout and training on disjoint devices. Sync leaves each side idle
+  while the other works; that is the waste async removes.
+- `shared`: both on every core. Sync's trainer then takes both cores while the engine idles
+  (`trainer.cpu_threads`), async's keeps one beside the busy engine: on 2 cores this caps the
+  gain near sync's (rollout + train on 2 threads) / (train on 1 thread).
+
+    .venv/bin/python benchmarks/async_vs_sync.py                      # tiny llama, 24 + 2 steps (~4-8 min)
     .venv/bin/python benchmarks/async_vs_sync.py --steps 4 --warmup 1 # smoke run
 """
 
@@ -29,8 +37,11 @@ import random  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from contextlib import ExitStack, contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from slimish.launch.local import engine_process  # noqa: E402
 from slimish.metrics import read_metrics  # noqa: E402
 from slimish.tiny_model import make_tiny_model  # noqa: E402
 from slimish.types import Sample  # noqa: E402
@@ -48,6 +59,17 @@ async def long_tail(ctx, sample: Sample) -> Sample:
     ids = sample.response_ids
     sample.reward = sum(t % 2 == 0 for t in ids) / max(len(ids), 1)
     return sample
+
+
+@contextmanager
+def on_cpus(cpus: set[int]) -> Iterator[None]:
+    """Children started inside run on `cpus` only (Linux CPU affinity is inherited)."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def run(mode: str, args: argparse.Namespace, model: Path, out: Path) -> list[dict]:
@@ -68,9 +90,17 @@ def run(mode: str, args: argparse.Namespace, model: Path, out: Path) -> list[dic
     ]  # fmt: skip
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time
     run_dir.mkdir(parents=True)
-    with open(run_dir.with_suffix(".log"), "w") as log:
-        done = subprocess.run([sys.executable, "-m", "slimish.train", *overrides], stdout=log, stderr=subprocess.STDOUT,
-                              timeout=args.timeout)  # fmt: skip
+    cpus = os.sched_getaffinity(0)
+    with ExitStack() as stack, open(run_dir.with_suffix(".log"), "w") as log:
+        if args.placement == "split":  # a fresh engine per mode, on its own core
+            engine_cpu, trainer_cpu = sorted(cpus)[:2]
+            with on_cpus({engine_cpu}):
+                engine = stack.enter_context(engine_process(model, log_path=run_dir / "engine.log"))
+            overrides += ["launch.engine_kind=external", f"launch.engine_urls=[{engine.url}]", "trainer.cpu_threads=1"]
+            cpus = {trainer_cpu}
+        with on_cpus(cpus):
+            done = subprocess.run([sys.executable, "-m", "slimish.train", *overrides], stdout=log,
+                                  stderr=subprocess.STDOUT, timeout=args.timeout)  # fmt: skip
     if done.returncode != 0:
         raise SystemExit(f"{mode} run failed ({done.returncode}); see {run_dir.with_suffix('.log')}")
     return [r for r in read_metrics(run_dir) if r["step"] > args.warmup]
@@ -98,17 +128,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="groups per step")
     parser.add_argument("--n", type=int, default=4, help="samples per group")
     parser.add_argument("--updates", type=int, default=4, help="trainer.updates_per_step")
+    parser.add_argument("--placement", choices=("split", "shared"), default="split",
+                        help="split: engine and trainer on a core each (as on disjoint devices); shared: both on all cores")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("runs/bench-async"))
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--set", nargs="*", default=[], help="more key=value overrides for both runs")
     args = parser.parse_args()
+    if args.placement == "split" and len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("--placement split needs 2 CPUs (one for the engine, one for the trainer); use --placement shared")
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     model = args.out / "model"
     if not (model / "config.json").exists():
         make_tiny_model(model, arch="llama", size="tiny", seed=0)
     results = {mode: run(mode, args, model, args.out) for mode in ("sync", "async")}
     print(f"\n{args.steps} steps after {args.warmup} warm-up, {args.batch} x {args.n} samples, "
-          f"Pareto lengths (min {MIN_LEN}, alpha {ALPHA}, cap {MAX_LEN}), async max_staleness {args.staleness}\n")  # fmt: skip
+          f"Pareto lengths (min {MIN_LEN}, alpha {ALPHA}, cap {MAX_LEN}), async max_staleness {args.staleness}, "
+          f"placement {args.placement}\n")  # fmt: skip
     print("| mode | wall s | s/step | rollout wait s/step | train s/step | trainer idle | engine idle | response len |")
     print("|---|---|---|---|---|---|---|---|")
     for mode, rows in results.items():

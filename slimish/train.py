@@ -198,6 +198,16 @@ def warm_start(cfg: RunConfig, trainer: Trainer, log: RunLog | None) -> None:
             log.message(f"sft {i + 1}/{cfg.sft.steps}: loss {metrics['sft/loss']:.4f}")
 
 
+def push_weights(trainer: Trainer, driver: Driver | None, version: int) -> dict[str, float]:
+    """Every rank takes part in a push (Megatron gathers the weights over TP / PP); rank 0's
+    driver sends them to the engines and returns its metrics."""
+    if driver is None:
+        for _ in trainer.hf_tensors():
+            pass
+        return {}
+    return driver.push(trainer.hf_tensors(), version)
+
+
 def train(cfg: RunConfig) -> None:
     transformers.utils.logging.disable_progress_bar()  # the run has its own progress display
     rank, world = init_distributed()
@@ -225,29 +235,24 @@ def train(cfg: RunConfig) -> None:
             warm_start(cfg, trainer, driver.log if driver else None)
         if driver:
             driver.sync.connect()
-            push = driver.sync.push(trainer.hf_tensors(), str(start_step))  # engines serve the trainer's weights
-            first = {"time/weight_push": push["seconds"]}
+        first = push_weights(trainer, driver, start_step)  # engines serve the trainer's weights
+        if driver:
             if cfg.eval.every:
                 first.update(driver.evaluate())
             driver.log.log(start_step, first)
             if cfg.mode == "async" and cfg.buffer.max_staleness > 0:
                 driver.start_producing(start_step, stack)
-        else:
-            for _ in trainer.hf_tensors():  # this rank's part of rank 0's push (Megatron gathers over TP / PP)
-                pass
         for step in range(start_step + 1, cfg.steps + 1):
             started = time.perf_counter()
             groups, metrics = driver.rollout(step - 1) if driver else (None, {})
             groups = broadcast(groups, world)
             metrics.update(trainer.train_step(groups, step))
+            metrics.update(push_weights(trainer, driver, step))
             if driver is None:
-                for _ in trainer.hf_tensors():  # this rank's part of rank 0's push
-                    pass
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or step == cfg.steps:
                     trainer.state_dict()  # this rank's part of rank 0's (Megatron gathers the shards)
                     dist.barrier()  # rank 0 is writing the checkpoint
                 continue
-            metrics.update(driver.push(trainer.hf_tensors(), step))
             driver.record_trained(step, groups)
             if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
                 metrics.update(driver.evaluate())

@@ -161,8 +161,14 @@ class WeightSync:
                     self._all(lambda c: c.destroy_weights_update_group(self.cfg.group_name))
                 except Exception:  # an engine that is gone has no group left to destroy
                     pass
-                destroy_custom_process_group(self.group)
-                self.group = None
+                group, self.group = [self.group], None
+                if self.broken:
+                    # A send that no engine will receive is still pending in the group, and its
+                    # destructor waits for it until the timeout: let a daemon thread do that (the
+                    # list hands it the last reference, so the destructor runs there).
+                    _in_thread(lambda: destroy_custom_process_group(group.pop()))
+                else:
+                    destroy_custom_process_group(group.pop())
             self._wait(self._start(lambda c, _: c.close(), [None] * len(self.clients)))
         finally:
             self._loop.close()
