@@ -96,7 +96,8 @@ def run(mode: str, args: argparse.Namespace, model: Path, out: Path) -> list[dic
             engine_cpu, trainer_cpu = sorted(cpus)[:2]
             with on_cpus({engine_cpu}):
                 engine = stack.enter_context(engine_process(model, log_path=run_dir / "engine.log"))
-            overrides += ["launch.engine_kind=external", f"launch.engine_urls=[{engine.url}]", "trainer.cpu_threads=1"]
+            # first, so that a `--set` of the same key still wins
+            overrides[:0] = ["launch.engine_kind=external", f"launch.engine_urls=[{engine.url}]", "trainer.cpu_threads=1"]
             cpus = {trainer_cpu}
         with on_cpus(cpus):
             done = subprocess.run([sys.executable, "-m", "slimish.train", *overrides], stdout=log,
