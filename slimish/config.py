@@ -35,6 +35,10 @@ class EngineConfig:
     # push over an NCCL group (PROTOCOL.md 4) lands straight in GPU parameters.
     device: str = "cpu"
     served_model_name: str | None = None  # default: the model path
+    # SGLang's parser names for the OpenAI routes (slimish/formats); None: detected from the chat
+    # template; "none": off.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     api_key: str | None = None  # Bearer key for every route except health and metrics
     admin_api_key: str | None = None  # Bearer key for weight and control routes (default: api_key)
     weight_sync_timeout_s: int = 600  # a trainer gone mid-broadcast frees the engine after this
@@ -65,6 +69,17 @@ class EngineConfig:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
             raise ValueError(f"engine.device (--device) must be cpu, cuda or cuda:K, got {self.device!r}")
+        check_parsers("engine.", self.tool_call_parser, self.reasoning_parser)
+
+
+def check_parsers(prefix: str, tool_call_parser: str | None, reasoning_parser: str | None) -> None:
+    """Parser names are SGLang's (slimish/formats), "none", or None (detected from the template)."""
+    from slimish.formats.reasoning import REASONING_PARSERS
+    from slimish.formats.tool_parsers import TOOL_CALL_PARSERS
+
+    for name, value, known in (("tool_call_parser", tool_call_parser, TOOL_CALL_PARSERS), ("reasoning_parser", reasoning_parser, REASONING_PARSERS)):
+        if value is not None and value != "none" and value not in known:
+            raise ValueError(f"{prefix}{name} must be one of {sorted(known)}, 'none' or null (detect from the chat template), got {value!r}")
 
 
 POLICIES = ("least_inflight", "round_robin", "cache_aware", "session")
@@ -272,6 +287,21 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     stop: list[str] = field(default_factory=list)
+    # The model's chat format (slimish/formats). Template variables for every prompt the run
+    # renders (e.g. {enable_thinking: false} for Qwen3, {thinking: true} for DeepSeek-V3.1):
+    # rollouts, the capture endpoint, SFT and evaluation alike.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # SGLang's parser names (`--tool-call-parser`, `--reasoning-parser`); None: detected from the
+    # chat template; "none": off.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    # How the capture endpoint continues a conversation whose template re-renders history (Qwen3
+    # and GLM drop reasoning of turns before the last user message):
+    # exact: the ids the model saw, chained turn after turn: one sample, trained on what the
+    #   model really saw, though a served model would see that history re-rendered;
+    # template: each turn's prompt is the template's rendering of the conversation; a turn whose
+    #   rendering does not extend the ids before it starts a new segment (a separate sample).
+    history: str = "exact"
     # Evaluation on held-out prompts.
     eval_n_prompts: int = 64
     eval_n_samples_per_prompt: int = 1
@@ -285,6 +315,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.over_sampling must be >= 1.0, got {self.over_sampling}")
         if self.max_prompts_factor < 1.0:
             raise ValueError(f"rollout.max_prompts_factor must be >= 1.0, got {self.max_prompts_factor}")
+        if self.history not in ("exact", "template"):
+            raise ValueError(f"rollout.history must be exact or template, got {self.history!r}")
+        check_parsers("rollout.", self.tool_call_parser, self.reasoning_parser)
 
 
 @dataclass

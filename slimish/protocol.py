@@ -354,6 +354,7 @@ class ChatCompletionRequest(_OpenAISampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True  # SGLang: reasoning in `reasoning_content` (False: left in `content`)
     return_prompt_token_ids: bool = False
     return_meta_info: bool = False
 

@@ -23,6 +23,11 @@ class SampleStatus(str, Enum):
     FAILED = "failed"  # the rollout or reward function raised; `error` says why
 
 
+def status_of(finish_reason: str) -> SampleStatus:
+    """A sample's status after the engine's finish reason (stop, length or abort)."""
+    return {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}[finish_reason]
+
+
 @dataclass
 class GenerateResult:
     """One `/generate` call, as rollout code sees it."""

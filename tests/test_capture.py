@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from slimish.rollout.capture import CaptureServer
-from slimish.rollout.chat import ChatTokens
+from slimish.formats.model import ModelFormat
 from slimish.types import Sample, SampleStatus
 
 from conftest import running_router
@@ -35,7 +35,7 @@ def router(engine) -> Iterator[str]:
 
 def with_capture(router: str, tok: Any, body: Callable[[CaptureServer], Awaitable[Any]], **kw: Any) -> Any:
     async def main() -> Any:
-        capture = CaptureServer(router, tok, **kw)
+        capture = CaptureServer(router, ModelFormat(tok), **kw)
         await capture.start()
         try:
             return await body(capture)
@@ -58,7 +58,7 @@ def direct(engine: str, ids: list[int], params: dict) -> tuple[list[int], list[f
 
 
 def test_three_turn_tool_session_is_one_exact_sample(engine, router, tok):
-    eot = ChatTokens(tok).end_of_turn_id
+    eot = ModelFormat(tok).chat().close_id
     # Turn 1 and 3 run out of tokens (the turn is closed by env ids); turn 2 ends on the
     # end-of-turn token after 3 tokens (forced by a bias, held back by min_tokens).
     turns = [
@@ -80,7 +80,7 @@ def test_three_turn_tool_session_is_one_exact_sample(engine, router, tok):
     s = samples[0]
 
     # The reference, built from the engine's own outputs and ChatTokens' env ids.
-    chat = ChatTokens(tok, tools=TOOLS)
+    chat = ModelFormat(tok).chat(TOOLS)
     params = [{"temperature": 0.0, "max_new_tokens": 5, "skip_special_tokens": False},
               {"temperature": 0.0, "max_new_tokens": 9, "min_new_tokens": 3, "logit_bias": {str(eot): 100.0}, "skip_special_tokens": False},
               {"temperature": 0.0, "max_new_tokens": 4, "skip_special_tokens": False}]  # fmt: skip
@@ -96,7 +96,7 @@ def test_three_turn_tool_session_is_one_exact_sample(engine, router, tok):
         context += out
         mask += [1] * len(out)
         logprobs += lps
-        env = chat.env_ids(turns[i][1], ended_with_eos=out[-1] == eot)
+        env = chat.env_ids(turns[i][1], last_token=out[-1])
     assert [r.choices[0].finish_reason for r in replies] == ["length", "stop", "length"]
 
     assert s.tokens == context and s.prompt_length == len(prompt)
@@ -123,7 +123,7 @@ def test_drifted_history_splits_into_two_samples(engine, router, tok):
 
     (samples, messages) = with_capture(router, tok, agent)
     assert [s.metadata["capture"]["turns"] for s in samples] == [1, 2]
-    chat = ChatTokens(tok)
+    chat = ModelFormat(tok).chat()
     assert samples[0].prompt_length == len(chat.prompt_ids(OPENING))
     assert samples[1].tokens[: samples[1].prompt_length] == chat.prompt_ids(messages[:4])  # re-rendered by the template
     for s in samples:
@@ -139,7 +139,7 @@ def test_default_sampling_and_explicit_overrides(engine, router, tok):
         return capture.pop_samples("s3", TEMPLATE)
 
     samples = with_capture(router, tok, agent, default_sampling={"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True})
-    ids = ChatTokens(tok).prompt_ids(OPENING)
+    ids = ModelFormat(tok).chat().prompt_ids(OPENING)
     assert [s.response_ids for s in samples] == [direct(engine, ids, {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True})[0] for n in (6, 2)]
 
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from slimish.engine.openai_api import _settled, parse_tool_calls
+from slimish.engine.openai_api import _settled
 
 PROMPT_IDS = [5, 17, 42, 99, 7]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -194,21 +194,6 @@ def test_chat_with_tools_renders_them_and_history_tool_calls(client, tok):
     expected = tok.apply_chat_template(as_template_wants, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert out.model_dump()["choices"][0]["prompt_token_ids"] == expected
     assert "<tools>" in tok.decode(expected) and '"arguments": {"expression": "2+3"}' in tok.decode(expected)
-
-
-def test_parse_tool_calls():
-    text = ('I will compute it.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>\n'
-            '<tool_call>\nnot json\n</tool_call>')  # fmt: skip
-    content, calls = parse_tool_calls(text, {"calculator", "search"})
-    assert content == "I will compute it.\n<tool_call>\nnot json\n</tool_call>"
-    assert [(c["index"], c["type"], c["function"]["name"]) for c in calls] == [(0, "function", "calculator"), (1, "function", "search")]
-    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"expression": "2+3"}, {"query": "x"}]
-    assert all(c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
-    # A call to a tool the request did not offer stays text.
-    only = '<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>'
-    assert parse_tool_calls(only, {"calculator"}) == (only, [])
-    assert parse_tool_calls("plain answer ", {"calculator"}) == ("plain answer", [])
 
 
 def test_settled_holds_back_what_later_tokens_may_change():

@@ -26,7 +26,7 @@ from slimish.client import Client
 from slimish.config import LaunchConfig, RunConfig, load_run_config
 from slimish.launch.local import Servers, local_servers
 from slimish.rollout.api import RolloutContext, RolloutRuntime
-from slimish.rollout.chat import ChatTokens
+from slimish.formats.model import ModelFormat
 from slimish.rollout.data import PromptData
 from slimish.rollout.manager import RolloutManager, RolloutStalled
 from slimish.tiny_model import make_tiny_model
@@ -44,7 +44,7 @@ def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = make_tiny_model(tmp_path_factory.mktemp("models") / "tool-llama", arch="llama", size="tiny", seed=0)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    chat = ChatTokens(tok, tools=tool_agent.TOOLS)
+    chat = ModelFormat(tok).chat(tool_agent.TOOLS)
     prompt = chat.prompt_ids(QUESTION)
     ids = torch.tensor([chat.render([*QUESTION, CALL, TOOL, ANSWER], add_generation_prompt=False)])
     labels = ids.clone()
@@ -104,11 +104,11 @@ def engine_turn(url: str, ids: list[int], max_new_tokens: int, **params: Any) ->
 def test_tool_agent_sample_is_engine_ids_interleaved_with_tool_ids(servers: Servers, tool_model: Path, tmp_path: Path) -> None:
     stats, samples = one_step(make_cfg(tool_model, tmp_path), servers.router_url, tool_agent.rollout)
     tok = AutoTokenizer.from_pretrained(tool_model)
-    chat = ChatTokens(tok, tools=tool_agent.TOOLS)
+    chat = ModelFormat(tok).chat(tool_agent.TOOLS)
     prompt = chat.prompt_ids(QUESTION)
     call_ids, call_lps = engine_turn(servers.engine_urls[0], prompt, 48, skip_special_tokens=False)
     assert "<tool_call>" in tok.decode(call_ids, skip_special_tokens=False), "the fitted model should call the tool"
-    tool_ids = chat.env_ids([TOOL], ended_with_eos=True)
+    tool_ids = chat.env_ids([TOOL], last_token=call_ids[-1])
     answer_ids, answer_lps = engine_turn(servers.engine_urls[0], prompt + call_ids + tool_ids, 48, skip_special_tokens=False)
 
     assert stats["groups_kept"] == 1 and stats["completed"] == 2
@@ -137,11 +137,11 @@ async def chat_then_follow_up(ctx: RolloutContext, sample: Sample) -> Sample:
 def test_chat_closes_a_cut_off_turn_and_records_a_user_turn_with_mask_0(servers: Servers, tool_model: Path, tmp_path: Path) -> None:
     _, samples = one_step(make_cfg(tool_model, tmp_path), servers.router_url, chat_then_follow_up)
     tok = AutoTokenizer.from_pretrained(tool_model)
-    chat = ChatTokens(tok)
+    chat = ModelFormat(tok).chat()
     prompt = chat.prompt_ids(QUESTION)
     first, first_lps = engine_turn(servers.engine_urls[0], prompt, 5)
-    env = chat.env_ids([{"role": "user", "content": "Say it again."}], ended_with_eos=False)
-    assert env[0] == chat.end_of_turn_id  # the cut-off turn is closed as the template closes it
+    env = chat.env_ids([{"role": "user", "content": "Say it again."}], last_token=first[-1])
+    assert env[0] == chat.close_id  # the cut-off turn is closed as the template closes it
     second, second_lps = engine_turn(servers.engine_urls[0], prompt + first + env, 6)
     for s in samples:
         assert s.metadata["first_turn"] == first
@@ -183,7 +183,7 @@ async def openai_sdk_agent(ctx: RolloutContext, sample: Sample) -> list[Sample]:
 def test_an_openai_sdk_agent_through_the_context_yields_the_same_tokens(servers: Servers, tool_model: Path, tmp_path: Path) -> None:
     _, samples = one_step(make_cfg(tool_model, tmp_path), servers.router_url, openai_sdk_agent)
     tok = AutoTokenizer.from_pretrained(tool_model)
-    prompt = ChatTokens(tok, tools=tool_agent.TOOLS).prompt_ids(QUESTION)
+    prompt = ModelFormat(tok).chat(tool_agent.TOOLS).prompt_ids(QUESTION)
     call_ids, call_lps = engine_turn(servers.engine_urls[0], prompt, 48, skip_special_tokens=False)
     assert [(s.group_id, s.index) for s in samples] == [(0, 0), (0, 1)]
     for s in samples:

@@ -20,7 +20,7 @@ from slimish.client import Client
 from slimish.config import LaunchConfig, RunConfig, load_run_config
 from slimish.launch.local import Servers, local_servers
 from slimish.rollout.api import RolloutRuntime
-from slimish.rollout.chat import ChatTokens
+from slimish.formats.model import ModelFormat
 from slimish.rollout.data import PromptData, eval_rows
 from slimish.rollout.filters import nonzero_std
 from slimish.rollout.manager import RolloutManager, RolloutStalled
@@ -89,7 +89,7 @@ def test_math_plugin_end_to_end(servers: Servers, tiny_model_dir: Path, prompts:
     for group, (ids, logprobs) in zip(batch, direct):
         for s in group:
             s.check()
-            assert s.tokens[: s.prompt_length] == ChatTokens(tok).prompt_ids([{"role": "user", "content": s.prompt[0]["content"]}])
+            assert s.tokens[: s.prompt_length] == ModelFormat(tok).chat().prompt_ids([{"role": "user", "content": s.prompt[0]["content"]}])
             assert s.response_ids == ids and s.loss_mask == [1] * len(ids)
             assert s.rollout_logprobs == pytest.approx(logprobs, abs=1e-4)
             assert s.weight_versions == ["default"] and s.reward == 0.0

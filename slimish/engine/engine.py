@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
 
 from slimish.config import EngineConfig
 from slimish.engine.metrics import Metrics
 from slimish.engine.runner import Runner, engine_device, load_model, use_device
 from slimish.engine.scheduler import LogprobWish, Request, Scheduler
 from slimish.engine.weights import WeightUpdater
+from slimish.formats.model import ModelFormat
 from slimish.protocol import GenerateReqInput, SamplingParams
 
 
@@ -71,7 +72,7 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.vocab_size = self.model.config.vocab_size
         self.context_length = cfg.context_length or self.model.config.max_position_embeddings
-        self.eos_ids = _eos_ids(self.model_path, self.tokenizer)
+        self.format = ModelFormat(self.tokenizer, self.model_path, cfg.tool_call_parser, cfg.reasoning_parser)
         self.served_model_name = cfg.served_model_name or self.model_path
         self.weights = WeightUpdater(self.model, timeout=timedelta(seconds=cfg.weight_sync_timeout_s))
         if cfg.await_weights:
@@ -229,7 +230,7 @@ class Engine:
 
             return emit
 
-        stop_base = set(self.eos_ids)
+        stop_base = set(self.format.end_ids)
         reqs = [
             Request(
                 rid=it.rid,
@@ -338,14 +339,3 @@ def _version_spans(versions: list[str]) -> list[dict[str, Any]]:
         else:
             spans.append({"version": v, "start": i, "end": i + 1})
     return spans
-
-
-def _eos_ids(model_path: str, tokenizer: Any) -> list[int]:
-    """EOS ids from generation_config.json (a list is allowed), else the tokenizer's."""
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:
-        eos = None
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

@@ -13,42 +13,31 @@ are the ids of the tokenizer's chat template.
 
 from __future__ import annotations
 
-import inspect
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 
 from slimish.engine.engine import Engine, Item, RequestError
 from slimish.engine.scheduler import LogprobWish
 from slimish.engine.scheduler import Request as Sequence
-from slimish.protocol import ChatCompletionRequest, CompletionRequest, SamplingParams, describe_validation_error
-from slimish.serving import load_json
-
-M = TypeVar("M", bound=BaseModel)
-
-TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
-# A parsed block is removed with the whitespace after it (the newline between two calls).
-TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE) + r"\s*", re.DOTALL)
-
-
-class OpenAIError(Exception):
-    """A 400 in OpenAI's error shape (`error.message` is what the SDKs show); `param` names the field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param = message, param
-
-    def response(self) -> JSONResponse:
-        error = {"message": self.message, "type": "BadRequestError", "param": self.param, "code": 400}
-        return JSONResponse({"error": error}, status_code=400)
+from slimish.formats.openai import (
+    OpenAIError,
+    active_tools,
+    check_tool_choice,
+    field_error,
+    finish,
+    parse_body,
+    reply_message,
+    sampling_params_of,
+)
+from slimish.formats.template import TemplateError
+from slimish.protocol import ChatCompletionRequest, CompletionRequest, SamplingParams
 
 
 def build_openai_router(engine: Engine) -> APIRouter:
@@ -86,35 +75,6 @@ def build_openai_router(engine: Engine) -> APIRouter:
 # ---- requests -> items ------------------------------------------------------------------------
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    raw = await request.body()
-    try:
-        data = load_json(raw)
-    except ValueError as exc:
-        raise OpenAIError(f"body: malformed JSON ({exc})", "body") from None
-    if not isinstance(data, dict):
-        raise OpenAIError(f"body: expected a JSON object, got {type(data).__name__}", "body")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise _field_error(describe_validation_error(exc)) from None
-
-
-def _field_error(message: str, prompt_field: str = "prompt", max_field: str = "max_tokens") -> OpenAIError:
-    """Native field names (the engine's checks, `SamplingParams`) -> the OpenAI body's names."""
-    renames = {"sampling_params.": "", "input_ids": prompt_field, "max_new_tokens": max_field, "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
-    for native, ours in renames.items():
-        message = message.replace(native, ours)
-    return OpenAIError(message, message.split(":", 1)[0])
-
-
-def sampling_params_of(body: CompletionRequest | ChatCompletionRequest, max_new_tokens: int, max_field: str) -> SamplingParams:
-    try:
-        return body.sampling_params(max_new_tokens)
-    except ValidationError as exc:
-        raise _field_error(describe_validation_error(exc), max_field=max_field) from None
-
-
 def _items(engine: Engine, body: Any, prompts: list[list[int]], params: SamplingParams, wish: LogprobWish, prefix: str,
            prompt_field: str, max_field: str) -> list[Item]:  # fmt: skip
     """n items per prompt, prompt-major; ids like `/generate` (`rid`, or `rid-i` for several)."""
@@ -123,13 +83,13 @@ def _items(engine: Engine, body: Any, prompts: list[list[int]], params: Sampling
     try:
         engine.check_size(count, "n")
     except RequestError as exc:
-        raise _field_error(str(exc)) from None
+        raise field_error(str(exc)) from None
     items = [Item(ids, params, base if count == 1 else f"{base}-{i * body.n + j}", wish) for i, ids in enumerate(prompts) for j in range(body.n)]
     for item in items:
         try:
             engine.check(item)
         except RequestError as exc:
-            raise _field_error(str(exc), prompt_field, max_field) from None
+            raise field_error(str(exc), prompt_field, max_field) from None
     return items
 
 
@@ -143,7 +103,7 @@ def completion_items(engine: Engine, body: CompletionRequest) -> tuple[list[Item
     try:
         prompts = [engine.tokenize(p, field="prompt") for p in raw]
     except RequestError as exc:
-        raise _field_error(str(exc)) from None
+        raise field_error(str(exc)) from None
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     if "max_tokens" not in body.model_fields_set or body.max_tokens is None:
         max_tokens = engine.default_max_new_tokens(max_tokens)
@@ -158,13 +118,15 @@ def completion_items(engine: Engine, body: CompletionRequest) -> tuple[list[Item
 
 
 def chat_items(engine: Engine, body: ChatCompletionRequest) -> list[Item]:
-    if body.tool_choice not in (None, "auto", "none"):
-        raise OpenAIError("tool_choice: only 'auto' and 'none' are supported (forcing a tool needs constrained decoding)", "tool_choice")
+    check_tool_choice(body)
     if body.stream:
         for flag in ("return_token_ids", "return_prompt_token_ids", "return_meta_info"):
             if getattr(body, flag):
                 raise OpenAIError(f"{flag}: not supported with streaming; set stream=false to use {flag}=true", flag)
-    ids = render_chat(engine.tokenizer, body)
+    try:
+        ids = engine.format.template.render(body.messages, active_tools(body), True, **(body.chat_template_kwargs or {}))
+    except TemplateError as exc:
+        raise OpenAIError.of(exc) from None
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:  # SGLang: up to the end of the context
@@ -174,92 +136,16 @@ def chat_items(engine: Engine, body: ChatCompletionRequest) -> list[Item]:
     if max_tokens < 1:
         raise OpenAIError(f"{max_field}: must be at least 1, got {max_tokens}", max_field)
     params = sampling_params_of(body, max_tokens, max_field)
-    if tools_active(body):  # tool-call markers may be special tokens: keep them in the text to parse
+    if _parsed(engine, body):  # tool-call and reasoning markers may be special tokens: keep them in the text to parse
         params = params.model_copy(update={"skip_special_tokens": False})
     wish = LogprobWish(return_logprob=body.logprobs, top_logprobs_num=(body.top_logprobs or 0) if body.logprobs else 0)
     return _items(engine, body, [ids], params, wish, "chatcmpl-", "messages", max_field)
 
 
-def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
-    """Prompt ids from the tokenizer's chat template, with SGLang's message normalisation."""
-    messages = [template_message(m, i) for i, m in enumerate(body.messages)]
-    tools = body.tools if tools_active(body) else None
-    params = inspect.signature(tokenizer.apply_chat_template).parameters
-    for key in body.chat_template_kwargs or {}:
-        if key in params and params[key].kind is not inspect.Parameter.VAR_KEYWORD:  # would change the call, not the template
-            raise OpenAIError(f"chat_template_kwargs.{key}: an argument of apply_chat_template, not a template variable", "chat_template_kwargs")
-    try:
-        ids = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False, **(body.chat_template_kwargs or {})
-        )
-    except Exception as exc:  # template errors are caused by the request (missing keys, bad kwargs)
-        raise OpenAIError(f"messages: the chat template could not render them: {exc}", "messages") from None
-    return list(ids)
-
-
-def template_message(message: dict[str, Any], i: int) -> dict[str, Any]:
-    """Drop null fields, join text parts (string-content templates), decode tool-call arguments."""
-    if "role" not in message:
-        raise OpenAIError(f"messages.{i}.role: field required", f"messages.{i}.role")
-    out = {k: v for k, v in message.items() if v is not None}
-    content = out.get("content")
-    if isinstance(content, list):
-        if any(not (isinstance(p, dict) and p.get("type") == "text") for p in content):
-            raise OpenAIError(f"messages.{i}.content: only text parts are supported by the built-in engine", f"messages.{i}.content")
-        out["content"] = " ".join(p.get("text", "") for p in content)
-    calls = out.get("tool_calls")
-    if isinstance(calls, list):
-        out["tool_calls"] = [_decode_arguments(c, i) for c in calls]
-    return out
-
-
-def _decode_arguments(call: Any, i: int) -> Any:
-    """OpenAI sends `arguments` as a JSON string; templates (Qwen2.5's `| tojson`) want the object."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
-        return call
-    try:
-        args = json.loads(fn["arguments"])
-    except ValueError:
-        raise OpenAIError(f"messages.{i}.tool_calls: function.arguments must be a JSON object", f"messages.{i}.tool_calls") from None
-    if not isinstance(args, dict):
-        raise OpenAIError(f"messages.{i}.tool_calls: function.arguments must be a JSON object", f"messages.{i}.tool_calls")
-    return {**call, "function": {**fn, "arguments": args}}
-
-
-def tools_active(body: ChatCompletionRequest) -> bool:
-    return bool(body.tools) and body.tool_choice != "none"
-
-
-# ---- tool calls -------------------------------------------------------------------------------
-
-
-def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str, list[dict[str, Any]]]:
-    """Qwen2.5's `<tool_call>{"name", "arguments"}</tool_call>` blocks -> (content, OpenAI tool_calls).
-
-    A block that is not a JSON object naming one of `tool_names` stays in the content, so no model
-    output is lost (SGLang drops calls to unknown tools). The content is stripped, as SGLang's.
-    """
-    calls: list[dict[str, Any]] = []
-
-    def take(match: re.Match[str]) -> str:
-        try:
-            call = json.loads(match.group(1))
-        except ValueError:
-            return match.group(0)
-        if not isinstance(call, dict) or call.get("name") not in tool_names:
-            return match.group(0)
-        args = call.get("parameters") or call.get("arguments", {})
-        fn = {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "index": len(calls), "type": "function", "function": fn})
-        return ""
-
-    content = TOOL_CALL.sub(take, text)
-    return content.strip(), calls
-
-
-def tool_names(body: ChatCompletionRequest) -> set[str]:
-    return {t.get("function", {}).get("name") for t in body.tools or [] if isinstance(t, dict)} - {None}
+def _parsed(engine: Engine, body: ChatCompletionRequest) -> bool:
+    """Whether this request's replies are split by the engine's parsers."""
+    fmt = engine.format
+    return (fmt.tools is not None and active_tools(body) is not None) or (fmt.reasoning is not None and body.separate_reasoning)
 
 
 # ---- replies ----------------------------------------------------------------------------------
@@ -335,17 +221,12 @@ def _completion_choice(engine: Engine, body: CompletionRequest, req: Sequence, i
 
 
 def _chat_choice(engine: Engine, body: ChatCompletionRequest, req: Sequence, index: int) -> dict[str, Any]:
-    reason, matched = _finish(req)
     n = len(req.output_ids)
-    content, calls = engine.text_of(req, n, True), []
-    if tools_active(body):
-        content, calls = parse_tool_calls(content, tool_names(body))
-    if calls and reason == "stop":
-        reason, matched = "tool_calls", None
-    message = {"role": "assistant", "content": content, "reasoning_content": None, "tool_calls": calls or None}
+    reply = engine.format.reply(engine.text_of(req, n, True), req.input_ids, active_tools(body), body.separate_reasoning)
+    reason, matched = finish(*_finish(req), called=bool(reply.tool_calls))
     choice = {
         "index": index,
-        "message": message,
+        "message": reply_message(reply),
         "logprobs": _chat_logprobs(engine, req, 0, n) if body.logprobs else None,
         "finish_reason": reason,
         "matched_stop": matched,
@@ -441,13 +322,13 @@ async def _completion_stream(engine: Engine, body: CompletionRequest, items: lis
 
 
 async def _chat_stream(engine: Engine, body: ChatCompletionRequest, items: list[Item], progress: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
-    """SGLang's chunk order per choice: role, content deltas (with their logprobs), finish.
-
-    With tools, content is streamed only up to a possible `<tool_call>`; the rest of the content
-    and the parsed calls come with the finish, so the deltas add up to the non-streamed message.
-    """
+    """SGLang's chunk order per choice: role, deltas (reasoning, content, tool calls, with their
+    logprobs), finish. The text is split by the same parsers as a whole reply, as it grows: what
+    might still become a marker is held back, so the deltas add up to the non-streamed message."""
     header, sent = _Header(engine, "chat.completion.chunk", body, items), _Sent(len(items))
-    tools = tools_active(body)
+    tools = active_tools(body)
+    streams = [engine.format.reply_stream(item.input_ids, tools, body.separate_reasoning) for item in items]
+    called = [False] * len(items)
     reqs: list[Sequence] = []
 
     def chunk(i: int, delta: dict[str, Any], logprobs: Any = None, reason: str | None = None, matched: Any = None) -> dict[str, Any]:
@@ -459,22 +340,20 @@ async def _chat_stream(engine: Engine, body: ChatCompletionRequest, items: list[
             start = sent.tokens[i]
             if start == 0:
                 yield chunk(i, {"role": "assistant", "content": ""})
-            text, calls = engine.text_of(req, up.n, up.finished), []
-            if up.finished and tools:
-                text, calls = parse_tool_calls(text, tool_names(body))
-            elif tools:
-                text = _settled(text.split(TOOL_CALL_OPEN, 1)[0], [*_stop_holds(req), TOOL_CALL_OPEN]).strip()
-            elif not up.finished:
-                text = _settled(text, _stop_holds(req))
-            delta = sent.delta(i, text)
+            text = engine.text_of(req, up.n, up.finished)
+            delta = sent.delta(i, text if up.finished else _settled(text, _stop_holds(req)))
             sent.tokens[i] = up.n
-            if delta or calls or up.n > start:
-                logprobs = _chat_logprobs(engine, req, start, up.n) if body.logprobs else None
-                yield chunk(i, {"content": delta, **({"tool_calls": calls} if calls else {})}, logprobs)
+            part = streams[i].feed(delta, last=up.finished)
+            called[i] = called[i] or bool(part.tool_calls)
+            if part.content or part.reasoning_content or part.tool_calls or up.n > start:
+                out: dict[str, Any] = {"content": part.content}
+                if part.reasoning_content:
+                    out["reasoning_content"] = part.reasoning_content
+                if part.tool_calls:
+                    out["tool_calls"] = part.tool_calls
+                yield chunk(i, out, _chat_logprobs(engine, req, start, up.n) if body.logprobs else None)
             if up.finished:
-                reason, matched = _finish(req)
-                if calls and reason == "stop":
-                    reason, matched = "tool_calls", None
+                reason, matched = finish(*_finish(req), called=called[i])
                 yield chunk(i, {}, reason=reason, matched=matched)
     if (body.stream_options or {}).get("include_usage"):
         yield header([], usage=_usage(reqs, body.n))

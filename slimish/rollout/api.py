@@ -5,7 +5,7 @@ It talks to the router through `ctx` and never edits a sample's per-token arrays
 model token enters through `append_model` (mask 1, the engine's logprob, the weight version that
 produced it) and every environment token through `append_env` (mask 0), so the arrays cannot
 drift. Token in, token out: multi-turn samples are the engine's own output ids with the
-environment's turns spliced in by `ChatTokens.env_ids`, never a re-tokenised text.
+environment's turns spliced in by `ChatTokens.env_ids` (slimish/formats), never a re-tokenised text.
 
 `RolloutRuntime` holds what all samples of a run share (router client, tokenizer, config, and the
 OpenAI capture endpoint, started the first time an agent asks for it).
@@ -14,7 +14,6 @@ OpenAI capture endpoint, started the first time an agent asks for it).
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,14 +22,11 @@ from transformers import AutoTokenizer
 
 from slimish.client import Client
 from slimish.config import RolloutConfig, RunConfig
-from slimish.engine.openai_api import parse_tool_calls
+from slimish.formats.model import ModelFormat
+from slimish.formats.tokens import ChatTokens, same_message
 from slimish.protocol import GenerateResponse
 from slimish.rollout.capture import CaptureServer
-from slimish.rollout.chat import ChatTokens, render_prompt
-from slimish.types import GenerateResult, Sample, SampleStatus
-
-STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
-
+from slimish.types import GenerateResult, Sample, SampleStatus, status_of
 
 def default_sampling_params(cfg: RolloutConfig) -> dict[str, Any]:
     """The sampling params every generate call starts from (a call's own params override them)."""
@@ -63,16 +59,14 @@ class RolloutRuntime:
     def __init__(self, cfg: RunConfig, client: Client, tokenizer: Any) -> None:
         self.cfg, self.client, self.tokenizer = cfg, client, tokenizer
         self.sampling_params = default_sampling_params(cfg.rollout)
+        # The model's chat format (template, end tokens, parsers): the same object the engine builds.
+        self.format = ModelFormat(tokenizer, cfg.model, cfg.rollout.tool_call_parser, cfg.rollout.reasoning_parser)
         self.capture: CaptureServer | None = None  # started by the first `ctx.openai_base_url()`
         self._capture_lock = asyncio.Lock()
-        self._chat_tokens: dict[str, ChatTokens] = {}
 
-    def chat_tokens(self, tools: list[dict] | None = None) -> ChatTokens:
-        """The chat template renderer for a tool list, built once (building one renders the template)."""
-        key = json.dumps(tools, sort_keys=True)
-        if key not in self._chat_tokens:
-            self._chat_tokens[key] = ChatTokens(self.tokenizer, tools=tools)
-        return self._chat_tokens[key]
+    def chat_tokens(self, tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> ChatTokens:
+        """The chat template in token space for a tool list; template kwargs over the run's."""
+        return self.format.chat(tools, **{**self.cfg.rollout.chat_template_kwargs, **(chat_template_kwargs or {})})
 
     @classmethod
     async def create(cls, cfg: RunConfig, router_url: str) -> "RolloutRuntime":
@@ -82,7 +76,8 @@ class RolloutRuntime:
     async def get_capture(self) -> CaptureServer:
         async with self._capture_lock:
             if self.capture is None:
-                capture = CaptureServer(self.client.base_url, self.tokenizer, self.cfg.launch.api_key, self.sampling_params)
+                capture = CaptureServer(self.client.base_url, self.format, self.cfg.launch.api_key, self.sampling_params,
+                                        self.cfg.rollout.chat_template_kwargs, self.cfg.rollout.history)  # fmt: skip
                 await capture.start()
                 self.capture = capture
         return self.capture
@@ -98,11 +93,12 @@ class RolloutRuntime:
 class ChatTurn:
     """One assistant turn of `ctx.chat`. Append `message` to the conversation before the next call."""
 
-    text: str  # the model's text (tool-call blocks included)
-    content: str  # the text without the parsed tool-call blocks
+    text: str  # the model's text (reasoning and tool-call blocks included)
+    content: str  # the text without reasoning and the parsed tool-call blocks
+    reasoning_content: str | None  # the reasoning block's text (reasoning parser), None when there is none
     tool_calls: list[dict[str, Any]]  # OpenAI-shaped calls parsed from the text
     finish_reason: str  # stop | length | abort
-    message: dict[str, Any]  # {"role": "assistant", "content", "tool_calls"?}
+    message: dict[str, Any]  # {"role": "assistant", "content", "reasoning_content"?, "tool_calls"?}
     result: GenerateResult = field(repr=False)  # the engine's reply: output ids, logprobs, weight version
 
 
@@ -116,9 +112,8 @@ class RolloutContext:
         self.sampling_params = {**runtime.sampling_params, **(sampling_params or {})}
         self._abort = abort  # set at the end of a rollout step: no new generate call is sent
         self._chat: ChatTokens | None = None
-        self._tools: list[dict] | None = None
         self._messages: list[dict[str, Any]] = []  # the conversation ctx.chat has rendered so far
-        self._ended_with_stop_token = False
+        self._last_token: int | None = None  # the model's last output id in the conversation
         self._session: str | None = None
 
     @property
@@ -138,13 +133,14 @@ class RolloutContext:
         assert isinstance(out, GenerateResponse)
         return to_result(out)
 
-    async def generate_sample(self, sampling_params: dict[str, Any] | None = None) -> Sample:
+    async def generate_sample(self, sampling_params: dict[str, Any] | None = None,
+                              chat_template_kwargs: dict[str, Any] | None = None) -> Sample:  # fmt: skip
         """One model turn on `ctx.sample`: renders its prompt the first time (chat template for
         messages), continues a partial sample within what is left of `max_new_tokens`, appends
         the tokens and sets the status from the finish reason."""
         sample = self._need_sample("generate_sample")
         if not sample.tokens:
-            sample.set_prompt(self.prompt_ids(sample.prompt))
+            sample.set_prompt(self.prompt_ids(sample.prompt, chat_template_kwargs))
         params = {**self.sampling_params, **(sampling_params or {})}
         budget = params["max_new_tokens"] - sample.response_length
         if budget <= 0:
@@ -153,50 +149,50 @@ class RolloutContext:
         self.append_model(await self.generate(sample.tokens, {**params, "max_new_tokens": budget}))
         return sample
 
-    def prompt_ids(self, prompt: str | list[dict[str, Any]]) -> list[int]:
+    def prompt_ids(self, prompt: str | list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Chat messages through the chat template (with the generation prompt); text as is."""
-        return render_prompt(self.tokenizer, self.runtime.chat_tokens(), prompt)
+        return self.runtime.format.prompt_ids(prompt, self.runtime.chat_tokens(None, chat_template_kwargs))
 
-    async def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-                   sampling_params: dict[str, Any] | None = None) -> ChatTurn:  # fmt: skip
+    async def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None, sampling_params: dict[str, Any] | None = None,
+                   chat_template_kwargs: dict[str, Any] | None = None) -> ChatTurn:  # fmt: skip
         """One assistant turn of a conversation, recorded token-exactly into `ctx.sample`.
 
         The first call renders `messages` as the prompt. Each later call must pass the previous
         conversation, the returned `turn.message`, then the new (tool / user) messages: only the
-        new ones are rendered (mask 0) after the model's own ids.
+        new ones are rendered (mask 0) after the model's own ids, so the sample holds exactly the
+        ids the model saw, also where the template would re-render history differently (Qwen3
+        and GLM drop earlier reasoning). Template kwargs (`enable_thinking`, `thinking`...) go
+        over the run's `rollout.chat_template_kwargs` and must stay the same for a conversation.
         """
         sample = self._need_sample("chat")
+        chat = self.runtime.chat_tokens(tools, chat_template_kwargs)
         if self._chat is None:
             if sample.tokens:
                 raise ValueError(f"ctx.chat: sample {sample.group_id}/{sample.index} already has tokens; "
                                  "start the conversation with ctx.chat on a fresh sample")  # fmt: skip
-            self._chat, self._tools = self.runtime.chat_tokens(tools), tools
-            sample.set_prompt(self._chat.prompt_ids(messages))
+            self._chat = chat
+            sample.set_prompt(chat.prompt_ids(messages))
         else:
-            if tools != self._tools:
-                raise ValueError("ctx.chat: `tools` changed between turns of one conversation; pass the same list every turn")
+            if chat is not self._chat:
+                raise ValueError("ctx.chat: `tools` or `chat_template_kwargs` changed between turns of one conversation; pass the same every turn")
             known = len(self._messages)
-            if len(messages) <= known or [_canonical(m) for m in messages[:known]] != [_canonical(m) for m in self._messages]:
+            if len(messages) <= known or not all(same_message(a, b) for a, b in zip(messages, self._messages)):
                 raise ValueError(
                     "ctx.chat: `messages` must be the previous conversation, the returned turn.message, then new "
                     f"messages (expected the first {known} to be unchanged and at least one new one, got {len(messages)})"
                 )
-            sample.append_env(self._chat.env_ids(messages[known:], self._ended_with_stop_token))
+            sample.append_env(chat.env_ids(messages[known:], self._last_token))
         params = {**self.sampling_params, **(sampling_params or {})}
-        if tools:  # tool-call markers may be special tokens: keep them in the text to parse
+        fmt = self.runtime.format
+        if (fmt.tools is not None and tools) or fmt.reasoning is not None:  # markers may be special tokens: keep them in the text
             params.setdefault("skip_special_tokens", False)
-        result = await self.generate(sample.tokens, params)
+        prompt = list(sample.tokens)
+        result = await self.generate(prompt, params)
         self.append_model(result)
-        names = {t.get("function", {}).get("name") for t in tools or []} - {None}
-        content, calls = parse_tool_calls(result.text, names) if tools else (result.text, [])
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        self._messages = [*messages, message]
-        # The turn's close is in the ids when the model stopped on a stop token (not a stop string).
-        stop_ids = {self._chat.end_of_turn_id, self.tokenizer.eos_token_id, *(params.get("stop_token_ids") or [])}
-        self._ended_with_stop_token = result.finish_reason == "stop" and bool(result.output_ids) and result.output_ids[-1] in stop_ids
-        return ChatTurn(result.text, content, calls, result.finish_reason, message, result)
+        reply = fmt.reply(result.text, prompt, tools)
+        self._messages = [*messages, reply.message()]
+        self._last_token = result.output_ids[-1] if result.output_ids else None
+        return ChatTurn(result.text, reply.content, reply.reasoning_content, reply.tool_calls, result.finish_reason, reply.message(), result)
 
     # ---- recording --------------------------------------------------------------------------
 
@@ -204,7 +200,7 @@ class RolloutContext:
         """The engine's tokens (mask 1, its logprobs, its weight version); status from the finish reason."""
         sample = self._need_sample("append_model")
         sample.append_model(result.output_ids, result.logprobs, result.token_versions or result.weight_version or None)
-        sample.status = STATUS[result.finish_reason]
+        sample.status = status_of(result.finish_reason)
 
     def append_env(self, ids: list[int]) -> None:
         """Environment tokens (tool output, user turns): in context, mask 0."""
@@ -237,6 +233,3 @@ class RolloutContext:
             raise ValueError(f"ctx.{what}: this context scores a whole group and has no sample of its own")
         return self.sample
 
-
-def _canonical(message: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in message.items() if v is not None}

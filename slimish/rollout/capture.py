@@ -13,9 +13,11 @@ tokenizer and is where the samples are needed; no token record crosses a process
 
 Turns are chained in token space: when a request's messages are the previous turn's messages, the
 assistant message we returned for it, and new (tool / user) messages, the prompt is the previous
-turn's prompt + completion ids + `ChatTokens.env_ids(new messages)`. Anything else (an edited
-history, a different tool list, a fresh conversation) starts a new segment, rendered by the chat
-template, which becomes a separate sample: masks are never guessed across a break.
+turn's prompt + completion ids + `ChatTokens.env_ids(new messages)` (`rollout.history=exact`), or,
+with `rollout.history=template`, the template's rendering of the whole conversation when that
+extends the ids before it. Anything else (an edited history, a different tool list, a template that
+re-renders past turns, a fresh conversation) starts a new segment, rendered by the chat template,
+which becomes a separate sample: masks are never guessed across a break.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import time
 from dataclasses import dataclass, field
@@ -33,10 +36,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from slimish.client import Client, ServerError
-from slimish.engine.openai_api import OpenAIError, parse_body, sampling_params_of, template_message, tool_names, tools_active, parse_tool_calls
+from slimish.formats.model import ModelFormat
+from slimish.formats.openai import OpenAIError, active_tools, check_tool_choice, finish, parse_body, reply_message, sampling_params_of
+from slimish.formats.template import TemplateError, normalize_message
+from slimish.formats.tokens import ChatTokens, same_message
 from slimish.protocol import ChatCompletionRequest, GenerateResponse
-from slimish.rollout.chat import ChatTokens
-from slimish.types import Sample, SampleStatus
+from slimish.types import Sample, status_of
 
 # OpenAI body field -> native sampling param, for the fields a request may set explicitly.
 OPENAI_SAMPLING = {
@@ -46,8 +51,9 @@ OPENAI_SAMPLING = {
     "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
     "presence_penalty": "presence_penalty", "logit_bias": "logit_bias", "seed": "sampling_seed",
 }  # fmt: skip
-STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 START_TIMEOUT_S = 30.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,7 +67,6 @@ class _Turn:
     logprobs: list[float]
     weight_version: str
     finish_reason: str
-    ended_with_eos: bool
 
 
 @dataclass
@@ -71,30 +76,22 @@ class _Segment:
     turns: list[_Turn] = field(default_factory=list)
     busy: bool = False  # a turn extending it is in flight; a parallel request must not chain onto it
 
-    def continues(self, messages: list[dict[str, Any]], render_key: str) -> bool:
+    def extends(self, messages: list[dict[str, Any]], render_key: str) -> bool:
+        """Whether `messages` are this segment's conversation, our reply, then new messages."""
         last = self.turns[-1]
         k = len(last.messages)
+        history = [*last.messages, last.reply]
         return (
             not self.busy
             and render_key == last.render_key
-            and len(messages) > k
-            and messages[:k] == last.messages
-            and _canonical(messages[k]) == last.reply
+            and len(messages) > k + 1
+            and all(same_message(a, b) for a, b in zip(messages, history))
         )
 
-
-def _canonical(message: dict[str, Any]) -> dict[str, Any]:
-    """What must match for an echoed assistant message to be the one we returned: role, content
-    (None and "" alike) and the calls' names and arguments (decoded: JSON string or object alike);
-    ids and fields the SDK adds do not count."""
-    calls = []
-    for call in message.get("tool_calls") or []:
-        fn = call.get("function") or {}
-        args = fn.get("arguments")
-        with contextlib.suppress(TypeError, ValueError):
-            args = json.loads(args)
-        calls.append((fn.get("name"), args))
-    return {"role": message.get("role"), "content": message.get("content") or "", "tool_calls": calls}
+    @property
+    def ids(self) -> list[int]:
+        last = self.turns[-1]
+        return last.prompt_ids + last.completion_ids
 
 
 class _UvicornServer(uvicorn.Server):
@@ -107,12 +104,16 @@ class _UvicornServer(uvicorn.Server):
 class CaptureServer:
     """Serves `{url}/sessions/{session_id}/v1/chat/completions` and `/v1/models` on 127.0.0.1."""
 
-    def __init__(self, router_url: str, tokenizer: Any, api_key: str | None = None, default_sampling: dict | None = None) -> None:
+    def __init__(self, router_url: str, fmt: ModelFormat, api_key: str | None = None, default_sampling: dict | None = None,
+                 chat_template_kwargs: dict | None = None, history: str = "exact") -> None:  # fmt: skip
         """`api_key` is the router's; agents may send any key. `default_sampling` (native names)
-        applies to every call; what a request sets explicitly overrides it."""
+        and `chat_template_kwargs` apply to every call; what a request sets explicitly overrides
+        them. `history` is `rollout.history` (exact | template)."""
         self.client = Client(router_url, api_key=api_key)
-        self.tokenizer = tokenizer
+        self.format, self.tokenizer = fmt, fmt.tokenizer
         self.default_sampling = dict(default_sampling or {})
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.history = history
         self.sessions: dict[str, list[_Segment]] = {}
         self.url = ""
         self._server: _UvicornServer | None = None
@@ -159,7 +160,7 @@ class CaptureServer:
             for turn in segment.turns:
                 s.append_env(turn.env_ids)
                 s.append_model(turn.completion_ids, turn.logprobs, turn.weight_version)
-            s.status = STATUS[segment.turns[-1].finish_reason]
+            s.status = status_of(segment.turns[-1].finish_reason)
             s.check()
             samples.append(s)
         return samples
@@ -190,28 +191,20 @@ class CaptureServer:
             raise OpenAIError("stream: streaming is not supported by the capture endpoint; set stream=false", "stream")
         if body.n != 1:
             raise OpenAIError(f"n: a captured session is one trajectory, n must be 1, got {body.n}", "n")
-        if body.tool_choice not in (None, "auto", "none"):
-            raise OpenAIError("tool_choice: only 'auto' and 'none' are supported", "tool_choice")
-        tools = body.tools if tools_active(body) else None
-        kwargs = body.chat_template_kwargs or {}
+        check_tool_choice(body)
+        tools = active_tools(body)
+        kwargs = {**self.chat_template_kwargs, **(body.chat_template_kwargs or {})}
         render_key = json.dumps([tools, kwargs], sort_keys=True, default=str)
-        messages = [template_message(m, i) for i, m in enumerate(body.messages)]
         segments = self.sessions.setdefault(session_id, [])
-        segment = next((s for s in reversed(segments) if s.continues(messages, render_key)), None)
         try:
-            chat = ChatTokens(self.tokenizer, tools=tools, **kwargs)
-            if segment is None:
-                env, prompt = [], chat.prompt_ids(messages)
-            else:
-                last = segment.turns[-1]
-                env = chat.env_ids(messages[len(last.messages) + 1 :], last.ended_with_eos)
-                prompt = last.prompt_ids + last.completion_ids + env
-        except OpenAIError:
-            raise
-        except Exception as exc:  # template errors are caused by the request (missing keys, bad kwargs)
-            raise OpenAIError(f"messages: the chat template could not render them: {exc}", "messages") from None
+            messages = [normalize_message(m, i) for i, m in enumerate(body.messages)]
+            chat = self.format.chat(tools, **kwargs)
+            segment, env = self._continuation(segments, messages, render_key, chat)
+            prompt = chat.prompt_ids(messages) if segment is None else segment.ids + env
+        except TemplateError as exc:
+            raise OpenAIError.of(exc) from None
 
-        params = self._sampling(body, tools is not None)
+        params = self._sampling(body, tools)
         if segment is not None:
             segment.busy = True
         try:
@@ -224,25 +217,24 @@ class CaptureServer:
         meta = out.meta_info
         reason = meta.finish_reason.type if meta.finish_reason else "abort"
         matched = meta.finish_reason.matched if meta.finish_reason else None
-        content, calls = parse_tool_calls(out.text, tool_names(body)) if tools else (out.text, [])
-        message = {"role": "assistant", "content": content, "reasoning_content": None, "tool_calls": calls or None}
+        reply = self.format.reply(out.text, prompt, tools, body.separate_reasoning)
         turn = _Turn(
-            messages=messages, reply=_canonical(message), render_key=render_key, env_ids=env,
+            messages=messages, reply=reply.message(), render_key=render_key, env_ids=env,
             prompt_ids=prompt, completion_ids=list(out.output_ids), logprobs=[e[0] for e in meta.output_token_logprobs or []],
             weight_version=meta.weight_version, finish_reason=reason,
-            ended_with_eos=isinstance(matched, int) and bool(out.output_ids) and out.output_ids[-1] == matched,
         )  # fmt: skip
         if segment is None:
             segment = _Segment()
             segments.append(segment)
         segment.turns.append(turn)
 
+        reason, matched = finish(reason, matched, called=bool(reply.tool_calls))
         choice: dict[str, Any] = {
             "index": 0,
-            "message": message,
+            "message": reply_message(reply),
             "logprobs": self._logprobs(out) if body.logprobs else None,
-            "finish_reason": "tool_calls" if calls and reason == "stop" else reason,
-            "matched_stop": None if calls and reason == "stop" else matched,
+            "finish_reason": reason,
+            "matched_stop": matched,
         }
         if body.return_token_ids or body.return_prompt_token_ids:
             choice["prompt_token_ids"] = prompt
@@ -259,7 +251,24 @@ class CaptureServer:
             "metadata": {"weight_version": meta.weight_version},
         }
 
-    def _sampling(self, body: ChatCompletionRequest, tools_active: bool) -> dict[str, Any]:
+    def _continuation(self, segments: list[_Segment], messages: list[dict[str, Any]], render_key: str,
+                      chat: ChatTokens) -> tuple[_Segment | None, list[int]]:  # fmt: skip
+        """The segment this request continues and the ids to append to it, or (None, []) for a new segment."""
+        for segment in reversed(segments):
+            if not segment.extends(messages, render_key):
+                continue
+            last = segment.turns[-1]
+            if self.history == "exact":
+                last_token = last.completion_ids[-1] if last.completion_ids else None
+                return segment, chat.env_ids(messages[len(last.messages) + 1 :], last_token)
+            rendered, held = chat.prompt_ids(messages), segment.ids
+            if rendered[: len(held)] == held:
+                return segment, rendered[len(held) :]
+            log.debug("capture: the template re-renders the history of session segment %d: new segment", segments.index(segment))
+            return None, []
+        return None, []
+
+    def _sampling(self, body: ChatCompletionRequest, tools: list[dict] | None) -> dict[str, Any]:
         """The defaults, overridden by what the request set explicitly (OpenAI names -> native)."""
         max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -270,8 +279,8 @@ class CaptureServer:
         params.update({ours: native[ours] for theirs, ours in OPENAI_SAMPLING.items() if theirs in body.model_fields_set})
         if max_tokens is not None:
             params["max_new_tokens"] = max_tokens
-        if tools_active:  # tool-call markers may be special tokens: keep them in the text to parse
-            params["skip_special_tokens"] = False
+        if (self.format.tools is not None and tools) or (self.format.reasoning is not None and body.separate_reasoning):
+            params["skip_special_tokens"] = False  # tool-call and reasoning markers may be special tokens: keep them to parse
         return params
 
     def _logprobs(self, out: GenerateResponse) -> dict[str, Any]:

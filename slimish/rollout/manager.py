@@ -51,7 +51,7 @@ from slimish.types import Sample, SampleStatus
 FINISHED = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
 COUNTERS = (
     "prompts_taken", "groups_kept", "groups_filtered", "groups_failed", "requeued",
-    "completed", "truncated", "aborted", "failed", "filtered", "partial_resumed", "partial_stale",
+    "completed", "truncated", "aborted", "failed", "filtered", "partial_resumed", "partial_stale", "forked_segments",
 )  # fmt: skip
 ABORT_RETRY_S = 1.0  # while leftovers are still running, the abort is re-sent this often (late arrivals)
 
@@ -319,6 +319,8 @@ class RolloutManager:
         for s in group:
             if s.status.value in self.counters:
                 self.counters[s.status.value] += 1
+            capture = s.metadata.get("capture")
+            self.counters["forked_segments"] += isinstance(capture, dict) and capture.get("segment", 0) > 0  # a captured session split
             if dropped is not None:
                 s.metadata["dropped"] = dropped
         if outcome == "groups_failed":

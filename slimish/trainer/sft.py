@@ -8,12 +8,13 @@ format the model learns here is the one it is asked for during RL.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from collections.abc import Iterator
 from typing import Any
 
 from slimish.config import RunConfig
-from slimish.rollout.chat import ChatTokens, render_prompt
+from slimish.formats.model import ModelFormat
 from slimish.rollout.data import TASK_PREFIX, load_rows
 from slimish.rollout.tasks import get_task
 from slimish.types import Sample
@@ -35,12 +36,23 @@ def demonstrations(cfg: RunConfig) -> list[tuple[Any, str]]:
 
 
 def sft_batches(cfg: RunConfig, tokenizer: Any) -> Iterator[list[Sample]]:
-    """`sft.steps` batches of `sft.batch_size` samples: response tokens + EOS, all trained on."""
+    """`sft.steps` batches of `sft.batch_size` samples, every response token trained on. A chat
+    prompt's response is the assistant turn as the template renders it, up to the token that
+    ends the turn (a GLM-style template's next-turn opener included); a text prompt's is the
+    response's tokens and EOS."""
     pairs = demonstrations(cfg)
     if not pairs:
         raise SystemExit("sft: no demonstrations")
-    eos = tokenizer.eos_token_id
-    chat = ChatTokens(tokenizer)
+    fmt = ModelFormat(tokenizer, cfg.model, cfg.rollout.tool_call_parser, cfg.rollout.reasoning_parser)
+    chat = fmt.chat(None, **cfg.rollout.chat_template_kwargs)
+
+    @functools.cache
+    def rendered(i: int) -> tuple[list[int], list[int]]:
+        prompt, response = pairs[i]
+        if isinstance(prompt, str):
+            return fmt.prompt_ids(prompt), tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]
+        return chat.prompt_ids(prompt), chat.assistant_ids(prompt, {"role": "assistant", "content": response})
+
     rng = random.Random(cfg.seed)
     order: list[int] = []
     for _ in range(cfg.sft.steps):
@@ -48,10 +60,10 @@ def sft_batches(cfg: RunConfig, tokenizer: Any) -> Iterator[list[Sample]]:
         for _ in range(cfg.sft.batch_size):
             if not order:  # epochs without replacement
                 order = rng.sample(range(len(pairs)), len(pairs))
-            prompt, response = pairs[order.pop()]
-            sample = Sample(prompt=prompt)
-            sample.set_prompt(render_prompt(tokenizer, chat, prompt))
-            ids = tokenizer.encode(response, add_special_tokens=False) + [eos]
+            i = order.pop()
+            prompt_ids, ids = rendered(i)
+            sample = Sample(prompt=pairs[i][0])
+            sample.set_prompt(prompt_ids)
             sample.append_model(ids, [0.0] * len(ids))
             batch.append(sample)
         yield batch

@@ -1,0 +1,313 @@
+"""Real model families: a 3-turn tool conversation recorded token-exactly, tool calls parsed and
+reasoning split, through `ctx.chat`, the capture endpoint (real `openai` SDK) and the engine's own
+`/v1/chat/completions`, on each family's real chat template and vocabulary.
+
+The models are tiny, with the families' real tokenizers (tests/model_families.py), fitted for a
+few seconds so that greedy decoding writes exactly what the template renders for each assistant
+turn of the conversation below: the tool call, the answer after the tool result, the answer after
+the user's follow-up. Where the template re-renders history (Qwen3 and GLM drop the reasoning of
+turns before the last user message, DeepSeek-V3.1 in thinking mode drops it everywhere), the model
+is fitted on both contexts: the chained ids it saw, and the template's rendering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+import model_families
+from slimish.client import Client
+from slimish.config import load_run_config
+from slimish.formats.model import ModelFormat
+from slimish.launch.local import engine_process
+from slimish.rollout.api import RolloutContext, RolloutRuntime
+from slimish.rollout.capture import CaptureServer
+from slimish.types import Sample, SampleStatus
+
+CALCULATOR = {"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic",
+              "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}  # fmt: skip
+BRAVE_SEARCH = {"type": "function", "function": {"name": "brave_search", "description": "Search the web",
+                "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    family: str  # a model_families.FAMILIES key
+    tool_parser: str  # what the engine detects from the template
+    reasoning_parser: str | None
+    kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
+    reasoning: tuple[str | None, str | None, str | None] = (None, None, None)  # per assistant turn
+    args: str = "object"  # the form of tool-call arguments the HF template wants
+    tool: dict[str, Any] = field(default_factory=lambda: CALCULATOR)
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        return [self.tool]
+
+    @property
+    def call_args(self) -> dict[str, Any]:
+        return {"query": "2+3"} if self.tool is BRAVE_SEARCH else {"expression": "2+3"}
+
+
+THINKING = ("I should use the calculator.", "The tool says 5.", "5 times 4 is 20.")
+CASES = [
+    Case("qwen2.5", "qwen2.5", "qwen25", None),
+    Case("qwen3", "qwen3", "qwen25", "qwen3", reasoning=THINKING),
+    Case("qwen3-coder", "qwen3-coder", "qwen3_coder", None),
+    Case("llama3.1", "llama3.1", "llama3", None),
+    # A built-in tool: `<|python_tag|>brave_search.call(query="2+3")`, ended by `<|eom_id|>`.
+    Case("llama3.1-builtin", "llama3.1", "llama3", None, kwargs={"builtin_tools": ["brave_search"]}, tool=BRAVE_SEARCH),
+    Case("hermes3", "hermes3", "qwen25", None),
+    Case("deepseek-v3", "deepseek-v3", "deepseekv3", None),
+    Case("deepseek-v3.1", "deepseek-v3.1", "deepseekv31", "deepseek-v3", args="string"),
+    # Thinking mode: the generation prompt opens `<think>`, except after a tool result.
+    Case("deepseek-v3.1-thinking", "deepseek-v3.1", "deepseekv31", "deepseek-v3", kwargs={"thinking": True},
+         reasoning=(THINKING[0], None, THINKING[2]), args="string"),  # fmt: skip
+    Case("glm4.6", "glm4.6", "glm45", "glm45", reasoning=THINKING),
+]
+CASE_IDS = [c.name for c in CASES]
+
+
+def conversation(case: Case) -> list[dict[str, Any]]:
+    """The conversation the fitted models reproduce; OpenAI message shapes (arguments a JSON string)."""
+
+    def think(k: int) -> dict[str, Any]:
+        return {"reasoning_content": case.reasoning[k]} if case.reasoning[k] is not None else {}
+
+    call = {"id": "call_1", "type": "function", "function": {"name": case.tool["function"]["name"], "arguments": json.dumps(case.call_args)}}
+    return [
+        {"role": "system", "content": "You are a careful assistant."},
+        {"role": "user", "content": "What is 2+3?"},
+        {"role": "assistant", "content": "", "tool_calls": [call], **think(0)},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+        {"role": "assistant", "content": "The answer is 5.", **think(1)},
+        {"role": "user", "content": "And times 4?"},
+        {"role": "assistant", "content": "20", **think(2)},
+    ]
+
+
+TURNS = (2, 4, 6)  # positions of the assistant messages
+
+
+@dataclass
+class Expected:
+    """What the fitted model writes and the ids both paths must record."""
+
+    turns: list[list[int]]  # each assistant turn's ids, through the token that ends it
+    envs: list[list[int]]  # the environment's ids after turns 1 and 2 (exact policy)
+    prompts: list[list[int]]  # the template's rendering of the history before each turn
+
+    @property
+    def exact(self) -> list[int]:
+        ids = list(self.prompts[0])
+        for turn, env in zip(self.turns, [*self.envs, []]):
+            ids += turn + env
+        return ids
+
+    def chained_context(self, k: int) -> list[int]:
+        ids = list(self.prompts[0])
+        for turn, env in list(zip(self.turns, self.envs))[:k]:
+            ids += turn + env
+        return ids
+
+
+def expected(fmt: ModelFormat, case: Case) -> Expected:
+    chat, conv = fmt.chat(case.tools, **case.kwargs), conversation(case)
+    prompts = [chat.prompt_ids(conv[:k]) for k in TURNS]
+    turns = []
+    for k, at in enumerate(TURNS):
+        turn = chat.assistant_ids(conv[:at], conv[at], conv[at + 1] if at + 1 < len(conv) else None)
+        if case.reasoning[k] and fmt.opens_reasoning(prompts[k]) and case.reasoning[k] not in fmt.tokenizer.decode(turn):
+            # The template renders no reasoning at all (DeepSeek-V3.1): the model writes it after the
+            # prompt's `<think>`, before the `</think>` the template's turn starts with.
+            turn = fmt.tokenizer.encode(case.reasoning[k], add_special_tokens=False) + turn
+        turns.append(turn)
+    envs = [chat.env_ids(conv[k + 1 : k2], turns[i][-1]) for i, (k, k2) in enumerate(zip(TURNS, TURNS[1:]))]
+    return Expected(turns, envs, prompts)
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every family's model, fitted (per vocabulary, shared weights) to every case's turns, in
+    the chained context and in the template's rendering where that differs."""
+    root = tmp_path_factory.mktemp("families")
+    dirs = {name: model_families.build_family(name, root / name) for name in {c.family for c in CASES}}
+    by_vocab: dict[str, list[str]] = {}
+    for name in dirs:
+        by_vocab.setdefault(model_families.FAMILIES[name].vocab, []).append(name)
+    for names in by_vocab.values():
+        sequences = []
+        for case in (c for c in CASES if c.family in names):
+            e = expected(ModelFormat(AutoTokenizer.from_pretrained(dirs[case.family])), case)
+            mask = [0] * len(e.prompts[0])
+            for turn, env in zip(e.turns, [*e.envs, []]):
+                mask += [1] * len(turn) + [0] * len(env)
+            sequences.append((e.exact, mask))
+            for k, prompt in enumerate(e.prompts):
+                if prompt != e.chained_context(k):  # the template re-renders history: fit that context too
+                    sequences.append((prompt + e.turns[k], [0] * len(prompt) + [1] * len(e.turns[k])))
+        model_families.fit([dirs[n] for n in names], sequences)
+    return dirs
+
+
+@pytest.fixture(scope="module", params=CASES, ids=CASE_IDS)
+def case(request) -> Case:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def served(case: Case, family_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A real engine on the case's family model: (its URL, the model dir)."""
+    model = family_dirs[case.family]
+    with engine_process(model, log_path=tmp_path_factory.mktemp("logs") / "engine.log") as proc:
+        yield proc.url, model
+
+
+def runtime_for(model: Path, url: str, *overrides: str) -> RolloutRuntime:
+    cfg = load_run_config(None, [f"model={model}", "data.source=unused.jsonl", "rollout.temperature=0.0", "rollout.max_new_tokens=96", *overrides])
+    return RolloutRuntime(cfg, Client(url), AutoTokenizer.from_pretrained(model))
+
+
+def check_turn(case: Case, k: int, content: str, reasoning: str | None, calls: list[dict[str, Any]]) -> None:
+    """A reply parsed into OpenAI fields: the tool call, the reasoning, the content."""
+    want = conversation(case)[TURNS[k]]
+    assert reasoning == want.get("reasoning_content")
+    assert content == want["content"]
+    if k == 0:
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [(case.tool["function"]["name"], case.call_args)]
+    else:
+        assert calls == []
+
+
+async def chat_agent(ctx: RolloutContext, sample: Sample, case: Case) -> Sample:
+    conv = conversation(case)
+    messages = conv[:2]
+    for k, next_messages in enumerate((conv[3:4], conv[5:6], [])):
+        turn = await ctx.chat(messages, tools=case.tools, chat_template_kwargs=case.kwargs)
+        check_turn(case, k, turn.content, turn.reasoning_content, turn.tool_calls)
+        messages = [*messages, turn.message, *next_messages]
+    return sample
+
+
+def run_ctx_chat(model: Path, url: str, case: Case) -> Sample:
+    async def main() -> Sample:
+        runtime = runtime_for(model, url)
+        try:
+            sample = Sample(prompt=conversation(case)[:2], group_id=1)
+            return await chat_agent(RolloutContext(runtime, sample), sample, case)
+        finally:
+            await runtime.close()
+
+    return asyncio.run(main())
+
+
+def run_capture(model: Path, url: str, case: Case, history: str = "exact") -> list[Sample]:
+    """The same conversation from an `openai` SDK agent through the capture endpoint."""
+
+    async def main() -> list[Sample]:
+        fmt = ModelFormat(AutoTokenizer.from_pretrained(model))
+        capture = CaptureServer(url, fmt, default_sampling={"temperature": 0.0, "max_new_tokens": 96}, history=history)
+        await capture.start()
+        try:
+            client = openai.AsyncOpenAI(base_url=capture.session_base_url("s"), api_key="x", max_retries=0, timeout=120)
+            conv = conversation(case)
+            messages: list[Any] = conv[:2]
+            for k, next_messages in enumerate((conv[3:4], conv[5:6], [])):
+                reply = await client.chat.completions.create(model="m", messages=messages, tools=case.tools,
+                                                             extra_body={"chat_template_kwargs": case.kwargs})  # fmt: skip
+                message = reply.choices[0].message
+                calls = [c.model_dump() for c in message.tool_calls or []]
+                check_turn(case, k, message.content, (message.model_extra or {}).get("reasoning_content"), calls)
+                assert reply.choices[0].finish_reason == ("tool_calls" if k == 0 else "stop")
+                messages = [*messages, message, *next_messages]  # the SDK's own message object, as agents do
+            return capture.pop_samples("s", Sample(prompt=conv[:2]))
+        finally:
+            await capture.stop()
+
+    return asyncio.run(main())
+
+
+def hf_render(tok: Any, case: Case, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    """HF's own rendering, arguments in the form the template wants: the independent reference."""
+    if case.args == "object":
+        messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                                         for c in m["tool_calls"]]} if "tool_calls" in m else m for m in messages]  # fmt: skip
+    return tok.apply_chat_template(messages, tools=case.tools, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                   return_dict=False, **case.kwargs)  # fmt: skip
+
+
+def test_ctx_chat_and_capture_record_the_same_exact_ids(served: tuple[str, Path], case: Case) -> None:
+    url, model = served
+    tok = AutoTokenizer.from_pretrained(model)
+    e = expected(ModelFormat(tok), case)
+    sample = run_ctx_chat(model, url, case)
+    sample.check()
+    assert sample.tokens == e.exact and sample.status == SampleStatus.COMPLETED
+    mask = []
+    for turn, env in zip(e.turns, [*e.envs, []]):
+        mask += [1] * len(turn) + [0] * len(env)
+    assert sample.loss_mask == mask and sample.prompt_length == len(e.prompts[0])
+    # HF's rendering: the first prompt always; every later prompt where the template keeps earlier turns.
+    conv = conversation(case)
+    assert e.prompts[0] == hf_render(tok, case, conv[:2], True)
+    for k, at in enumerate(TURNS):
+        if e.prompts[k] == e.chained_context(k):
+            assert sample.tokens[: len(e.prompts[k])] == hf_render(tok, case, conv[:at], True)
+    keeps_history = all(e.prompts[k] == e.chained_context(k) for k in range(3))
+    assert keeps_history == (case.reasoning == (None, None, None))  # only templates that drop reasoning re-render
+
+    (captured,) = run_capture(model, url, case)
+    assert captured.tokens == sample.tokens and captured.loss_mask == sample.loss_mask
+    assert captured.rollout_logprobs == pytest.approx(sample.rollout_logprobs, abs=1e-5)
+
+
+def test_template_history_policy_starts_a_segment_where_the_template_rerenders(served: tuple[str, Path], case: Case) -> None:
+    """`rollout.history=template`: each turn's prompt is the template's rendering; a turn whose
+    rendering does not extend the ids before it starts a new segment."""
+    url, model = served
+    e = expected(ModelFormat(AutoTokenizer.from_pretrained(model)), case)
+    want: list[list[int]] = []
+    for k in range(3):
+        if want and e.prompts[k][: len(want[-1])] == want[-1]:
+            want[-1] = e.prompts[k] + e.turns[k]
+        else:
+            want.append(e.prompts[k] + e.turns[k])
+    samples = run_capture(model, url, case, history="template")
+    assert [s.tokens for s in samples] == want
+    assert len(samples) == (1 if case.reasoning == (None, None, None) else len(want)) and len(want) >= 1
+
+
+def test_engine_chat_completions_parse_tool_calls_and_reasoning(served: tuple[str, Path], case: Case) -> None:
+    url, model = served
+    info = httpx.get(url + "/model_info", timeout=30).json()
+    assert (info["tool_call_parser"], info["reasoning_parser"]) == (case.tool_parser, case.reasoning_parser)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    conv = conversation(case)
+    for k, at in enumerate(TURNS):
+        body = dict(model="m", messages=conv[:at], tools=case.tools, temperature=0, max_tokens=96, extra_body={"chat_template_kwargs": case.kwargs})
+        reply = client.chat.completions.create(**body)
+        message = reply.choices[0].message
+        check_turn(case, k, message.content, (message.model_extra or {}).get("reasoning_content"), [c.model_dump() for c in message.tool_calls or []])
+        assert reply.choices[0].finish_reason == ("tool_calls" if k == 0 else "stop")
+        # Streamed: the deltas add up to the same message.
+        content, reasoning, calls, reasons = "", "", [], []
+        for chunk in client.chat.completions.create(**body, stream=True):
+            for choice in chunk.choices:
+                delta = choice.delta
+                content += delta.content or ""
+                reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+                calls += [c.model_dump() for c in delta.tool_calls or []]
+                reasons += [choice.finish_reason] if choice.finish_reason else []
+        check_turn(case, k, content, reasoning or None, calls)
+        assert reasons == [reply.choices[0].finish_reason]
+        assert [c["index"] for c in calls] == list(range(len(calls)))
