@@ -24,14 +24,15 @@ config `vocab_size` of the family. It is random until `fit` teaches it the exact
 test needs it to produce under greedy decoding.
 
 Tokenizers load with `AutoTokenizer.from_pretrained(dir)` as `PreTrainedTokenizerFast`, which takes
-`tokenizer.json` as written. (transformers 5's `Qwen2Tokenizer` rebuilds the BPE model, normalizer and
-pre-tokenizer from vocab + merges, dropping `ignore_merges`; `LlamaTokenizerFast` would rebuild a
-SentencePiece-style tokenizer. `PreTrainedTokenizerFast` is `TokenizersBackend` in transformers 5
-and is understood by transformers 4 too, which real SGLang/vLLM installs still use.)
+`tokenizer.json` as written. (transformers 5.25's `Qwen2Tokenizer` rebuilds the BPE model, NFC
+normalizer and Qwen2 pre-tokenizer from vocab + merges, dropping `ignore_merges` and any other
+pattern; its `LlamaTokenizer`/`LlamaTokenizerFast` builds a SentencePiece-style Metaspace
+tokenizer. `PreTrainedTokenizerFast` is `TokenizersBackend` in transformers 5 and is understood by
+transformers 4 too, which real SGLang/vLLM installs still use.)
 
 Usage (plain functions, no pytest fixtures):
 
-    d = build_family("qwen3", tmp / "qwen3")        # ~2-4 s for a 150k vocabulary
+    d = build_family("qwen3", tmp / "qwen3")        # ~1-1.5 s; + 1-2 s once per rank file per process
     fit([d, other_qwen_dir], [(ids, mask), ...])    # shared weights, one fitted file, hard-linked
 """
 
@@ -55,7 +56,7 @@ QWEN_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # Llama 3's (meta-llama tokenizer.json; tiktoken's cl100k pattern): digits in runs of up to 3.
-# GLM-4's published tokenizer uses the same pattern.
+# GLM-4's tokenizer uses the same pattern (to our recollection of ChatGLM4Tokenizer; not verified here).
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -586,7 +587,8 @@ def fit(model_dirs: list[Path], sequences: list[tuple[list[int], list[int]]], ma
             model = AutoModelForCausalLM.from_pretrained(dirs[0], dtype=torch.float32)
             if model.config.tie_word_embeddings:
                 raise ValueError("fit needs an untied lm_head (tie_word_embeddings=False)")
-            _train(model, sequences, targets, max_steps)
+            rows, row_targets = _training_rows(sequences, targets)
+            _train(model, rows, row_targets, max_steps)
         _verify(model, sequences, targets)
         # One fitted file, linked into every dir (a real file each, so from_pretrained works).
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
@@ -611,17 +613,37 @@ def fit(model_dirs: list[Path], sequences: list[tuple[list[int], list[int]]], ma
         torch.set_num_threads(threads)
 
 
-def _train(model, sequences, targets: dict[tuple[int, int], int], max_steps: int) -> None:
+def _training_rows(
+    sequences: list[tuple[list[int], list[int]]], targets: dict[tuple[int, int], int]
+) -> tuple[list[list[int]], dict[tuple[int, int], int]]:
+    """What to train on: each sequence cut after its last target (a causal model's later ids do not
+    change earlier predictions), and a sequence that is a prefix of another folded into it (a
+    multi-turn record usually contains the previous turn's). Returns (rows, {(row, pos): target})."""
+    cut: dict[int, int] = {}
+    for s, t in targets:
+        cut[s] = max(cut.get(s, 0), t + 1)
+    seqs = {s: list(sequences[s][0][:n]) for s, n in cut.items()}
+    kept: list[int] = []
+    host: dict[int, int] = {}
+    for s in sorted(seqs, key=lambda q: (-len(seqs[q]), q)):
+        host[s] = next((k for k in kept if seqs[k][: len(seqs[s])] == seqs[s]), s)
+        if host[s] == s:
+            kept.append(s)
+    row_of = {k: r for r, k in enumerate(kept)}
+    return [seqs[k] for k in kept], {(row_of[host[s]], t): i for (s, t), i in targets.items()}
+
+
+def _train(model, rows: list[list[int]], targets: dict[tuple[int, int], int], max_steps: int) -> None:
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     vocab_size = head.shape[0]
-    inputs = sorted({i for ids, _ in sequences for i in ids})
+    inputs = sorted({i for ids in rows for i in ids})
     outs = sorted(set(targets.values()))
     in_index = {t: k for k, t in enumerate(inputs)}
     out_index = {t: k for k, t in enumerate(outs)}
-    n, length = len(sequences), max(len(ids) for ids, _ in sequences)
+    n, length = len(rows), max(len(ids) for ids in rows)
     x = torch.zeros(n, length, dtype=torch.long)  # right padding: causal attention never looks ahead
-    for s, (ids, _) in enumerate(sequences):
+    for s, ids in enumerate(rows):
         x[s, : len(ids)] = torch.tensor([in_index[i] for i in ids])
     rows = torch.tensor([s for s, _ in targets])
     cols = torch.tensor([t - 1 for _, t in targets])  # logits at t-1 predict the id at t

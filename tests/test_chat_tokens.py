@@ -2,7 +2,7 @@
 
 The tiny tokenizers carry a Qwen2.5-style ChatML template; small templates written here cover the
 other shapes (a turn closed by the next turn's opener, arguments concatenated as a string). The
-real templates of each model family are tested in tests/test_model_families.py.
+real templates of each model family are tested in tests/test_family_formats.py.
 """
 
 from __future__ import annotations
