@@ -3,9 +3,9 @@
     slimish train --config C --rollout-fn rollout_plugins.tool_agent:rollout
 
 `ctx.chat` renders the conversation with the chat template (tools included), generates, parses
-Qwen2.5-style `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks and records exact
-tokens: the model's own ids (mask 1, with logprobs) and, between turns, the template's ids of the
-tool results (mask 0). The reward scores the final answer (the model's last turn). The same agent
+the model's tool calls with its family's parser (Qwen, Llama 3, DeepSeek, GLM... see the README's
+model families) and records exact tokens: the model's own ids (mask 1, with logprobs) and, between
+turns, the template's ids of the tool results (mask 0). The reward scores the final answer (the model's last turn). The same agent
 written against the `openai` SDK is `openai_agent.py`, whose calculator this one shares.
 """
 

@@ -49,6 +49,7 @@ class Case:
     reasoning: tuple[str | None, str | None, str | None] = (None, None, None)  # per assistant turn
     args: str = "object"  # the form of tool-call arguments the HF template wants
     tool: dict[str, Any] = field(default_factory=lambda: CALCULATOR)
+    keeps_history: bool = True  # the template renders earlier turns as they were generated
 
     @property
     def tools(self) -> list[dict[str, Any]]:
@@ -62,18 +63,19 @@ class Case:
 THINKING = ("I should use the calculator.", "The tool says 5.", "5 times 4 is 20.")
 CASES = [
     Case("qwen2.5", "qwen2.5", "qwen25", None),
-    Case("qwen3", "qwen3", "qwen25", "qwen3", reasoning=THINKING),
+    Case("qwen3", "qwen3", "qwen25", "qwen3", reasoning=THINKING, keeps_history=False),
     Case("qwen3-coder", "qwen3-coder", "qwen3_coder", None),
     Case("llama3.1", "llama3.1", "llama3", None),
     # A built-in tool: `<|python_tag|>brave_search.call(query="2+3")`, ended by `<|eom_id|>`.
     Case("llama3.1-builtin", "llama3.1", "llama3", None, kwargs={"builtin_tools": ["brave_search"]}, tool=BRAVE_SEARCH),
-    Case("hermes3", "hermes3", "qwen25", None),
-    Case("deepseek-v3", "deepseek-v3", "deepseekv3", None),
+    # Both write a newline after the last tool result that the history rendering does not have.
+    Case("hermes3", "hermes3", "qwen25", None, keeps_history=False),
+    Case("deepseek-v3", "deepseek-v3", "deepseekv3", None, keeps_history=False),
     Case("deepseek-v3.1", "deepseek-v3.1", "deepseekv31", "deepseek-v3", args="string"),
     # Thinking mode: the generation prompt opens `<think>`, except after a tool result.
     Case("deepseek-v3.1-thinking", "deepseek-v3.1", "deepseekv31", "deepseek-v3", kwargs={"thinking": True},
-         reasoning=(THINKING[0], None, THINKING[2]), args="string"),  # fmt: skip
-    Case("glm4.6", "glm4.6", "glm45", "glm45", reasoning=THINKING),
+         reasoning=(THINKING[0], None, THINKING[2]), args="string", keeps_history=False),  # fmt: skip
+    Case("glm4.6", "glm4.6", "glm45", "glm45", reasoning=THINKING, keeps_history=False),
 ]
 CASE_IDS = [c.name for c in CASES]
 
@@ -86,7 +88,7 @@ def conversation(case: Case) -> list[dict[str, Any]]:
 
     call = {"id": "call_1", "type": "function", "function": {"name": case.tool["function"]["name"], "arguments": json.dumps(case.call_args)}}
     return [
-        {"role": "system", "content": "You are a careful assistant."},
+        {"role": "system", "content": f"You are a careful assistant ({case.name})."},  # one context per case
         {"role": "user", "content": "What is 2+3?"},
         {"role": "assistant", "content": "", "tool_calls": [call], **think(0)},
         {"role": "tool", "tool_call_id": "call_1", "content": "5"},
@@ -263,8 +265,7 @@ def test_ctx_chat_and_capture_record_the_same_exact_ids(served: tuple[str, Path]
     for k, at in enumerate(TURNS):
         if e.prompts[k] == e.chained_context(k):
             assert sample.tokens[: len(e.prompts[k])] == hf_render(tok, case, conv[:at], True)
-    keeps_history = all(e.prompts[k] == e.chained_context(k) for k in range(3))
-    assert keeps_history == (case.reasoning == (None, None, None))  # only templates that drop reasoning re-render
+    assert all(e.prompts[k] == e.chained_context(k) for k in range(3)) == case.keeps_history
 
     (captured,) = run_capture(model, url, case)
     assert captured.tokens == sample.tokens and captured.loss_mask == sample.loss_mask
@@ -284,7 +285,7 @@ def test_template_history_policy_starts_a_segment_where_the_template_rerenders(s
             want.append(e.prompts[k] + e.turns[k])
     samples = run_capture(model, url, case, history="template")
     assert [s.tokens for s in samples] == want
-    assert len(samples) == (1 if case.reasoning == (None, None, None) else len(want)) and len(want) >= 1
+    assert (len(samples) == 1) == case.keeps_history
 
 
 def test_engine_chat_completions_parse_tool_calls_and_reasoning(served: tuple[str, Path], case: Case) -> None:
@@ -311,3 +312,118 @@ def test_engine_chat_completions_parse_tool_calls_and_reasoning(served: tuple[st
         check_turn(case, k, content, reasoning or None, calls)
         assert reasons == [reply.choices[0].finish_reason]
         assert [c["index"] for c in calls] == list(range(len(calls)))
+
+
+# ---- single cases ------------------------------------------------------------------------------
+
+
+def test_glm_single_turn_prompt_and_template_kwargs(family_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """GLM's turn has no closing token: a single-turn prompt renders as HF renders it (template
+    kwargs included) and generates; `enable_thinking: false` reaches the template."""
+    model = family_dirs["glm4.6"]
+    tok = AutoTokenizer.from_pretrained(model)
+    question = [{"role": "user", "content": "What is 2+3?"}]
+    with engine_process(model, log_path=tmp_path / "engine.log") as proc:
+
+        async def main() -> tuple[Sample, list[int]]:
+            runtime = runtime_for(model, proc.url, "rollout.max_new_tokens=4", "rollout.chat_template_kwargs={enable_thinking: false}")
+            try:
+                sample = Sample(prompt=question)
+                ctx = RolloutContext(runtime, sample)
+                await ctx.generate_sample()
+                return sample, ctx.prompt_ids(question, {"enable_thinking": True})
+            finally:
+                await runtime.close()
+
+        sample, thinking = asyncio.run(main())
+    no_thinking = tok.apply_chat_template(question, add_generation_prompt=True, tokenize=True, return_dict=False, enable_thinking=False)
+    assert sample.tokens[: sample.prompt_length] == no_thinking and tok.decode(no_thinking).endswith("<|assistant|>\n<think></think>")
+    assert thinking == tok.apply_chat_template(question, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert sample.response_length >= 1 and sample.loss_mask == [1] * sample.response_length
+
+
+def test_glm_sft_targets_end_on_the_next_turns_opener(family_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """SFT on a template without a closing token: the target is the assistant turn as GLM renders
+    it, then `<|user|>` (what GLM stops on); a few SFT steps fit it."""
+    from slimish.trainer.sft import sft_batches
+    from slimish.trainer.torch_backend import TorchTrainer
+
+    model = family_dirs["glm4.6"]
+    tok = AutoTokenizer.from_pretrained(model)
+    answers = {f"What is {a}+{a}?": f"It is {2 * a}." for a in range(4)}
+    demos = tmp_path / "demos.jsonl"
+    demos.write_text("".join(json.dumps({"prompt": q, "response": r}) + "\n" for q, r in answers.items()))
+    cfg = load_run_config(None, [f"model={model}", f"data.source={demos}", "sft.steps=8", "sft.batch_size=4", "sft.lr=1e-2",
+                                 "trainer.cpu_threads=1"])  # fmt: skip
+    batches = list(sft_batches(cfg, tok))
+    user = tok.convert_tokens_to_ids("<|user|>")
+    for s in batches[0]:
+        question = s.prompt[0]["content"]
+        conv = [{"role": "user", "content": question}, {"role": "assistant", "content": answers[question]}]
+        assert s.tokens == tok.apply_chat_template(conv, tokenize=True, return_dict=False) + [user]
+        assert s.prompt_length == len(tok.apply_chat_template(conv[:1], add_generation_prompt=True, tokenize=True, return_dict=False))
+        assert s.loss_mask == [1] * s.response_length
+    trainer = TorchTrainer(cfg)
+    losses = [trainer.sft_step(batch)["sft/loss"] for batch in batches]
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_deepseek_v31_history_with_tool_calls_renders_as_hf(family_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """The template concatenates `arguments` as a string: the engine renders an OpenAI history
+    (arguments a JSON string, as the SDK sends it, spacing kept) exactly as HF renders it."""
+    model = family_dirs["deepseek-v3.1"]
+    tok = AutoTokenizer.from_pretrained(model)
+    case = next(c for c in CASES if c.name == "deepseek-v3.1")
+    history = conversation(case)[:6]
+    history[2]["tool_calls"][0]["function"]["arguments"] = '{"expression":"2+3"}'  # compact, as some agents write it
+    want = tok.apply_chat_template(history, tools=case.tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert '<｜tool▁sep｜>{"expression":"2+3"}<｜tool▁call▁end｜>' in tok.decode(want)
+    with engine_process(model, log_path=tmp_path / "engine.log") as proc:
+        r = httpx.post(proc.url + "/v1/chat/completions", timeout=60,
+                       json={"messages": history, "tools": case.tools, "max_tokens": 1, "return_prompt_token_ids": True})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["prompt_token_ids"] == want
+
+
+@pytest.mark.parametrize("family, end", [("qwen2.5", "<|endoftext|>"), ("llama3.1", "<|eom_id|>")])
+def test_a_secondary_end_token_is_recorded_alike_by_ctx_chat_and_capture(family_dirs: dict[str, Path], tmp_path: Path,
+                                                                        family: str, end: str) -> None:  # fmt: skip
+    """A turn that ends on an end token other than the template's close (forced by a bias after 2
+    tokens): both paths keep the model's token and do not add the template's close after it."""
+    model = family_dirs[family]
+    tok = AutoTokenizer.from_pretrained(model)
+    end_id = tok.convert_tokens_to_ids(end)
+    first = {"max_new_tokens": 8, "min_new_tokens": 2, "logit_bias": {str(end_id): 100.0}}
+    opening = [{"role": "user", "content": "Say something."}]
+    follow_up = {"role": "user", "content": "Again."}
+    with engine_process(model, log_path=tmp_path / "engine.log") as proc:
+
+        async def via_ctx() -> Sample:
+            runtime = runtime_for(model, proc.url, "rollout.max_new_tokens=3")
+            try:
+                sample = Sample(prompt=opening)
+                ctx = RolloutContext(runtime, sample)
+                turn = await ctx.chat(opening, sampling_params=first)
+                await ctx.chat([*opening, turn.message, follow_up])
+                return sample
+            finally:
+                await runtime.close()
+
+        async def via_capture() -> list[Sample]:
+            capture = CaptureServer(proc.url, ModelFormat(tok), default_sampling={"temperature": 0.0, "max_new_tokens": 3})
+            await capture.start()
+            try:
+                client = openai.AsyncOpenAI(base_url=capture.session_base_url("s"), api_key="x", max_retries=0, timeout=60)
+                reply = await client.chat.completions.create(model="m", messages=opening, max_tokens=8, logit_bias={str(end_id): 100},
+                                                             extra_body={"min_tokens": 2})  # fmt: skip
+                await client.chat.completions.create(model="m", messages=[*opening, reply.choices[0].message, follow_up])
+                return capture.pop_samples("s", Sample(prompt=opening))
+            finally:
+                await capture.stop()
+
+        sample, (captured,) = asyncio.run(via_ctx()), asyncio.run(via_capture())
+    first_turn = sample.response_ids[:3]
+    assert first_turn[-1] == end_id and sample.loss_mask[:3] == [1, 1, 1]
+    close = ModelFormat(tok).chat().close_id
+    assert sample.response_ids[3] != close  # no close the template would not render after the model's own end token
+    assert (captured.tokens, captured.loss_mask) == (sample.tokens, sample.loss_mask)

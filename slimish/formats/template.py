@@ -7,7 +7,8 @@ Messages arrive in OpenAI's shape and are normalised as SGLang does before the t
 null fields dropped, text parts joined. Tool-call `arguments` are the one field templates disagree
 on: OpenAI sends a JSON string, Qwen2.5, Llama 3 and GLM iterate or `tojson` an object, while
 DeepSeek-V3.1 concatenates a string (an object there is a TypeError). Which form a template wants
-is found once, by rendering a probe call both ways (`_arguments_form`), not by a table of names.
+is found once, by rendering a probe call both ways (`_arguments_form`), not by a table of names;
+a string the caller sent is passed as it came, so a history renders exactly as HF renders it.
 """
 
 from __future__ import annotations
@@ -109,28 +110,21 @@ class ChatTemplate:
         return list(ids)
 
     def _arguments_form(self) -> str:
-        """"object" or "string": the form of `arguments` this template writes as JSON. Probed with
-        two calls, then one (Llama 3.1 refuses two); "object" where both forms render alike."""
-        for n in (2, 1):
-            rendered = {form: self._probe(form, n) for form in ("object", "string")}
-            if rendered["object"] is None and rendered["string"] is None:
-                continue
-            if rendered["object"] is None:
-                return "string"
-            if rendered["string"] is None:
-                return "object"
-            double_encoded = json.dumps(json.dumps(_PROBE_ARGS))[1:-1]  # {\"x\": \"probe\"}
-            python_repr = str(_PROBE_ARGS)  # {'x': 'probe'}
-            if double_encoded in rendered["string"] or python_repr not in rendered["object"]:
-                return "object"
+        """"object" or "string": the form of `arguments` this template writes as JSON, probed on
+        one call; "object" where both forms render alike or the template has no tool calls."""
+        rendered = {form: self._probe(form) for form in ("object", "string")}
+        if rendered["object"] is None and rendered["string"] is not None:
             return "string"
-        return "object"  # a template without tool calls: the form never matters
+        if rendered["object"] is None or rendered["string"] is None:
+            return "object"
+        double_encoded = json.dumps(json.dumps(_PROBE_ARGS))[1:-1]  # {\"x\": \"probe\"}
+        python_repr = str(_PROBE_ARGS)  # {'x': 'probe'}
+        return "string" if double_encoded not in rendered["string"] and python_repr in rendered["object"] else "object"
 
-    def _probe(self, form: str, n: int) -> str | None:
+    def _probe(self, form: str) -> str | None:
         call = {"id": "c", "type": "function", "function": {"name": "probe_fn", "arguments": _PROBE_ARGS}}
-        messages = [{"role": "user", "content": "q"},
-                    {"role": "assistant", "content": "", "tool_calls": [_arguments_as(call, form, 1)] * n},
-                    *[{"role": "tool", "tool_call_id": "c", "content": "r"}] * n]  # fmt: skip
+        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [_arguments_as(call, form, 1)]},
+                    {"role": "tool", "tool_call_id": "c", "content": "r"}]  # fmt: skip
         try:
             return self.tokenizer.apply_chat_template(messages, tools=[_PROBE_TOOL], tokenize=False)
         except Exception:

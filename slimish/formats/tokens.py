@@ -90,16 +90,27 @@ class ChatTokens:
         including the token that ends the turn: the template's close, or, where the next turn's
         opener closes it, the opener of `following` (default: a user turn). A demonstration's
         target for SFT; what a model that follows the template generates."""
-        prompt = self.render(history, add_generation_prompt=True)
-        full = self.render([*history, message], add_generation_prompt=False)
-        if full[: len(prompt)] != prompt:
-            raise TemplateError("messages: the template renders the assistant turn differently from its generation prompt; "
-                                "the demonstration cannot be token-exact")  # fmt: skip
-        turn = full[len(prompt) :]
+        turn = self._turn(history, message)
         if self.close_id is None:
             return turn + self._after_assistant([following or _DUMMY_USER], add_generation_prompt=True)[:1]
         ends = [i for i, t in enumerate(turn) if t == self.close_id or t in self.end_ids]  # Llama's <|eom_id|> too
         return turn[: ends[0] + 1] if ends else turn + [self.close_id]
+
+    def _turn(self, history: list[dict[str, Any]], message: dict[str, Any]) -> list[int]:
+        """What the template renders for `message` after its generation prompt. Some templates
+        render the history before it differently once it is no longer last (Hermes 3 adds a
+        newline after the last tool result, SGLang's DeepSeek-V3 one after the tool outputs,
+        DeepSeek-V3.1 writes `</think>` where its thinking prompt wrote `<think>`): then the turn
+        starts after the last occurrence of the generation prompt, or where the two diverge."""
+        prompt = self.render(history, add_generation_prompt=True)
+        full = self.render([*history, message], add_generation_prompt=False)
+        if full[: len(prompt)] == prompt:
+            return full[len(prompt) :]
+        base = self.render(history, add_generation_prompt=False)
+        common = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
+        opener = prompt[len(base) :] if prompt[: len(base)] == base else []
+        starts = [i for i in range(len(full) - len(opener), common - 1, -1) if opener and full[i : i + len(opener)] == opener]
+        return full[starts[0] + len(opener) :] if starts else full[common:]
 
     def _after_assistant(self, new_messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         """What the template renders after a dummy assistant turn's content: the common suffix."""
