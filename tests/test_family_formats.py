@@ -231,7 +231,11 @@ def run_capture(model: Path, url: str, case: Case, history: str = "exact") -> li
                 calls = [c.model_dump() for c in message.tool_calls or []]
                 check_turn(case, k, message.content, (message.model_extra or {}).get("reasoning_content"), calls)
                 assert reply.choices[0].finish_reason == ("tool_calls" if k == 0 else "stop")
-                messages = [*messages, message, *next_messages]  # the SDK's own message object, as agents do
+                # The SDK's own message object, as agents do; then a plain dict with reasoning_content,
+                # the standard way to pass reasoning back: both continue the same sample.
+                echoed = message if k == 0 else message.model_dump(exclude_none=True)
+                assert k == 0 or ("reasoning_content" in echoed) == (case.reasoning[k] is not None)
+                messages = [*messages, echoed, *next_messages]
             return capture.pop_samples("s", Sample(prompt=conv[:2]))
         finally:
             await capture.stop()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from slimish.formats.tool_parsers import marker_tail
+from slimish.formats.tool_parsers import by_name, marker_tail
 
 
 class ReasoningParser:
@@ -163,9 +163,7 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {name: cls for cls in PARS
 
 def reasoning_parser(name: str) -> ReasoningParser:
     """The parser SGLang's `--reasoning-parser NAME` selects."""
-    if name not in REASONING_PARSERS:
-        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}")
-    return REASONING_PARSERS[name]()
+    return by_name("reasoning parser", REASONING_PARSERS, name)
 
 
 def detect_reasoning_parser(chat_template: str) -> str | None:

@@ -22,8 +22,9 @@ import re
 import uuid
 import warnings
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
+T = TypeVar("T")
 Call = tuple[Any, Any]  # (name, arguments) as a format reads them; checked before they become a call
 # What a format's reading raises on a body that is not a call (json, ast, and plain checks).
 NOT_A_CALL = (ValueError, TypeError, KeyError, SyntaxError, RecursionError, MemoryError)
@@ -279,17 +280,22 @@ class Glm45Parser(ToolCallParser):
 
 
 class _Sectioned(ToolCallParser):
-    """A section (`open` ... `close`) of calls, each `item_open` ... `item_close` (DeepSeek, Kimi)."""
+    """A section (`open` ... `close`) of calls, each `item_open` ... `item_close` (DeepSeek, Kimi);
+    `ITEM` reads one call's text into its name (group 1) and JSON arguments (group 2)."""
 
     item_open: ClassVar[str]
     item_close: ClassVar[str]
+    ITEM: ClassVar[re.Pattern[str]]
 
     def _calls(self, body: str, tools: dict[str, dict]) -> list[Call]:
         item = re.compile(re.escape(self.item_open) + "(.*?)" + re.escape(self.item_close), re.DOTALL)
         return [self._item(text) for (text,) in _sequence(item, body)]
 
     def _item(self, text: str) -> Call:
-        raise NotImplementedError
+        m = self.ITEM.fullmatch(text)
+        if m is None:
+            raise ValueError(f"not a {type(self).__name__} call")
+        return m.group(1).strip(), json.loads(m.group(2))
 
 
 class DeepSeekV3Parser(_Sectioned):
@@ -301,26 +307,12 @@ class DeepSeekV3Parser(_Sectioned):
     item_open, item_close = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
     ITEM = re.compile(r"\s*function<｜tool▁sep｜>([^\n]+)\n```json\n(.*)\n```\s*", re.DOTALL)
 
-    def _item(self, text: str) -> Call:
-        m = self.ITEM.fullmatch(text)
-        if m is None:
-            raise ValueError("not a DeepSeek-V3 call")
-        return m.group(1).strip(), json.loads(m.group(2))
 
-
-class DeepSeekV31Parser(_Sectioned):
-    """DeepSeek-V3.1: `<｜tool▁calls▁begin｜>`, then per call
-    `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`, then `<｜tool▁calls▁end｜>`."""
+class DeepSeekV31Parser(DeepSeekV3Parser):
+    """DeepSeek-V3.1: V3's markers, each call `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`."""
 
     names = ("deepseekv31",)
-    open, close = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-    item_open, item_close = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
-
-    def _item(self, text: str) -> Call:
-        name, sep, args = text.partition("<｜tool▁sep｜>")
-        if not sep:
-            raise ValueError("no <｜tool▁sep｜>")
-        return name.strip(), json.loads(args)
+    ITEM = re.compile(r"(.*?)<｜tool▁sep｜>(.*)", re.DOTALL)
 
 
 class KimiK2Parser(_Sectioned):
@@ -331,12 +323,6 @@ class KimiK2Parser(_Sectioned):
     open, close = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
     item_open, item_close = "<|tool_call_begin|>", "<|tool_call_end|>"
     ITEM = re.compile(r"\s*(?:functions\.)?(.+?):\d+\s*<\|tool_call_argument_begin\|>(.*)", re.DOTALL)
-
-    def _item(self, text: str) -> Call:
-        m = self.ITEM.fullmatch(text)
-        if m is None:
-            raise ValueError("not a Kimi-K2 call")
-        return m.group(1), json.loads(m.group(2))
 
 
 class MistralParser(ToolCallParser):
@@ -436,11 +422,16 @@ PARSER_CLASSES: tuple[type[ToolCallParser], ...] = (
 TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {name: cls for cls in PARSER_CLASSES for name in cls.names}
 
 
+def by_name(kind: str, registry: dict[str, type[T]], name: str) -> T:
+    """A new parser of the class `registry` holds under SGLang's name `name`."""
+    if name not in registry:
+        raise ValueError(f"unknown {kind} {name!r}; known: {', '.join(sorted(registry))}")
+    return registry[name]()
+
+
 def tool_call_parser(name: str) -> ToolCallParser:
     """The parser SGLang's `--tool-call-parser NAME` selects."""
-    if name not in TOOL_CALL_PARSERS:
-        raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(sorted(TOOL_CALL_PARSERS))}")
-    return TOOL_CALL_PARSERS[name]()
+    return by_name("tool-call parser", TOOL_CALL_PARSERS, name)
 
 
 # Most specific first: Qwen3-Coder's and GLM's templates also write `<tool_call>`.
