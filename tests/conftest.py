@@ -22,6 +22,8 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+from family_cases import family_dirs  # noqa: E402,F401  (the fitted model-family models, session-scoped)
+
 
 def _build(factory: pytest.TempPathFactory, arch: str, seed: int) -> Path:
     from slimish.tiny_model import make_tiny_model

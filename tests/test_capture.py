@@ -103,32 +103,39 @@ def test_three_turn_tool_session_is_one_exact_sample(engine, router, tok):
     assert s.loss_mask == mask and s.rollout_logprobs == logprobs
     assert s.status == SampleStatus.TRUNCATED and s.weight_versions == ["default"]
     assert (s.prompt, s.label, s.group_id, s.index, s.metadata["task"]) == (OPENING, "20", 7, 2, "calc")
-    assert s.metadata["capture"] == {"session": "s1", "segment": 0, "turns": 3}
+    assert s.metadata["capture"] == {"session": "s1", "segments": 1, "realignments": 0, "segment": 0, "branch": 0, "turns": 3,
+                                     "how": ["start", "continue", "continue"]}
 
 
 THREE = {"temperature": 0, "max_tokens": 3, "extra_body": {"ignore_eos": True}}
 
 
-def test_drifted_history_splits_into_two_samples(engine, router, tok):
+def test_an_edited_reply_realigns_and_a_rewritten_history_forks(engine, router, tok):
+    """A reply sent back with a few ids changed (here: text appended) realigns: the model's ids
+    stay trained, the edit is the environment's (mask 0). A history replaced by a summary (what
+    context compaction does) starts a new segment, rendered by the template."""
+
     async def agent(capture: CaptureServer) -> list[Sample]:
         client, messages = sdk(capture, "s2"), list(OPENING)
-        first = await client.chat.completions.create(model="m", messages=messages, **THREE)
-        # The agent rewrites what the model said: its tokens no longer prefix the conversation.
-        messages += [{"role": "assistant", "content": first.choices[0].message.content + " (edited)"}, {"role": "user", "content": "go on"}]
-        second = await client.chat.completions.create(model="m", messages=messages, **THREE)
-        messages += [second.choices[0].message, {"role": "user", "content": "more"}]
+        first = await client.chat.completions.create(model="m", messages=messages, **{**THREE, "extra_body": {"ignore_eos": True, "return_token_ids": True}})
+        messages += [{"role": "assistant", "content": first.choices[0].message.content + " (ok)"}, {"role": "user", "content": "go on"}]
         await client.chat.completions.create(model="m", messages=messages, **THREE)
+        compacted = [OPENING[0], {"role": "user", "content": "Summary: we talked. Go on."}]
+        await client.chat.completions.create(model="m", messages=compacted, **THREE)
         assert capture.pop_samples("never-used", TEMPLATE) == []
-        return capture.pop_samples("s2", TEMPLATE), messages
+        return capture.pop_samples("s2", TEMPLATE), messages, compacted, first.choices[0].model_dump()["response_token_ids"]
 
-    (samples, messages) = with_capture(router, tok, agent)
-    assert [s.metadata["capture"]["turns"] for s in samples] == [1, 2]
+    samples, messages, compacted, first_ids = with_capture(router, tok, agent)
     chat = ModelFormat(tok).chat()
-    assert samples[0].prompt_length == len(chat.prompt_ids(OPENING))
-    assert samples[1].tokens[: samples[1].prompt_length] == chat.prompt_ids(messages[:4])  # re-rendered by the template
-    for s in samples:
-        assert s.loss_mask.count(1) == 3 * s.metadata["capture"]["turns"]
-    assert samples[1].loss_mask == [1] * 3 + [0] * (len(samples[1].loss_mask) - 6) + [1] * 3
+    assert [s.metadata["capture"]["how"] for s in samples] == [["start", "realign"], ["fork"]]
+    assert [s.metadata["capture"]["segment"] for s in samples] == [0, 1] and samples[0].metadata["capture"]["realignments"] == 1
+    realigned, forked = samples
+    assert realigned.tokens == chat.prompt_ids(messages) + realigned.response_ids[-3:]  # the context is the template's, edit included
+    keep = realigned.loss_mask.index(0)  # the model's ids up to where the edited reply's tokens differ (BPE may merge across)
+    assert 1 <= keep <= 3 and realigned.loss_mask == [1] * keep + [0] * (realigned.response_length - 3 - keep) + [1] * 3
+    assert realigned.response_ids[:keep] == first_ids[:keep]
+    assert realigned.response_ids[-3:] == direct(engine, realigned.tokens[:-3], {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True})[0]
+    assert forked.tokens[: forked.prompt_length] == chat.prompt_ids(compacted) and forked.loss_mask == [1] * 3
 
 
 def test_default_sampling_and_explicit_overrides(engine, router, tok):
@@ -151,7 +158,6 @@ def test_default_sampling_and_explicit_overrides(engine, router, tok):
         ({"messages": []}, "messages"),
         ({"messages": [{"content": "hi"}]}, "messages.0.role"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
-        ({"messages": [{"role": "user", "content": "hi"}], "stream": True}, "stream"),
         ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_k": 0}, "top_k"),
     ],
@@ -214,9 +220,9 @@ def test_openai_agent_plugin_yields_exact_samples(engine, router, tok, tiny_mode
     assert calculator("(2+3)*4") == "20" and calculator("7/2") == "3.5" and calculator("__import__('os')").startswith("error")
 
 
-def test_parallel_requests_on_one_turn_do_not_chain_onto_each_other(engine, router, tok):
-    """Two branches continuing the same turn at once: one extends the segment, the other cannot
-    (its context lacks the first's output) and becomes a segment of its own."""
+def test_parallel_requests_on_one_turn_branch_and_share_it_once(engine, router, tok):
+    """Two requests continuing the same turn at once are two branches of it: each sample holds the
+    shared turn, trained (mask 1) in the first only."""
 
     async def agent(capture: CaptureServer) -> list[Sample]:
         client = sdk(capture, "s4")
@@ -227,7 +233,9 @@ def test_parallel_requests_on_one_turn_do_not_chain_onto_each_other(engine, rout
         return capture.pop_samples("s4", TEMPLATE)
 
     samples = with_capture(router, tok, agent)
-    assert sorted(s.metadata["capture"]["turns"] for s in samples) == [1, 2]
+    assert [s.metadata["capture"]["turns"] for s in samples] == [2, 2] and [s.metadata["capture"]["branch"] for s in samples] == [0, 1]
+    assert samples[0].tokens[: samples[0].prompt_length + 3] == samples[1].tokens[: samples[1].prompt_length + 3]
+    assert samples[0].loss_mask[:3] == [1, 1, 1] and samples[1].loss_mask[:3] == [0, 0, 0]
     greedy = {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True}
     for s in samples:
         assert s.response_ids[-3:] == direct(engine, s.tokens[:-3], greedy)[0] and s.loss_mask[-3:] == [1, 1, 1]

@@ -1,0 +1,7 @@
+"""Placeholder: being written."""
+
+from fastapi import APIRouter
+
+
+def router(capture) -> APIRouter:
+    return APIRouter()
