@@ -302,6 +302,10 @@ class RolloutConfig:
     # template: each turn's prompt is the template's rendering of the conversation; a turn whose
     #   rendering does not extend the ids before it starts a new segment (a separate sample).
     history: str = "exact"
+    # The gateway realigns a reply an agent sent back changed (reformatted, trimmed) when its
+    # rendering differs from the model's ids in at most this many of them (those are then the
+    # environment's, mask 0); a larger change starts a new segment.
+    realign_tokens: int = 8
     # Evaluation on held-out prompts.
     eval_n_prompts: int = 64
     eval_n_samples_per_prompt: int = 1
@@ -334,7 +338,8 @@ class BufferConfig:
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")
 LOSSES = ("ppo", "gspo")
-LOSS_REDUCTIONS = ("token", "sample", "dr_grpo")
+LOSS_REDUCTIONS = ("token", "sample", "trajectory", "dr_grpo")
+SEGMENT_CREDITS = ("broadcast", "split", "last")  # or module:function
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -349,8 +354,14 @@ class AlgorithmConfig:
     eps_clip_high: float | None = None  # DAPO clip-higher (e.g. 0.28); None: eps_clip
     dual_clip_c: float | None = None  # dual clip for negative advantages (e.g. 3.0); must be > 1
     # token: sum / trained tokens of the batch | sample: mean of per-sample means |
+    # trajectory: mean of per-trajectory means (its segments and fan-out siblings pooled) |
     # dr_grpo: sum / (samples x rollout.max_new_tokens)
     loss_reduction: str = "token"
+    # How a trajectory's advantage reaches its samples (segments of a split conversation, fan-out
+    # siblings): broadcast (each gets it), split (divided by their number), last (the last one
+    # only), or module:function, `fn(samples: list[Sample]) -> list[float]`, each one's share.
+    # Advantages are computed over trajectories: each counts once in its group's baseline.
+    segment_credit: str = "broadcast"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"  # k1 | k2 | k3
     kl_in_reward: bool = False  # subtract kl_coef * KL from the reward instead of a loss term
@@ -366,6 +377,9 @@ class AlgorithmConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"algorithm.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.segment_credit not in SEGMENT_CREDITS and ":" not in self.segment_credit:
+            raise ValueError(f"algorithm.segment_credit must be one of {', '.join(SEGMENT_CREDITS)} or module:function, "
+                             f"got {self.segment_credit!r}")  # fmt: skip
         if not 0 < self.eps_clip < 1:
             raise ValueError(f"algorithm.eps_clip must be in (0, 1), got {self.eps_clip}")
         if self.eps_clip_high is not None and self.eps_clip_high <= 0:

@@ -20,7 +20,11 @@ class SampleStatus(str, Enum):
     COMPLETED = "completed"  # the model stopped on its own (EOS or a stop string)
     TRUNCATED = "truncated"  # hit max_new_tokens or the context length
     ABORTED = "aborted"  # cut off at the end of a rollout step
-    FAILED = "failed"  # the rollout or reward function raised; `error` says why
+    FAILED = "failed"  # the rollout or reward function raised; `error` says why: its group is dropped
+    # The environment failed, not the policy (a harness that crashed, ran out of time or lost its
+    # sandbox): the trajectory is left out of the loss and of its group's baseline, not scored 0;
+    # the rest of its group trains. `error` says why.
+    INFRA_FAILED = "infra_failed"
 
 
 def status_of(finish_reason: str) -> SampleStatus:
@@ -57,6 +61,10 @@ class Sample:
     token_versions: list[int] = field(default_factory=list)
     group_id: int = 0  # the prompt's position in the data stream: unique per prompt taken
     index: int = 0  # position within its group
+    # The trajectory it belongs to: the segments and branches of one capture session, and every
+    # sample one rollout call returned, share it (set by the manager where the rollout fn did
+    # not). A trajectory counts once in its group's baseline, however many samples it has.
+    trajectory_id: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # why it failed
 
@@ -140,8 +148,8 @@ class Sample:
                 raise ValueError(f"{where}: {name} has {len(getattr(self, name))} entries, response_length is {self.response_length}")
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError(f"{where}: loss_mask must hold only 0 and 1")
-        if self.status == SampleStatus.FAILED and not self.error:
-            raise ValueError(f"{where}: status failed needs an error")
+        if self.status in (SampleStatus.FAILED, SampleStatus.INFRA_FAILED) and not self.error:
+            raise ValueError(f"{where}: status {self.status.value} needs an error")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

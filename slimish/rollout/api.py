@@ -76,8 +76,9 @@ class RolloutRuntime:
     async def get_capture(self) -> CaptureServer:
         async with self._capture_lock:
             if self.capture is None:
+                r = self.cfg.rollout
                 capture = CaptureServer(self.client.base_url, self.format, self.cfg.launch.api_key, self.sampling_params,
-                                        self.cfg.rollout.chat_template_kwargs, self.cfg.rollout.history)  # fmt: skip
+                                        r.chat_template_kwargs, r.history, r.realign_tokens)  # fmt: skip
                 await capture.start()
                 self.capture = capture
         return self.capture
@@ -206,21 +207,42 @@ class RolloutContext:
         """Environment tokens (tool output, user turns): in context, mask 0."""
         self._need_sample("append_env").append_env(list(ids))
 
-    # ---- OpenAI-SDK agents ------------------------------------------------------------------
+    # ---- agents on the gateway (OpenAI / Anthropic SDKs, black-box harnesses) ---------------
 
     async def openai_base_url(self) -> str:
-        """`base_url` for `openai.AsyncOpenAI`: every chat call through it is captured for this sample."""
-        sample = self._need_sample("openai_base_url")
+        """`base_url` for `openai.AsyncOpenAI` (Chat Completions and Responses): every call
+        through it is captured for this sample."""
+        gateway, session = await self._gateway()
+        return gateway.session_base_url(session)
+
+    async def anthropic_base_url(self) -> str:
+        """`base_url` for `anthropic.AsyncAnthropic` (Messages): captured for this sample."""
+        gateway, session = await self._gateway()
+        return gateway.session_url(session)
+
+    async def agent_env(self) -> dict[str, str]:
+        """Environment variables that point an unmodified agent program at this sample's session:
+        `OPENAI_BASE_URL` / `ANTHROPIC_BASE_URL` name the gateway, the API keys name the session
+        (many harnesses take nothing but a base URL and a key from the environment)."""
+        from slimish.rollout.harness import gateway_env
+
+        gateway, session = await self._gateway()
+        return gateway_env(gateway.url, session)
+
+    async def _gateway(self) -> tuple[CaptureServer, str]:
+        """The rollout process's gateway, started on first use, and this sample's session on it."""
+        sample = self._need_sample("the gateway")
         capture = await self.runtime.get_capture()
         if self._session is None:
             self._session = f"{sample.group_id}-{sample.index}-{uuid.uuid4().hex[:12]}"
-        return capture.session_base_url(self._session)
+        return capture, self._session
 
     def captured_samples(self) -> list[Sample]:
         """The exact-token samples of this context's OpenAI session (one per template segment)."""
         sample = self._need_sample("captured_samples")
         if self._session is None or self.runtime.capture is None:
-            raise ValueError("ctx.captured_samples: no OpenAI session; call `await ctx.openai_base_url()` and use it first")
+            raise ValueError("ctx.captured_samples: no gateway session; call `await ctx.openai_base_url()` (or "
+                             "anthropic_base_url, agent_env) and use it first")  # fmt: skip
         return self.runtime.capture.pop_samples(self._session, sample)
 
     def release(self) -> None:

@@ -12,6 +12,8 @@ Kinds and the shapes they must have:
   `slimish.rollout.rewards`, is what marks it: a group reward sees the whole finished group)
 - filter:  `def fn(group) -> str | None` (or `async def`): None keeps the group, a string is
   the reason it is dropped
+- credit:  `def fn(samples) -> list[float]` (`algorithm.segment_credit`): each sample's share
+  of its trajectory's advantage
 """
 
 from __future__ import annotations
@@ -41,13 +43,14 @@ KINDS: dict[str, tuple[str, tuple[str, ...], bool]] = {
     "reward": ("--reward-fn", ("ctx", "sample"), True),
     "group_reward": ("--reward-fn", ("ctx", "samples"), True),
     "filter": ("--filter-fn", ("group",), False),
+    "credit": ("algorithm.segment_credit", ("samples",), False),
 }
 
 
 def load_function(spec: str, kind: str) -> Callable[..., Any]:
-    """The function `spec` names, checked for `kind` ("rollout", "reward" or "filter")."""
-    if kind not in ("rollout", "reward", "filter"):
-        raise ValueError(f"kind must be rollout, reward or filter, got {kind!r}")
+    """The function `spec` names, checked for `kind` ("rollout", "reward", "filter" or "credit")."""
+    if kind not in ("rollout", "reward", "filter", "credit"):
+        raise ValueError(f"kind must be rollout, reward, filter or credit, got {kind!r}")
     flag = KINDS[kind][0]
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name.isidentifier():

@@ -51,7 +51,8 @@ from slimish.types import Sample, SampleStatus
 FINISHED = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
 COUNTERS = (
     "prompts_taken", "groups_kept", "groups_filtered", "groups_failed", "requeued",
-    "completed", "truncated", "aborted", "failed", "filtered", "partial_resumed", "partial_stale", "forked_segments",
+    "completed", "truncated", "aborted", "failed", "filtered", "partial_resumed", "partial_stale",
+    "infra_failed", "forks", "realignments",
 )  # fmt: skip
 ABORT_RETRY_S = 1.0  # while leftovers are still running, the abort is re-sent this often (late arrivals)
 
@@ -227,7 +228,11 @@ class RolloutManager:
         self._inflight[prompt.group_id] = prompt
         try:  # every await is in here: a cancelled group is requeued, so its prompt is not lost
             results = await asyncio.gather(*(self._run_sample(s, abort) for s in samples))
-            group = [s for out, _ in results for s in out]
+            group = self._without_infra_failed([s for out, _ in results for s in out])
+            if not group:  # every trajectory's environment failed: nothing to learn from this prompt
+                self.filter_reasons["infra_failed"] += 1
+                self.counters["groups_filtered"] += 1
+                return False
             if not any(s.status == SampleStatus.FAILED for s in group):
                 if any(s.status in (SampleStatus.ABORTED, SampleStatus.PENDING) for s in group):
                     self._leftover(prompt, results)
@@ -265,6 +270,18 @@ class RolloutManager:
         return Sample(prompt=copy.deepcopy(row["prompt"]), label=row["label"], group_id=prompt.group_id, index=index,
                       metadata=copy.deepcopy(row["metadata"]))  # fmt: skip
 
+    def _without_infra_failed(self, group: list[Sample]) -> list[Sample]:
+        """The group without the trajectories whose environment failed (`infra_failed`): they say
+        nothing about the policy, so they are neither trained nor part of the baseline."""
+        broken = {s.trajectory_id for s in group if s.status == SampleStatus.INFRA_FAILED}
+        if not broken:
+            return group
+        self.counters["infra_failed"] += len(broken)
+        self._step["errors"].extend(f"{s.group_id}/{s.index} infra: {s.error}" for s in group if s.status == SampleStatus.INFRA_FAILED)
+        if self.on_group is not None:  # kept in the record, marked
+            self.on_group([s for s in group if s.trajectory_id in broken], "infra_failed")
+        return [s for s in group if s.trajectory_id not in broken]
+
     async def _run_sample(self, sample: Sample, abort: asyncio.Event | None,
                           sampling_params: dict[str, Any] | None = None) -> tuple[list[Sample], bool]:  # fmt: skip
         """The rollout function on one sample: (the samples it returned, whether they can be resumed)."""
@@ -281,6 +298,7 @@ class RolloutManager:
                 if not isinstance(returned, list) or not returned or not all(isinstance(s, Sample) for s in returned):
                     raise TypeError(f"the rollout fn returned {_describe_value(out)}; expected a Sample or a non-empty list of Samples")
                 for s in returned:
+                    s.trajectory_id = s.trajectory_id or f"{sample.group_id}-{sample.index}"  # what one call returned
                     if s.status == SampleStatus.PENDING:
                         raise ValueError(f"sample {s.group_id}/{s.index} came back pending: append model tokens with "
                                          "ctx.generate_sample / ctx.chat / ctx.append_model (they set the status)")  # fmt: skip
@@ -319,20 +337,27 @@ class RolloutManager:
         for s in group:
             if s.status.value in self.counters:
                 self.counters[s.status.value] += 1
-            capture = s.metadata.get("capture")
-            self.counters["forked_segments"] += isinstance(capture, dict) and capture.get("segment", 0) > 0  # a captured session split
             if dropped is not None:
                 s.metadata["dropped"] = dropped
+        for samples in trajectories(group).values():  # a captured session's forks and realignments, once per trajectory
+            capture = samples[0].metadata.get("capture")
+            if isinstance(capture, dict):
+                self.counters["forks"] += max(0, int(capture.get("segments", 1)) - 1)
+                self.counters["realignments"] += int(capture.get("realignments", 0))
         if outcome == "groups_failed":
             self._step["errors"].extend(f"{s.group_id}/{s.index}: {s.error}" for s in group if s.error)
         if self.on_group is not None:
             self.on_group(group, dropped)
 
     async def _score(self, group: list[Sample]) -> None:
-        """Rewards for a finished group; a reward fn that raises or returns junk fails the sample."""
+        """Rewards for a finished group, one per trajectory: a reward fn scores each trajectory's
+        last sample (where its answer is), or the rollout fn set it there; every sample of the
+        trajectory then carries it. A reward fn that raises or returns junk fails the sample."""
         key = self.cfg.reward_key
+        by_trajectory = trajectories(group)
+        lasts = [samples[-1] for samples in by_trajectory.values()]
         if self.reward_fn is None:
-            for s in group:
+            for s in lasts:
                 if s.reward is None:
                     _fail(s, "no reward: the rollout fn set none and rollout.reward_fn is not set")
         elif is_group_reward(self.reward_fn):
@@ -353,13 +378,19 @@ class RolloutManager:
                 except Exception as exc:
                     _fail(s, f"reward fn: {_describe(exc)}")
 
-            await asyncio.gather(*(one(s) for s in group))
-        for s in group:
-            if s.status != SampleStatus.FAILED:
+            await asyncio.gather(*(one(s) for s in lasts))
+        for samples in by_trajectory.values():
+            last = samples[-1]
+            if last.status != SampleStatus.FAILED:
                 try:
-                    s.reward_value(key)
+                    last.reward_value(key)
                 except ValueError as exc:
-                    _fail(s, str(exc))
+                    _fail(last, str(exc))
+            for s in samples[:-1]:
+                if last.status == SampleStatus.FAILED:
+                    _fail(s, last.error or "its trajectory failed")
+                else:
+                    s.reward = copy.deepcopy(last.reward)
 
     async def _filter(self, group: list[Sample]) -> str | None:
         if self.filter_fn is None:
@@ -421,6 +452,7 @@ class RolloutManager:
             reward_mean=_mean([s.reward_value(self.cfg.reward_key) for s in kept]),
             response_length_mean=_mean([float(s.response_length) for s in kept]),
             truncated_fraction=_mean([float(s.status == SampleStatus.TRUNCATED) for s in kept]),
+            segments_per_trajectory=len(kept) / max(1, sum(len(trajectories(g)) for g in kept_groups)),
             engine_idle_fraction=self._idle.fraction_since_last(now),
         )
         return stats
@@ -488,6 +520,14 @@ class _IdleClock:
 
     def total(self) -> float:
         return self.idle + (time.perf_counter() - self.since if self.busy == 0 else 0.0)
+
+
+def trajectories(group: list[Sample]) -> dict[str | None, list[Sample]]:
+    """A group's samples by trajectory, in the order they came."""
+    out: dict[str | None, list[Sample]] = {}
+    for s in group:
+        out.setdefault(s.trajectory_id, []).append(s)
+    return out
 
 
 def _fail(sample: Sample, error: str) -> None:

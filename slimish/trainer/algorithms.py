@@ -95,6 +95,55 @@ def reinforce_pp_advantages(rewards: Tensor, eps: float = 1e-6, baseline: bool =
     return torch.where(same, 0.0, centred / (_std(a) + eps))
 
 
+def ragged_advantages(name: str, rewards: list[Tensor], eps: float = 1e-6) -> list[Tensor]:
+    """`compute_advantages` for groups of different sizes (one reward per trajectory; a group
+    shrinks when a trajectory's environment failed). Equal sizes take the batched path; otherwise
+    group-local estimators run per group, and REINFORCE++ whitens over the whole batch after
+    (with its baseline) centring each group."""
+    sizes = [len(r) for r in rewards]
+    if len(set(sizes)) == 1:
+        return list(compute_advantages(name, torch.stack(rewards), eps=eps).unbind(0))
+    if name in ("reinforce_pp", "reinforce_pp_baseline"):
+        centred = [_centred(r)[0] if name == "reinforce_pp_baseline" else r for r in rewards]
+        return list(reinforce_pp_advantages(torch.cat(centred).view(1, -1), eps).view(-1).split(sizes))
+    return [compute_advantages(name, r.view(1, -1), eps=eps).view(-1) for r in rewards]
+
+
+def trajectory_advantages(name: str, rewards: Tensor, trajectory: Tensor, group: Tensor, weights: Tensor, eps: float = 1e-6) -> Tensor:
+    """One advantage per sample `[N]`, computed over trajectories so that each counts once in its
+    group's baseline whatever its number of samples (a conversation split into segments, fan-out
+    siblings). `trajectory` `[N]` maps samples to trajectories 0..T-1; `group` `[T]` maps
+    trajectories to groups; a trajectory's reward is the mean of its samples' (they carry the
+    same one). Each sample gets its trajectory's advantage times its `weights` entry (the credit
+    rule: 1 to broadcast, 1/n to split, ...). One sample per trajectory is `compute_advantages`."""
+    n_traj = int(trajectory.max()) + 1
+    count = torch.zeros(n_traj).index_add_(0, trajectory, torch.ones_like(rewards))
+    reward = torch.zeros(n_traj, dtype=rewards.dtype).index_add_(0, trajectory, rewards) / count
+    order = torch.argsort(group, stable=True)
+    sizes = torch.bincount(group).tolist()
+    per_group = ragged_advantages(name, list(reward[order].split(sizes)), eps)
+    advantage = torch.empty(n_traj, dtype=rewards.dtype)
+    advantage[order] = torch.cat(per_group)
+    return advantage[trajectory] * weights
+
+
+def credit_weights(rule: str, trajectory: list[int]) -> list[float]:
+    """Per sample, its share of its trajectory's advantage: `broadcast` 1, `split` 1 / (the
+    trajectory's samples), `last` 1 for its last sample and 0 for the others."""
+    counts: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, t in enumerate(trajectory):
+        counts[t] = counts.get(t, 0) + 1
+        last[t] = i
+    if rule == "broadcast":
+        return [1.0] * len(trajectory)
+    if rule == "split":
+        return [1.0 / counts[t] for t in trajectory]
+    if rule == "last":
+        return [float(last[t] == i) for i, t in enumerate(trajectory)]
+    raise ValueError(f"segment_credit: expected broadcast, split or last, got {rule!r}")
+
+
 def compute_advantages(name: str, rewards: Tensor, group_size: int | None = None, eps: float = 1e-6) -> Tensor:
     """One advantage per sample, same shape as `rewards`. `name` is `AlgorithmConfig.advantage`;
     `gspo` uses GRPO's advantages (GSPO changes the ratio, not the advantage)."""
@@ -145,15 +194,18 @@ def sft_loss(logprobs: Tensor, mask: Tensor, normalizer: float | Tensor | None =
 # --- Loss reduction -----------------------------------------------------------------------------
 
 
-def loss_normalizer(mode: str, n_tokens: int, n_samples: int, max_response_len: int | None = None) -> float:
+def loss_normalizer(mode: str, n_tokens: int, n_samples: int, max_response_len: int | None = None, n_trajectories: int | None = None) -> float:
     """The denominator of `reduce_loss` for a whole global batch:
     `token`: its trained tokens (each token weighs the same: DAPO's token-level loss);
     `sample`: its samples (each sample weighs the same: GRPO's original mean of per-sample means);
+    `trajectory`: its trajectories (each weighs the same, however many samples it has);
     `dr_grpo`: samples x max response length, a constant, so no length bias (Dr. GRPO)."""
     if mode == "token":
         n = n_tokens
     elif mode == "sample":
         n = n_samples
+    elif mode == "trajectory":
+        n = n_samples if n_trajectories is None else n_trajectories
     elif mode == "dr_grpo":
         if max_response_len is None or max_response_len < 1:
             raise ValueError(f"max_response_len: loss_reduction 'dr_grpo' needs a positive length, got {max_response_len}")
@@ -163,19 +215,23 @@ def loss_normalizer(mode: str, n_tokens: int, n_samples: int, max_response_len: 
     return float(max(n, 1))
 
 
-def reduce_loss(values: Tensor, mask: Tensor, mode: str, normalizer: float | Tensor | None = None) -> Tensor:
+def reduce_loss(values: Tensor, mask: Tensor, mode: str, normalizer: float | Tensor | None = None,
+                trajectory_tokens: Tensor | None = None) -> Tensor:  # fmt: skip
     """Per-token values `[B, T]` to this batch's share of the loss.
 
     `token` / `dr_grpo`: sum over trained tokens / normalizer. `sample`: sum over samples of the
-    sample's mean over its trained tokens / normalizer. `normalizer` defaults to this batch's own
-    (tokens, samples, or for dr_grpo samples x T); pass `loss_normalizer(...)` of the global batch
-    so that micro-batch shares add up to the full-batch loss."""
+    sample's mean over its trained tokens / normalizer. `trajectory`: the same with each sample's
+    sum divided by its whole trajectory's trained tokens (`trajectory_tokens` `[B]`; default the
+    sample's own), so a trajectory's samples pool into one mean. `normalizer` defaults to this
+    batch's own (tokens, samples, or for dr_grpo samples x T); pass `loss_normalizer(...)` of the
+    global batch so that micro-batch shares add up to the full-batch loss."""
     mask = mask.to(values.dtype)
     if mode in ("token", "dr_grpo"):
         total = (values * mask).sum()
-        default = mask.sum() if mode == "token" else mask.shape[0] * mask.shape[-1]
-    elif mode == "sample":
-        total = ((values * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum()
+        default = mask.shape[0] * mask.shape[-1] if mode == "dr_grpo" else mask.sum()
+    elif mode in ("sample", "trajectory"):
+        per_sample = mask.sum(-1) if mode == "sample" or trajectory_tokens is None else trajectory_tokens.to(values.dtype)
+        total = ((values * mask).sum(-1) / per_sample.clamp(min=1)).sum()
         default = mask.shape[0]
     else:
         raise ValueError(f"loss_reduction: expected one of {', '.join(LOSS_REDUCTIONS)}, got {mode!r}")
@@ -315,10 +371,11 @@ def rl_loss(
     ref_logprobs: Tensor | None = None,
     rollout_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
+    trajectory_tokens: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy loss (x TIS weights) + kl_coef * KL (x pi/pi_old with kl_importance_weight)
     - entropy_coef * entropy, reduced as `cfg.loss_reduction` with `normalizer` (see
-    `loss_normalizer`): this micro-batch's share.
+    `loss_normalizer`; `trajectory_tokens` for the `trajectory` reduction): this micro-batch's share.
 
     Needs `ref_logprobs` when kl_coef > 0 and the KL is a loss term, `rollout_logprobs` when
     tis_cap or mis_cap is set (their weights are reported as `tis`), `entropy` when entropy_coef > 0 (entropy and KL are reported when given).
@@ -341,7 +398,7 @@ def rl_loss(
         token_stats["tis"] = weights(old_logprobs, rollout_logprobs, mask, cfg.tis_cap or cfg.mis_cap)
         per_token = per_token * token_stats["tis"]
     mode = cfg.loss_reduction
-    pg = reduce_loss(per_token, mask, mode, normalizer)
+    pg = reduce_loss(per_token, mask, mode, normalizer, trajectory_tokens)
     loss = pg
     stats = {"loss/policy": pg.detach(), "tokens": m.sum()}
     if ref_logprobs is not None:
@@ -350,7 +407,7 @@ def rl_loss(
         if cfg.kl_coef and not cfg.kl_in_reward:
             if cfg.kl_importance_weight:
                 kl = kl * ratio  # differentiable: the weight's gradient is what makes it unbiased
-            kl_loss = cfg.kl_coef * reduce_loss(kl, mask, mode, normalizer)
+            kl_loss = cfg.kl_coef * reduce_loss(kl, mask, mode, normalizer, trajectory_tokens)
             loss = loss + kl_loss
             stats["loss/kl"] = kl_loss.detach()
     elif cfg.kl_coef and not cfg.kl_in_reward:
@@ -358,7 +415,7 @@ def rl_loss(
     if entropy is not None:
         token_stats["entropy"] = entropy.detach()
         if cfg.entropy_coef:
-            ent_loss = -cfg.entropy_coef * reduce_loss(entropy, mask, mode, normalizer)
+            ent_loss = -cfg.entropy_coef * reduce_loss(entropy, mask, mode, normalizer, trajectory_tokens)
             loss = loss + ent_loss
             stats["loss/entropy"] = ent_loss.detach()
     elif cfg.entropy_coef:

@@ -30,7 +30,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from slimish.buffer import group_version
 from slimish.config import RunConfig
-from slimish.trainer.algorithms import compute_advantages, loss_normalizer, rl_loss, sequence_kl, sft_loss
+from slimish.rollout.loader import load_function
+from slimish.trainer.algorithms import credit_weights, loss_normalizer, rl_loss, sequence_kl, sft_loss, trajectory_advantages
 from slimish.types import Sample
 
 # Additive statistics summed over micro-batches, updates and ranks (rl_loss's, plus ours).
@@ -132,6 +133,7 @@ class Trainer(ABC):
     pad_id: int
     temperature: float
     cpu_threads: int
+    credit_fn: Callable[..., list[float]] | None  # algorithm.segment_credit as a function
     ref: Any  # the frozen reference model, None until needed
     optimizer: Any
     sft_optimizer: Any
@@ -145,6 +147,8 @@ class Trainer(ABC):
         engines_idle = cfg.mode == "sync" or cfg.buffer.max_staleness == 0  # while this trains
         cores = max(1, (os.cpu_count() or 1) // local_ranks) if engines_idle else torch.get_num_threads()
         self.cpu_threads = cfg.trainer.cpu_threads or cores
+        credit = cfg.algorithm.segment_credit
+        self.credit_fn = load_function(credit, "credit") if ":" in credit else None  # checked now, not at the first step
 
     @contextmanager
     def _threads(self) -> Iterator[None]:
@@ -207,7 +211,9 @@ class Trainer(ABC):
             for i in mine:
                 kl[i] = sequence_kl(old[i], ref[i], self._mask(samples[i]), algo.kl_estimator)
             rewards = rewards - algo.kl_coef * self._all_reduce(kl.to(self.device)).cpu()
-        advantages = self._advantages(groups, rewards)
+        trajectory, group = trajectory_index(groups)
+        advantages = trajectory_advantages(algo.advantage, rewards, torch.tensor(trajectory), torch.tensor(group),
+                                           torch.tensor(self._credit(samples, trajectory)), algo.advantage_eps)  # fmt: skip
 
         grad_norms: list[float] = []
         lrs: list[float] = []
@@ -217,9 +223,11 @@ class Trainer(ABC):
             if not n_tokens:  # nothing to learn from: no step (Adam would still apply momentum)
                 self._scheduler_step()
                 continue
-            normalizer = loss_normalizer(
-                algo.loss_reduction, n_tokens=n_tokens, n_samples=len(mini), max_response_len=self.cfg.rollout.max_new_tokens
-            )
+            normalizer = loss_normalizer(algo.loss_reduction, n_tokens=n_tokens, n_samples=len(mini), max_response_len=self.cfg.rollout.max_new_tokens,
+                                         n_trajectories=len({trajectory[i] for i in mini}))  # fmt: skip
+            pooled: dict[int, int] = {}  # a trajectory's trained tokens in this update, for the trajectory reduction
+            for i in mini:
+                pooled[trajectory[i]] = pooled.get(trajectory[i], 0) + sum(samples[i].loss_mask)
             measure = u == 0 and not algo.recompute_old_logprobs  # weights still the rollout's
 
             def loss_fn(idx: list[int], logprobs: Tensor, entropy: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
@@ -230,6 +238,7 @@ class Trainer(ABC):
                     algo, logprobs, self._pad([old[i] for i in idx]), advantages[idx].to(self.device), mask,
                     normalizer, ref_logprobs=self._pad([ref[i] for i in idx]) if ref is not None else None,
                     rollout_logprobs=rollout, entropy=entropy,
+                    trajectory_tokens=torch.tensor([pooled[trajectory[i]] for i in idx], device=self.device),
                 )  # fmt: skip
                 if measure:
                     st.update(mismatch(logprobs.detach(), rollout, mask, [fresh[i] for i in idx]))
@@ -247,19 +256,21 @@ class Trainer(ABC):
         metrics["train/lr"] = lrs[-1]
         return metrics
 
-    def _advantages(self, groups: list[list[Sample]], rewards: Tensor) -> Tensor:
-        """One per sample. Equal-size groups go through in one call; ragged groups (a sample
-        lost to a failure) per group, which only group-local estimators allow."""
-        algo = self.cfg.algorithm
-        sizes = [len(g) for g in groups]
-        if len(set(sizes)) == 1:
-            return compute_advantages(algo.advantage, rewards.view(len(groups), sizes[0]), eps=algo.advantage_eps).reshape(-1)
-        if algo.advantage == "reinforce_pp":  # whitened over the whole batch: groups do not matter
-            return compute_advantages(algo.advantage, rewards.view(1, -1), eps=algo.advantage_eps).reshape(-1)
-        if algo.advantage == "reinforce_pp_baseline":
-            raise ValueError(f"advantage reinforce_pp_baseline needs groups of equal size, got sizes {sizes}")
-        parts = rewards.split(sizes)
-        return torch.cat([compute_advantages(algo.advantage, p.view(1, -1), eps=algo.advantage_eps).reshape(-1) for p in parts])
+    def _credit(self, samples: list[Sample], trajectory: list[int]) -> list[float]:
+        """Each sample's share of its trajectory's advantage (`algorithm.segment_credit`)."""
+        if self.credit_fn is None:
+            return credit_weights(self.cfg.algorithm.segment_credit, trajectory)
+        weights = [0.0] * len(samples)
+        members: dict[int, list[int]] = {}
+        for i, t in enumerate(trajectory):
+            members.setdefault(t, []).append(i)
+        for idx in members.values():
+            shares = self.credit_fn([samples[i] for i in idx])
+            if len(shares) != len(idx):
+                raise ValueError(f"algorithm.segment_credit {self.cfg.algorithm.segment_credit}: returned {len(shares)} shares for a trajectory of {len(idx)} samples")
+            for i, share in zip(idx, shares):
+                weights[i] = float(share)
+        return weights
 
     def _metrics(self, t: dict[str, float], samples: list[Sample], rewards: Tensor, grad_norms: list[float],
                  seconds: float, with_ref: bool) -> dict[str, float]:  # fmt: skip
@@ -407,3 +418,19 @@ class Trainer(ABC):
     @abstractmethod
     def save_hf(self, path: str) -> None:
         """An HF model directory (weights, config, tokenizer) that `from_pretrained` loads; rank 0 writes it."""
+
+
+def trajectory_index(groups: list[list[Sample]]) -> tuple[list[int], list[int]]:
+    """Per sample (groups flattened), its trajectory's index 0..T-1; per trajectory, its group's.
+    A sample without a trajectory id is a trajectory of its own."""
+    trajectory: list[int] = []
+    group_of: list[int] = []
+    for g, samples in enumerate(groups):
+        seen: dict[Any, int] = {}
+        for k, s in enumerate(samples):
+            key = s.trajectory_id if s.trajectory_id is not None else ("sample", k)
+            if key not in seen:
+                seen[key] = len(group_of)
+                group_of.append(g)
+            trajectory.append(seen[key])
+    return trajectory, group_of

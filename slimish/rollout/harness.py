@@ -1,0 +1,279 @@
+"""Black-box agent harnesses: run an unmodified program and keep what it left behind.
+
+Many agents are whole programs (a CLI coding agent, an SDK script) that cannot be changed to call
+`ctx.chat`. They are trained as they are: the program runs with its model API pointed at the
+agent gateway (`gateway_env`, or `ctx.agent_env()`), which records the exact tokens of every model
+call, and the rollout function scores the files the program left in its working directory.
+
+    with await run_harness([sys.executable, "agent.py"], env=await ctx.agent_env(), limits=HarnessLimits(wall_s=120),
+                           files={"task.md": "..."}) as run:
+        reward = check(run.workdir) if run.infra_error is None else None
+    # the temporary working directory is gone here
+
+`run_harness` never raises for anything the program does: a crash, a hang, a flood of output or a
+missing executable comes back as a `HarnessRun` whose `infra_error` says why the run tells nothing
+about the policy. Each run has its own session (process group), so a timed-out program is killed
+with every child it started. Limits are POSIX resource limits set in the child before `exec`:
+they are per process (each child gets the same allowance, not a share) and a program running as
+root can raise them again; a process that leaves the group (`setsid`, a double fork into a new
+session) escapes the kill. Containers or cgroups are the stronger fence; this runner is the part
+that works everywhere, with no privileges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import resource
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READ_CHUNK = 1 << 16
+# Once the group is dead its pipes close; a pipe still open after this long is held by a process
+# that left the group (its own session), and is no longer read.
+DRAIN_S = 1.0
+# Variables a program needs to behave normally; everything else of the trainer's environment
+# (tokens, cloud credentials, the API keys of real model providers) stays out.
+MINIMAL_ENV = {"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONUNBUFFERED": "1"}
+
+
+@dataclass
+class HarnessLimits:
+    wall_s: float = 300.0  # wall-time budget; the program's whole process group is killed at the end of it
+    cpu_s: int | None = None  # RLIMIT_CPU, per process: SIGXCPU at cpu_s, SIGKILL a second later
+    memory_mb: int | None = None  # RLIMIT_AS, per process: allocations past it fail (MemoryError, ENOMEM)
+    output_bytes: int = 1 << 20  # stdout and stderr kept up to this much each (the rest dropped, counted)
+    kill_grace_s: float = 2.0  # between SIGTERM and SIGKILL: time for the program to flush its files
+
+    def check(self) -> None:
+        if not self.wall_s > 0 or not self.kill_grace_s >= 0:
+            raise ValueError(f"HarnessLimits: wall_s must be > 0 and kill_grace_s >= 0, got {self.wall_s}, {self.kill_grace_s}")
+        for name in ("cpu_s", "memory_mb"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"HarnessLimits: {name} must be a positive int or None, got {value!r}")
+        if self.output_bytes < 0:
+            raise ValueError(f"HarnessLimits: output_bytes must be >= 0, got {self.output_bytes}")
+
+
+@dataclass
+class HarnessRun:
+    """One finished run. Its working directory outlives the run so the caller can score it; use the
+    run as a context manager (`with await run_harness(...) as run:`) or call `cleanup()` to remove
+    it (a run that is garbage-collected removes it too, so a forgotten one cannot fill the disk).
+    A `workdir` the caller passed in is the caller's: it is never removed."""
+
+    argv: list[str]
+    exit_code: int | None  # None when it was killed (timed out, or by a signal) or did not start
+    timed_out: bool
+    seconds: float
+    workdir: Path  # its own temporary working directory (still there until cleanup)
+    stdout: str
+    stderr: str
+    infra_error: str | None  # why the run says nothing about the policy: timed out, killed by a signal, failed to start
+    stdout_dropped: int = 0  # bytes past `output_bytes`, not kept
+    stderr_dropped: int = 0
+    _remove: weakref.finalize | None = field(default=None, repr=False, compare=False)
+
+    def cleanup(self) -> None:
+        """Remove the temporary working directory (a finalizer: it runs once, later calls do nothing)."""
+        if self._remove is not None:
+            self._remove()
+
+    def __enter__(self) -> HarnessRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+def gateway_env(base_url: str, session_key: str) -> dict[str, str]:
+    """The environment that points OpenAI- and Anthropic-SDK programs at one gateway session.
+
+    The gateway finds the session by the key (`Authorization: Bearer` or `x-api-key`), so one base
+    URL serves every harness, and programs that take nothing but a base URL and a key from the
+    environment work unchanged. The OpenAI SDK appends `/chat/completions` to a base URL that ends
+    in `/v1`; the Anthropic SDK appends `/v1/messages` itself. `ANTHROPIC_AUTH_TOKEN` is what some
+    Anthropic clients (Claude Code) send as a bearer token instead of `x-api-key`."""
+    if not base_url or not session_key:
+        raise ValueError(f"gateway_env: base_url and session_key must be non-empty, got {base_url!r}, {session_key!r}")
+    root = base_url.rstrip("/")
+    return {"OPENAI_BASE_URL": f"{root}/v1", "OPENAI_API_KEY": session_key, "ANTHROPIC_BASE_URL": root,
+            "ANTHROPIC_API_KEY": session_key, "ANTHROPIC_AUTH_TOKEN": session_key}  # fmt: skip
+
+
+async def run_harness(argv: list[str], env: dict[str, str], limits: HarnessLimits, files: dict[str, str] | None = None,
+                      workdir: Path | None = None) -> HarnessRun:  # fmt: skip
+    """Run an unmodified program to the end, or to the end of its wall budget.
+
+    It runs in a fresh temporary working directory seeded with `files` (relative path -> text),
+    or in `workdir` when given (the caller's; seeded the same, never removed), with `env` added to
+    a minimal environment (PATH, HOME = the working directory, TMPDIR, LANG) rather than the
+    trainer's, which may hold secrets. stdin is /dev/null (a program waiting for a human must not
+    hang), stdout and stderr are kept up to `limits.output_bytes` each. At the wall budget the
+    whole process group gets SIGTERM, then SIGKILL after `limits.kill_grace_s`; what is left of
+    the group when the program exits on its own is killed too (background children would
+    otherwise outlive the rollout). Cancelling the call kills the group and removes the directory.
+    Raises only for bad arguments (ValueError, TypeError)."""
+    _check_args(argv, env, files)
+    limits.check()
+    owned = workdir is None
+    root = Path(tempfile.mkdtemp(prefix="harness-")) if owned else Path(workdir).resolve()
+    try:
+        run = await _run(list(argv), _child_env(root, env), limits, root, files or {})
+    except BaseException:  # cancelled (the end of a rollout step), or bad arguments found late
+        if owned:
+            _rmtree(root)
+        raise
+    if owned:
+        run._remove = weakref.finalize(run, _rmtree, root)
+    return run
+
+
+def _check_args(argv: list[str], env: dict[str, str], files: dict[str, str] | None) -> None:
+    if not isinstance(argv, (list, tuple)) or not argv or not all(isinstance(a, str) for a in argv):
+        raise TypeError(f"run_harness: argv must be a non-empty list of str, got {argv!r}")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise TypeError("run_harness: env must map str to str")
+    for path, text in (files or {}).items():
+        if not isinstance(text, str):
+            raise TypeError(f"run_harness: files[{path!r}] must be text, got {type(text).__name__}")
+        parts = Path(path).parts
+        if not parts or Path(path).is_absolute() or ".." in parts:
+            raise ValueError(f"run_harness: files key {path!r} must be a relative path inside the working directory")
+
+
+def _seed(root: Path, files: dict[str, str]) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+
+
+def _child_env(root: Path, env: dict[str, str]) -> dict[str, str]:
+    """PATH is the trainer's (where `node`, `git` and the agent CLIs are installed); HOME and TMPDIR
+    are the working directory, so dotfiles and temporary files are the run's and go with it."""
+    base = {**MINIMAL_ENV, "PATH": os.environ.get("PATH", os.defpath), "HOME": str(root), "TMPDIR": str(root)}
+    return {**base, **env}
+
+
+def _limiter(limits: HarnessLimits) -> Callable[[], None]:
+    """The function the child runs between fork and exec. It only calls `setrlimit` with values
+    computed here: the child of a multi-threaded parent must not import, allocate much or lock."""
+    rlimits = [(resource.RLIMIT_CORE, (0, 0))]  # no core dumps in the working directory
+    if limits.cpu_s is not None:
+        rlimits.append((resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1)))
+    if limits.memory_mb is not None:
+        size = limits.memory_mb << 20
+        rlimits.append((resource.RLIMIT_AS, (size, size)))
+
+    def apply() -> None:
+        for which, value in rlimits:
+            resource.setrlimit(which, value)
+
+    return apply
+
+
+async def _run(argv: list[str], env: dict[str, str], limits: HarnessLimits, root: Path, files: dict[str, str]) -> HarnessRun:
+    start = time.monotonic()
+    try:
+        _seed(root, files)
+        proc = await asyncio.create_subprocess_exec(*argv, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                                    stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_limiter(limits))  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:  # no such program, not executable, a full disk...
+        return HarnessRun(argv, None, False, time.monotonic() - start, root, "", "", f"failed to start: {exc}")
+    out, err = _Capture(proc.stdout, limits.output_bytes), _Capture(proc.stderr, limits.output_bytes)
+    readers = [asyncio.create_task(out.drain()), asyncio.create_task(err.drain())]
+    try:
+        try:
+            timed_out = await _wait(proc, limits)
+            seconds = time.monotonic() - start
+        finally:
+            _killpg(proc.pid, signal.SIGKILL)  # what it left running in its group; all of it when cancelled
+        await asyncio.wait(readers, timeout=DRAIN_S)
+    finally:
+        for task in readers:
+            task.cancel()
+    code = None if timed_out or proc.returncode is None or proc.returncode < 0 else proc.returncode
+    return HarnessRun(argv, code, timed_out, seconds, root, out.text(), err.text(), _infra_error(proc.returncode, timed_out, limits),
+                      out.dropped, err.dropped)  # fmt: skip
+
+
+async def _wait(proc: asyncio.subprocess.Process, limits: HarnessLimits) -> bool:
+    """Wait for the program to exit; at the wall budget terminate its group. Whether it timed out."""
+    try:
+        await asyncio.wait_for(proc.wait(), limits.wall_s)
+        return False
+    except TimeoutError:
+        await _terminate(proc, limits.kill_grace_s)
+        return True
+
+
+async def _terminate(proc: asyncio.subprocess.Process, grace_s: float) -> None:
+    """SIGTERM to the group (a chance to save its work), SIGKILL to the group after the grace."""
+    _killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(proc.wait(), grace_s)
+    _killpg(proc.pid, signal.SIGKILL)
+    await proc.wait()
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    """The program is its group's leader (its own session), so its pid is the group id. An empty
+    group is gone: nothing to do. A pid is not reused while its group still has members."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _infra_error(returncode: int | None, timed_out: bool, limits: HarnessLimits) -> str | None:
+    if timed_out:
+        return f"timed out after {limits.wall_s:g} s (wall budget)"
+    if returncode is not None and returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:  # a real-time signal has no name
+            name = str(-returncode)
+        return f"killed by signal {name}"
+    return None
+
+
+class _Capture:
+    """Reads a pipe to its end (so the program never blocks on a full pipe), keeping the first
+    `limit` bytes and counting the rest."""
+
+    def __init__(self, stream: asyncio.StreamReader | None, limit: int) -> None:
+        self.stream, self.limit = stream, limit
+        self.kept = bytearray()
+        self.dropped = 0
+
+    async def drain(self) -> None:
+        assert self.stream is not None
+        while chunk := await self.stream.read(READ_CHUNK):
+            room = max(self.limit - len(self.kept), 0)
+            self.kept += chunk[:room]
+            self.dropped += max(len(chunk) - room, 0)
+
+    def text(self) -> str:
+        return self.kept.decode("utf-8", errors="replace")
+
+
+def _rmtree(root: Path) -> None:
+    """Remove a tree the program may have made read-only: it ran as this user, so its files can
+    be chmodded back and removed."""
+    shutil.rmtree(root, ignore_errors=True)
+    if root.exists():
+        for path, dirs, _ in os.walk(root):
+            for name in ["", *dirs]:
+                with contextlib.suppress(OSError):
+                    os.chmod(os.path.join(path, name), stat.S_IRWXU)
+        shutil.rmtree(root, ignore_errors=True)
