@@ -235,6 +235,7 @@ class RolloutContext:
         capture = await self.runtime.get_capture()
         if self._session is None:
             self._session = f"{sample.group_id}-{sample.index}-{uuid.uuid4().hex[:12]}"
+            capture.session_sampling[self._session] = dict(self.sampling_params)  # what this call samples with (eval: its temperature)
         return capture, self._session
 
     def captured_samples(self) -> list[Sample]:

@@ -97,6 +97,7 @@ class CaptureServer:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.history, self.realign_tokens = history, realign_tokens
         self.sessions: dict[str, TrajectoryTree] = {}
+        self.session_sampling: dict[str, dict[str, Any]] = {}  # per-session defaults (ctx's: eval lowers the temperature)
         self.url = ""
         self._server: _UvicornServer | None = None
         self._task: asyncio.Task | None = None
@@ -144,7 +145,7 @@ class CaptureServer:
         render_key = json.dumps([req.tools, kwargs], sort_keys=True, default=str)
         messages = [normalize_message(m, i) for i, m in enumerate(req.messages)]
         at = tree.place(messages, render_key, self.format.chat(req.tools, **kwargs))
-        params = {**self.default_sampling, **req.sampling}
+        params = {**self.default_sampling, **self.session_sampling.get(session_id, {}), **req.sampling}
         if (self.format.tools is not None and req.tools) or (self.format.reasoning is not None and req.separate_reasoning):
             params["skip_special_tokens"] = False  # tool-call and reasoning markers may be special tokens: keep them to parse
         out = await self.client.generate(input_ids=at.prompt_ids, sampling_params=params, return_logprob=True,
@@ -169,6 +170,7 @@ class CaptureServer:
     def pop_samples(self, session_id: str, template: Sample) -> list[Sample]:
         """The session's samples (one per leaf of its tree), forgetting the session; a turn still
         in flight is not included. `metadata["capture"]` says which segment and branch each is."""
+        self.session_sampling.pop(session_id, None)
         tree = self.sessions.pop(session_id, None)
         if tree is None:
             return []

@@ -37,8 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-READ_CHUNK = 1 << 16
-# Once the group is dead its pipes close; a pipe still open after this long is held by a process
+# Once the group is dead its pipes close: a pipe still open after this long is held by a process
 # that left the group (its own session), and is no longer read.
 DRAIN_S = 1.0
 # Variables a program needs to behave normally; everything else of the trainer's environment
@@ -55,6 +54,7 @@ class HarnessLimits:
     kill_grace_s: float = 2.0  # between SIGTERM and SIGKILL: time for the program to flush its files
 
     def check(self) -> None:
+        """Bad limits are the caller's bug: raised at the call, not found later as a strange run."""
         if not self.wall_s > 0 or not self.kill_grace_s >= 0:
             raise ValueError(f"HarnessLimits: wall_s must be > 0 and kill_grace_s >= 0, got {self.wall_s}, {self.kill_grace_s}")
         for name in ("cpu_s", "memory_mb"):
@@ -188,44 +188,66 @@ async def _run(argv: list[str], env: dict[str, str], limits: HarnessLimits, root
     start = time.monotonic()
     try:
         _seed(root, files)
-        proc = await asyncio.create_subprocess_exec(*argv, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                    stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_limiter(limits))  # fmt: skip
+        transport, out = await asyncio.get_running_loop().subprocess_exec(
+            lambda: _Output(limits.output_bytes), *argv, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_limiter(limits))  # fmt: skip
     except (OSError, subprocess.SubprocessError) as exc:  # no such program, not executable, a full disk...
         return HarnessRun(argv, None, False, time.monotonic() - start, root, "", "", f"failed to start: {exc}")
-    out, err = _Capture(proc.stdout, limits.output_bytes), _Capture(proc.stderr, limits.output_bytes)
-    readers = [asyncio.create_task(out.drain()), asyncio.create_task(err.drain())]
+    pid = transport.get_pid()
     try:
         try:
-            timed_out = await _wait(proc, limits)
+            timed_out = await _wait(out, pid, limits)
             seconds = time.monotonic() - start
         finally:
-            _killpg(proc.pid, signal.SIGKILL)  # what it left running in its group; all of it when cancelled
-        await asyncio.wait(readers, timeout=DRAIN_S)
+            _killpg(pid, signal.SIGKILL)  # what it left running in its group; all of it when cancelled
+        await asyncio.wait([out.closed], timeout=DRAIN_S)
     finally:
-        for task in readers:
-            task.cancel()
-    code = None if timed_out or proc.returncode is None or proc.returncode < 0 else proc.returncode
-    return HarnessRun(argv, code, timed_out, seconds, root, out.text(), err.text(), _infra_error(proc.returncode, timed_out, limits),
-                      out.dropped, err.dropped)  # fmt: skip
+        transport.close()
+    returncode = transport.get_returncode()
+    code = None if timed_out or returncode is None or returncode < 0 else returncode
+    return HarnessRun(argv, code, timed_out, seconds, root, out.text(1), out.text(2), _infra_error(returncode, timed_out, limits),
+                      out.dropped[1], out.dropped[2])  # fmt: skip
 
 
-async def _wait(proc: asyncio.subprocess.Process, limits: HarnessLimits) -> bool:
-    """Wait for the program to exit; at the wall budget terminate its group. Whether it timed out."""
-    try:
-        await asyncio.wait_for(proc.wait(), limits.wall_s)
+async def _wait(out: _Output, pid: int, limits: HarnessLimits) -> bool:
+    """Wait for the program to exit; at the wall budget SIGTERM its group (a chance to save its
+    work), SIGKILL it after the grace. Whether it timed out."""
+    done, _ = await asyncio.wait([out.exited], timeout=limits.wall_s)
+    if done:
         return False
-    except TimeoutError:
-        await _terminate(proc, limits.kill_grace_s)
-        return True
+    _killpg(pid, signal.SIGTERM)
+    await asyncio.wait([out.exited], timeout=limits.kill_grace_s)
+    _killpg(pid, signal.SIGKILL)
+    await asyncio.wait([out.exited], timeout=DRAIN_S)  # not forever: a process stuck in the kernel ignores even SIGKILL
+    return True
 
 
-async def _terminate(proc: asyncio.subprocess.Process, grace_s: float) -> None:
-    """SIGTERM to the group (a chance to save its work), SIGKILL to the group after the grace."""
-    _killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(proc.wait(), grace_s)
-    _killpg(proc.pid, signal.SIGKILL)
-    await proc.wait()
+class _Output(asyncio.SubprocessProtocol):
+    """Keeps the first `limit` bytes of stdout and of stderr and counts the rest; everything is
+    read as it comes, so the program never blocks on a full pipe. `exited` is the program's exit,
+    `closed` the end of its output too (a child that left the group may hold the pipes open)."""
+
+    def __init__(self, limit: int) -> None:
+        loop = asyncio.get_running_loop()
+        self.limit = limit
+        self.kept = {1: bytearray(), 2: bytearray()}
+        self.dropped = {1: 0, 2: 0}
+        self.exited: asyncio.Future[None] = loop.create_future()
+        self.closed: asyncio.Future[None] = loop.create_future()
+
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        room = max(self.limit - len(self.kept[fd]), 0)
+        self.kept[fd] += data[:room]
+        self.dropped[fd] += max(len(data) - room, 0)
+
+    def process_exited(self) -> None:
+        self.exited.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed.set_result(None)
+
+    def text(self, fd: int) -> str:
+        return self.kept[fd].decode("utf-8", errors="replace")
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -245,26 +267,6 @@ def _infra_error(returncode: int | None, timed_out: bool, limits: HarnessLimits)
             name = str(-returncode)
         return f"killed by signal {name}"
     return None
-
-
-class _Capture:
-    """Reads a pipe to its end (so the program never blocks on a full pipe), keeping the first
-    `limit` bytes and counting the rest."""
-
-    def __init__(self, stream: asyncio.StreamReader | None, limit: int) -> None:
-        self.stream, self.limit = stream, limit
-        self.kept = bytearray()
-        self.dropped = 0
-
-    async def drain(self) -> None:
-        assert self.stream is not None
-        while chunk := await self.stream.read(READ_CHUNK):
-            room = max(self.limit - len(self.kept), 0)
-            self.kept += chunk[:room]
-            self.dropped += max(len(chunk) - room, 0)
-
-    def text(self) -> str:
-        return self.kept.decode("utf-8", errors="replace")
 
 
 def _rmtree(root: Path) -> None:

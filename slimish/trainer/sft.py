@@ -1,7 +1,8 @@
 """Supervised warm start (`sft.steps` > 0): teach the answer format before RL teaches the goal.
 
 Demonstrations come from a built-in task (`task:NAME`, its `demonstration` per prompt) or a JSONL
-file of `prompt` and `response`. Prompts are rendered exactly as rollouts render them, so the
+file of `prompt` and `response` (text, or an assistant message: a tool call), with the `tools` the
+prompt offers. Prompts are rendered exactly as rollouts render them, so the
 format the model learns here is the one it is asked for during RL.
 """
 
@@ -20,19 +21,33 @@ from slimish.rollout.tasks import get_task
 from slimish.types import Sample
 
 
-def demonstrations(cfg: RunConfig) -> list[tuple[Any, str]]:
-    """(prompt, response text) pairs, prompts normalised as the rollout's data stream does."""
+@dataclasses.dataclass
+class Demonstration:
+    prompt: str | list[dict[str, Any]]  # text, or chat messages
+    response: str | dict[str, Any]  # the reply's text, or a whole assistant message (tool calls included)
+    tools: list[dict[str, Any]] | None = None  # OpenAI tools the prompt offers (rendered by the template)
+
+
+def demonstrations(cfg: RunConfig) -> list[Demonstration]:
+    """The demonstrations, prompts normalised as the rollout's data stream does. A JSONL row has
+    `prompt`, `response` (text, or an assistant message such as a tool call) and optional `tools`."""
     source = cfg.sft.source or cfg.data.source
     if source.startswith(TASK_PREFIX):
         task, rng = get_task(source.removeprefix(TASK_PREFIX)), random.Random(cfg.seed)
         raw = task.make("train", cfg.data.task_size, cfg.data.seed)
         rows = load_rows(source, cfg.data, "train")  # the same problems, in the same order
-        return [(row["prompt"], task.demonstration(r, rng)) for r, row in zip(raw, rows)]
+        return [Demonstration(row["prompt"], task.demonstration(r, rng)) for r, row in zip(raw, rows)]
     rows = load_rows(source, dataclasses.replace(cfg.data, label_key=None))
+    out = []
     for row in rows:
-        if not isinstance(row["metadata"].get("response"), str):
-            raise SystemExit(f"sft.source {source}: row {row['metadata']['row_id']} needs a string `response`")
-    return [(row["prompt"], row["metadata"]["response"]) for row in rows]
+        meta, where = row["metadata"], f"sft.source {source}: row {row['metadata']['row_id']}"
+        response, tools = meta.get("response"), meta.get("tools")
+        if not isinstance(response, str) and not (isinstance(response, dict) and response.get("role") == "assistant"):
+            raise SystemExit(f"{where} needs a `response`: a string, or an assistant message")
+        if tools is not None and not (isinstance(tools, list) and isinstance(row["prompt"], list)):
+            raise SystemExit(f"{where}: `tools` must be a list of OpenAI tools, with a chat prompt")
+        out.append(Demonstration(row["prompt"], response, tools))
+    return out
 
 
 def sft_batches(cfg: RunConfig, tokenizer: Any) -> Iterator[list[Sample]]:
@@ -44,14 +59,16 @@ def sft_batches(cfg: RunConfig, tokenizer: Any) -> Iterator[list[Sample]]:
     if not pairs:
         raise SystemExit("sft: no demonstrations")
     fmt = ModelFormat(tokenizer, cfg.model, cfg.rollout.tool_call_parser, cfg.rollout.reasoning_parser)
-    chat = fmt.chat(None, **cfg.rollout.chat_template_kwargs)
 
     @functools.cache
     def rendered(i: int) -> tuple[list[int], list[int]]:
-        prompt, response = pairs[i]
-        if isinstance(prompt, str):
-            return fmt.prompt_ids(prompt), tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]
-        return chat.prompt_ids(prompt), chat.assistant_ids(prompt, {"role": "assistant", "content": response})
+        d = pairs[i]
+        if isinstance(d.prompt, str):
+            text = d.response if isinstance(d.response, str) else d.response.get("content") or ""
+            return fmt.prompt_ids(d.prompt), tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        chat = fmt.chat(d.tools, **cfg.rollout.chat_template_kwargs)
+        message = {"role": "assistant", "content": d.response} if isinstance(d.response, str) else d.response
+        return chat.prompt_ids(d.prompt), chat.assistant_ids(d.prompt, message)
 
     rng = random.Random(cfg.seed)
     order: list[int] = []
@@ -62,7 +79,7 @@ def sft_batches(cfg: RunConfig, tokenizer: Any) -> Iterator[list[Sample]]:
                 order = rng.sample(range(len(pairs)), len(pairs))
             i = order.pop()
             prompt_ids, ids = rendered(i)
-            sample = Sample(prompt=pairs[i][0])
+            sample = Sample(prompt=pairs[i].prompt)
             sample.set_prompt(prompt_ids)
             sample.append_model(ids, [0.0] * len(ids))
             batch.append(sample)
