@@ -1,0 +1,75 @@
+"""`slimish train` with an agent written against the `anthropic` SDK, on a toy tool task: the
+reward rises. Every sample is recorded by the gateway from the SDK's calls; nothing in the agent
+knows about RL.
+
+The task is the quickstart's (`max_digit`: "Largest digit: 8 7 9 0 6 4 9"), answered with a tool
+call, `submit(digit)`. The SFT warm start teaches the call on demonstrations that submit a random
+digit of the list (the format, not the goal); GRPO then has to find "the largest" from the reward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from slimish.metrics import read_metrics
+from slimish.rollout.tasks import get_task
+from slimish.tiny_model import make_tiny_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+SUBMIT = {"type": "function", "function": {"name": "submit", "description": "Submit the answer digit.",
+          "parameters": {"type": "object", "properties": {"digit": {"type": "string"}}, "required": ["digit"]}}}  # fmt: skip
+
+PLUGIN = """
+import anthropic
+
+TOOLS = [{"name": "submit", "description": "Submit the answer digit.",
+          "input_schema": {"type": "object", "properties": {"digit": {"type": "string"}}, "required": ["digit"]}}]
+
+async def rollout(ctx, sample):
+    sp = ctx.sampling_params
+    async with anthropic.AsyncAnthropic(base_url=await ctx.anthropic_base_url(), api_key="slimish", max_retries=0) as client:
+        reply = await client.messages.create(model="policy", max_tokens=sp["max_new_tokens"], tools=TOOLS,
+                                             messages=[{"role": "user", "content": sample.prompt[-1]["content"]}],
+                                             extra_body={"temperature": sp["temperature"]})  # this SDK has no temperature argument
+    digits = [b.input.get("digit") for b in reply.content if b.type == "tool_use" and b.name == "submit"]
+    reward = float(digits == [str(sample.label)])
+    samples = ctx.captured_samples()
+    for s in samples:
+        s.reward = reward
+    return samples
+"""
+
+
+def test_anthropic_sdk_agent_learns_a_toy_tool_task(tmp_path: Path) -> None:
+    task, rng = get_task("max_digit"), random.Random(0)
+    with (tmp_path / "sft.jsonl").open("w") as sft, (tmp_path / "rl.jsonl").open("w") as rl:
+        for r in task.make("train", 2000, 0):
+            call = {"id": "call_0", "type": "function", "function": {"name": "submit",
+                    "arguments": json.dumps({"digit": rng.choice([c for c in r["prompt"] if c.isdigit()])})}}  # fmt: skip
+            sft.write(json.dumps({"prompt": r["prompt"], "tools": [SUBMIT], "response": {"role": "assistant", "content": "", "tool_calls": [call]}}) + "\n")
+            rl.write(json.dumps({"prompt": r["prompt"], "label": r["label"]}) + "\n")
+    (tmp_path / "held_out.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"], "label": r["label"]}) + "\n"
+                                                     for r in task.make("test", 64, 0)))  # fmt: skip
+    (tmp_path / "agent.py").write_text(PLUGIN)
+    model = make_tiny_model(tmp_path / "model", arch="llama", size="tiny", seed=0)
+    argv = [sys.executable, "-m", "slimish.train", "--config", str(ROOT / "configs/quickstart.yaml"), f"model={model}",
+            f"run_dir={tmp_path / 'run'}", f"data.source={tmp_path / 'rl.jsonl'}", f"data.eval_source={tmp_path / 'held_out.jsonl'}", f"sft.source={tmp_path / 'sft.jsonl'}",
+            f"rollout.rollout_fn={tmp_path / 'agent.py'}:rollout", "rollout.max_new_tokens=24", "rollout.rollout_batch_size=16",
+            "steps=12", "eval.every=6", "checkpoint.every=0"]  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "run")
+    accuracy = [r["eval/accuracy"] for r in metrics if "eval/accuracy" in r]
+    assert accuracy[0] < 0.3, f"SFT alone should leave held-out accuracy near chance, got {accuracy[0]}"
+    assert accuracy[-1] >= accuracy[0] + 0.1, f"held-out accuracy {accuracy} over 12 steps"
+    steps = [r for r in metrics if r["step"] >= 1 and "rollout/groups_failed" in r]
+    assert all(r["rollout/groups_failed"] == 0 for r in steps) and all(r["rollout/segments_per_trajectory"] == 1.0 for r in steps)
