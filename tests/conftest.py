@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from family_cases import family_dirs  # noqa: E402,F401  (the fitted model-family models, session-scoped)
+from family_cases import family_dirs, served  # noqa: E402,F401  (fitted model-family models, an engine on one)
 
 
 def _build(factory: pytest.TempPathFactory, arch: str, seed: int) -> Path:
@@ -89,6 +89,25 @@ def running_router(**settings) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def with_capture(url: str, tok: object, body, **kw: object):
+    """`body(capture)` on an agent gateway in front of `url` (an engine or a router), started and
+    stopped on a fresh event loop, as a rollout process runs it."""
+    import asyncio
+
+    from slimish.formats.model import ModelFormat
+    from slimish.rollout.capture import CaptureServer
+
+    async def main():
+        capture = CaptureServer(url, ModelFormat(tok), **kw)
+        await capture.start()
+        try:
+            return await body(capture)
+        finally:
+            await capture.stop()
+
+    return asyncio.run(main())
 
 
 ROOT = Path(__file__).resolve().parents[1]

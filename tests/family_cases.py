@@ -13,6 +13,7 @@ is fitted on both contexts: the chained ids it saw, and the template's rendering
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from transformers import AutoTokenizer
 
 import model_families
 from slimish.formats.model import ModelFormat
+from slimish.launch.local import engine_process
 
 CALCULATOR = {"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic",
               "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}  # fmt: skip
@@ -150,3 +152,12 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                     sequences.append((prompt + e.turns[k], [0] * len(prompt) + [1] * len(e.turns[k])))
         model_families.fit([dirs[n] for n in names], sequences)
     return dirs
+
+
+@pytest.fixture(scope="module")
+def served(case: Case, family_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A real engine on the fitted model of the module's `case` (a parametrized fixture each
+    module defines): its URL and the model dir."""
+    model = family_dirs[case.family]
+    with engine_process(model, log_path=tmp_path_factory.mktemp("logs") / "engine.log") as proc:
+        yield proc.url, model

@@ -8,7 +8,7 @@ thread; the engine is the module's real child process.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -19,7 +19,7 @@ from slimish.rollout.capture import CaptureServer
 from slimish.formats.model import ModelFormat
 from slimish.types import Sample, SampleStatus
 
-from conftest import running_router
+from conftest import running_router, with_capture
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic",
           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]  # fmt: skip
@@ -31,18 +31,6 @@ TEMPLATE = Sample(prompt=OPENING, label="20", group_id=7, index=2, metadata={"ta
 def router(engine) -> Iterator[str]:
     with running_router(worker_urls=[engine], health_check_interval=0.5) as url:
         yield url
-
-
-def with_capture(router: str, tok: Any, body: Callable[[CaptureServer], Awaitable[Any]], **kw: Any) -> Any:
-    async def main() -> Any:
-        capture = CaptureServer(router, ModelFormat(tok), **kw)
-        await capture.start()
-        try:
-            return await body(capture)
-        finally:
-            await capture.stop()
-
-    return asyncio.run(main())
 
 
 def sdk(capture: CaptureServer, session: str) -> openai.AsyncOpenAI:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +28,6 @@ from slimish.types import Sample, SampleStatus
 @pytest.fixture(scope="module", params=CASES, ids=CASE_IDS)
 def case(request) -> Case:
     return request.param
-
-
-@pytest.fixture(scope="module")
-def served(case: Case, family_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """A real engine on the case's family model: (its URL, the model dir)."""
-    model = family_dirs[case.family]
-    with engine_process(model, log_path=tmp_path_factory.mktemp("logs") / "engine.log") as proc:
-        yield proc.url, model
 
 
 def runtime_for(model: Path, url: str, *overrides: str) -> RolloutRuntime:

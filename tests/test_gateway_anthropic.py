@@ -10,7 +10,6 @@ errors in Anthropic's shape, and the `anthropic_agent` plugin.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from family_cases import CASES, TURNS, Case, conversation, expected
+from conftest import with_capture
 from slimish.formats.model import ModelFormat
-from slimish.launch.local import engine_process, free_port
+from slimish.launch.local import free_port
 from slimish.rollout.capture import CaptureServer
 from slimish.types import Sample, SampleStatus
 from test_family_formats import run_ctx_chat
@@ -33,20 +33,6 @@ GREEDY = {"temperature": 0.0}
 OPENING = [{"role": "user", "content": "What is (2+3)*4?"}]
 CALCULATOR = {"name": "calculator", "description": "Evaluate arithmetic",
               "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}  # fmt: skip
-
-
-def with_capture(url: str, tok: Any, body: Callable[[CaptureServer], Awaitable[Any]], **kw: Any) -> Any:
-    """`body(capture)` on a gateway in front of `url`, started and stopped on a fresh event loop."""
-
-    async def main() -> Any:
-        capture = CaptureServer(url, ModelFormat(tok), **kw)
-        await capture.start()
-        try:
-            return await body(capture)
-        finally:
-            await capture.stop()
-
-    return asyncio.run(main())
 
 
 def sdk(base_url: str, api_key: str = "slimish") -> anthropic.AsyncAnthropic:
@@ -69,14 +55,6 @@ async def create(client: anthropic.AsyncAnthropic, stream: bool, **kw: Any) -> t
 @pytest.fixture(scope="module", params=ANTHROPIC_CASES, ids=[c.name for c in ANTHROPIC_CASES])
 def case(request) -> Case:
     return request.param
-
-
-@pytest.fixture(scope="module")
-def served(case: Case, family_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """A real engine on the case's fitted family model: (its URL, the model dir)."""
-    model = family_dirs[case.family]
-    with engine_process(model, log_path=tmp_path_factory.mktemp("logs") / "engine.log") as proc:
-        yield proc.url, model
 
 
 @pytest.fixture(scope="module")

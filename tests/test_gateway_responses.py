@@ -9,7 +9,6 @@ tests/family_cases.py write it greedily).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,39 +18,19 @@ import pytest
 from transformers import AutoTokenizer
 
 from family_cases import CASES, Case, conversation
-from slimish.formats.model import ModelFormat
-from slimish.launch.local import engine_process
+from conftest import with_capture
 from slimish.rollout.capture import CaptureServer
 from slimish.types import Sample
 from test_family_formats import check_turn, run_ctx_chat
 
 RESPONSES_CASES = [c for c in CASES if c.name in ("qwen3", "qwen2.5", "deepseek-v3.1")]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 96}  # the gateway's defaults in these tests
 MODES = [("input", "create"), ("input", "events"), ("previous", "create"), ("previous", "manager")]  # (history, how it is read)
 
 
 @pytest.fixture(scope="module", params=RESPONSES_CASES, ids=[c.name for c in RESPONSES_CASES])
 def case(request) -> Case:
     return request.param
-
-
-@pytest.fixture(scope="module")
-def served(case: Case, family_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """A real engine on the case's family model: (its URL, the model dir)."""
-    model = family_dirs[case.family]
-    with engine_process(model, log_path=tmp_path_factory.mktemp("logs") / "engine.log") as proc:
-        yield proc.url, model
-
-
-def with_capture(url: str, tok: Any, body: Callable[[CaptureServer], Awaitable[Any]]) -> Any:
-    async def main() -> Any:
-        capture = CaptureServer(url, ModelFormat(tok), default_sampling={"temperature": 0.0, "max_new_tokens": 96})
-        await capture.start()
-        try:
-            return await body(capture)
-        finally:
-            await capture.stop()
-
-    return asyncio.run(main())
 
 
 def sdk(capture: CaptureServer, session: str) -> openai.AsyncOpenAI:
@@ -139,7 +118,7 @@ def test_responses_record_what_ctx_chat_records(served: tuple[str, Path], case: 
             out[history, how] = capture.pop_samples(session, Sample(prompt=conversation(case)[:2]))
         return out
 
-    for mode, samples in with_capture(url, AutoTokenizer.from_pretrained(model), agents).items():
+    for mode, samples in with_capture(url, AutoTokenizer.from_pretrained(model), agents, default_sampling=GREEDY).items():
         assert len(samples) == 1, mode  # reasoning items sent back (qwen3) continue the same sample
         (captured,) = samples
         assert captured.tokens == sample.tokens and captured.loss_mask == sample.loss_mask, mode
@@ -155,7 +134,7 @@ def test_a_response_cut_by_max_output_tokens_is_incomplete(served: tuple[str, Pa
         events = [e async for e in await client.responses.create(model="m", input="What is 2+3?", max_output_tokens=2, stream=True)]
         return plain, events
 
-    plain, events = with_capture(url, AutoTokenizer.from_pretrained(model), agent)
+    plain, events = with_capture(url, AutoTokenizer.from_pretrained(model), agent, default_sampling=GREEDY)
     assert plain.status == "incomplete" and plain.incomplete_details.reason == "max_output_tokens"
     assert plain.usage.output_tokens == 2 and plain.output[-1].status == "incomplete"
     assert events[-1].type == "response.incomplete" and events[-1].response.incomplete_details.reason == "max_output_tokens"
@@ -179,7 +158,7 @@ def test_stored_responses_are_per_session_and_store_false_keeps_none(served: tup
             await sdk(capture, "a").responses.create(model="m", input="Go on.", previous_response_id=first.id)
         return refused
 
-    assert with_capture(url, AutoTokenizer.from_pretrained(model), agent) == [(400, "previous_response_id")] * 2
+    assert with_capture(url, AutoTokenizer.from_pretrained(model), agent, default_sampling=GREEDY) == [(400, "previous_response_id")] * 2
 
 
 # ---- without an engine: what is refused before any generation -----------------------------------
@@ -205,7 +184,7 @@ def test_what_the_gateway_cannot_honour_is_a_400_naming_the_field(tok: Any, body
         async with httpx.AsyncClient(timeout=60) as http:
             return await http.post(capture.session_base_url("bad") + "/responses", json={"model": "m", **body})
 
-    r = with_capture("http://127.0.0.1:9", tok, post)  # nothing listens there: no request may reach an engine
+    r = with_capture("http://127.0.0.1:9", tok, post, default_sampling=GREEDY)  # nothing listens there: no request may reach an engine
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == field and error["message"].startswith(field + ":"), error
@@ -216,7 +195,7 @@ def test_a_request_without_a_session_is_a_401(tok: Any) -> None:
         async with httpx.AsyncClient(timeout=60) as http:
             return await http.post(capture.url + "/v1/responses", json={"model": "m", "input": "hi"})
 
-    r = with_capture("http://127.0.0.1:9", tok, post)
+    r = with_capture("http://127.0.0.1:9", tok, post, default_sampling=GREEDY)
     assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
 
 

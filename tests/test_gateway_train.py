@@ -5,6 +5,9 @@ knows about RL.
 The task is the quickstart's (`max_digit`: "Largest digit: 8 7 9 0 6 4 9"), answered with a tool
 call, `submit(digit)`. The SFT warm start teaches the call on demonstrations that submit a random
 digit of the list (the format, not the goal); GRPO then has to find "the largest" from the reward.
+The tiny model's template writes the tools in one short system line: its Qwen2.5 preamble (about
+300 tokens) is more context than a 2-layer, 64-wide model learns to look past in a few steps
+(measured: the quickstart itself stays at chance for 10 steps behind a system prompt that long).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from transformers import AutoTokenizer
+
 from slimish.metrics import read_metrics
 from slimish.rollout.tasks import get_task
 from slimish.tiny_model import make_tiny_model
@@ -27,6 +32,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 SUBMIT = {"type": "function", "function": {"name": "submit", "description": "Submit the answer digit.",
           "parameters": {"type": "object", "properties": {"digit": {"type": "string"}}, "required": ["digit"]}}}  # fmt: skip
+
+# Tools in one line: `<|im_start|>system\nTools: submit(digit)<|im_end|>` (then the template as it was).
+SHORT_TOOLS = """{%- if tools %}
+    {{- '<|im_start|>system\\nTools: ' }}
+    {%- for tool in tools %}{{- tool.function.name + '(' + tool.function.parameters.properties | list | join(', ') + ') ' }}{%- endfor %}
+    {{- '<|im_end|>\\n' }}
+"""
 
 PLUGIN = """
 import anthropic
@@ -61,9 +73,12 @@ def test_anthropic_sdk_agent_learns_a_toy_tool_task(tmp_path: Path) -> None:
                                                      for r in task.make("test", 64, 0)))  # fmt: skip
     (tmp_path / "agent.py").write_text(PLUGIN)
     model = make_tiny_model(tmp_path / "model", arch="llama", size="tiny", seed=0)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = SHORT_TOOLS + tok.chat_template[tok.chat_template.index("\n{%- else %}") :]  # the top-level else: no tools
+    tok.save_pretrained(model)
     argv = [sys.executable, "-m", "slimish.train", "--config", str(ROOT / "configs/quickstart.yaml"), f"model={model}",
             f"run_dir={tmp_path / 'run'}", f"data.source={tmp_path / 'rl.jsonl'}", f"data.eval_source={tmp_path / 'held_out.jsonl'}", f"sft.source={tmp_path / 'sft.jsonl'}",
-            f"rollout.rollout_fn={tmp_path / 'agent.py'}:rollout", "rollout.max_new_tokens=24", "rollout.rollout_batch_size=16",
+            f"rollout.rollout_fn={tmp_path / 'agent.py'}:rollout", "rollout.max_new_tokens=32",
             "steps=12", "eval.every=6", "checkpoint.every=0"]  # fmt: skip
     done = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1400)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
@@ -35,29 +35,36 @@ def router(capture: "CaptureServer") -> APIRouter:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        try:
-            session = session_of(request)
+        async def answer() -> Response:
             body = await parse_body(request, ChatCompletionRequest)
             if body.n != 1:
                 raise OpenAIError(f"n: a captured session is one trajectory, n must be 1, got {body.n}", "n")
             check_tool_choice(body)
             turn = TurnRequest(body.messages, active_tools(body), body.chat_template_kwargs or {}, sampling(body),
                                (body.top_logprobs or 0) if body.logprobs else 0, body.separate_reasoning)  # fmt: skip
-            result = await capture.turn(session, turn)
-        except KeyError as exc:
-            return error(401, str(exc.args[0]), "AuthenticationError")
-        except TemplateError as exc:
-            return OpenAIError.of(exc).response()
-        except OpenAIError as exc:
-            return exc.response()
-        except ServerError as exc:
-            return error(exc.status or 502, exc.message, "ServerError")  # 0: no reply upstream
-        reply = completion(capture, body, result)
-        if body.stream:
-            return StreamingResponse(_events(reply, body), media_type="text/event-stream")
-        return JSONResponse(reply)
+            reply = completion(capture, body, await capture.turn(session_of(request), turn))
+            if body.stream:
+                return StreamingResponse(_events(reply, body), media_type="text/event-stream")
+            return JSONResponse(reply)
+
+        return await openai_errors(answer)
 
     return api
+
+
+async def openai_errors(answer: Callable[[], Awaitable[Response]]) -> Response:
+    """A route's answer, or the gateway's failures as OpenAI error replies: no session (401), a
+    bad request or conversation (400 naming the field), an engine or router error (its status)."""
+    try:
+        return await answer()
+    except KeyError as exc:
+        return error(401, str(exc.args[0]), "AuthenticationError")
+    except TemplateError as exc:
+        return OpenAIError.of(exc).response()
+    except OpenAIError as exc:
+        return exc.response()
+    except ServerError as exc:
+        return error(exc.status or 502, exc.message, "ServerError")  # 0: no reply upstream
 
 
 def error(status: int, message: str, kind: str) -> JSONResponse:

@@ -26,11 +26,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from slimish.client import ServerError
 from slimish.formats.openai import OpenAIError, parse_body
-from slimish.formats.template import TemplateError
 from slimish.protocol import describe_validation_error
-from slimish.rollout.protocols.openai_chat import error
+from slimish.rollout.protocols.openai_chat import openai_errors
 
 if TYPE_CHECKING:
     from slimish.rollout.capture import CaptureServer, TurnResult
@@ -116,7 +114,7 @@ def router(capture: "CaptureServer") -> APIRouter:
 
     @api.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        try:
+        async def answer() -> Response:
             session = session_of(request)
             body = await parse_body(request, ResponsesRequest)
             check_options(body)
@@ -127,20 +125,14 @@ def router(capture: "CaptureServer") -> APIRouter:
             system = [{"role": "system", "content": body.instructions}] if body.instructions else []
             turn = TurnRequest([*system, *conversation], chat_tools(body), body.chat_template_kwargs or {}, sampling(body))
             result = await capture.turn(session, turn)
-        except KeyError as exc:
-            return error(401, str(exc.args[0]), "AuthenticationError")
-        except TemplateError as exc:
-            return OpenAIError.of(exc).response()
-        except OpenAIError as exc:
-            return exc.response()
-        except ServerError as exc:
-            return error(exc.status or 502, exc.message, "ServerError")  # 0: no reply upstream
-        reply = response_object(capture, body, result)
-        if body.store is not False:
-            store.put(session, reply["id"], [*conversation, result.reply.message()])
-        if body.stream:
-            return StreamingResponse(_sse(reply), media_type="text/event-stream")
-        return JSONResponse(reply)
+            reply = response_object(capture, body, result)
+            if body.store is not False:
+                store.put(session, reply["id"], [*conversation, result.reply.message()])
+            if body.stream:
+                return StreamingResponse(_sse(reply), media_type="text/event-stream")
+            return JSONResponse(reply)
+
+        return await openai_errors(answer)
 
     return api
 
