@@ -68,27 +68,55 @@ def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 @contextmanager
-def running_router(**settings) -> Iterator[str]:
-    """The slimish router in a thread of the test process (fast to start): its URL. Health
-    checks run often, so tests that kill a worker see it marked down quickly."""
+def serving(app, what: str) -> Iterator[str]:
+    """An ASGI app served by uvicorn in a thread of the test process on a free loopback port:
+    its URL, for as long as the block runs."""
     import uvicorn
 
     from slimish.launch.local import free_port
-    from slimish.router import RouterConfig, create_app
 
-    cfg = RouterConfig(**{"health_check_interval": 0.2, "health_failure_threshold": 1, **settings})
-    server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=free_port(), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "router did not start within 30 s"
+        assert thread.is_alive() and time.monotonic() < deadline, f"{what} did not start within 30 s"
         time.sleep(0.01)
     try:
         yield f"http://127.0.0.1:{server.config.port}"
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+@contextmanager
+def running_router(**settings) -> Iterator[str]:
+    """The slimish router in a thread of the test process (fast to start): its URL. Health
+    checks run often, so tests that kill a worker see it marked down quickly."""
+    from slimish.router import RouterConfig, create_app
+
+    cfg = RouterConfig(**{"health_check_interval": 0.2, "health_failure_threshold": 1, **settings})
+    with serving(create_app(cfg), "router") as url:
+        yield url
+
+
+def run_plugin(rollout, model_dir: Path, url: str, tok, sample, sampling_params: dict):
+    """A rollout plugin on one sample, through a real `RolloutContext` on `url` (an engine or a
+    router), as the manager calls it."""
+    import asyncio
+
+    from slimish.client import Client
+    from slimish.config import RunConfig
+    from slimish.rollout.api import RolloutContext, RolloutRuntime
+
+    async def main():
+        runtime = RolloutRuntime(RunConfig(model=str(model_dir)), Client(url), tok)
+        try:
+            return await rollout(RolloutContext(runtime, sample, sampling_params=sampling_params), sample)
+        finally:
+            await runtime.close()
+
+    return asyncio.run(main())
 
 
 def with_capture(url: str, tok: object, body, **kw: object):

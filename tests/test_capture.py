@@ -19,7 +19,7 @@ from slimish.rollout.capture import CaptureServer
 from slimish.formats.model import ModelFormat
 from slimish.types import Sample, SampleStatus
 
-from conftest import running_router, with_capture
+from conftest import run_plugin, running_router, with_capture
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic",
           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]  # fmt: skip
@@ -176,21 +176,8 @@ def test_openai_agent_plugin_yields_exact_samples(engine, router, tok, tiny_mode
     """rollout_plugins/openai_agent.py through ctx (H1's api): each run of model tokens is what the
     engine generates greedily from the context before it; everything else is mask 0."""
     from rollout_plugins.openai_agent import MAX_TURNS, calculator, rollout
-    from slimish.client import Client
-    from slimish.config import RunConfig
-    from slimish.rollout.api import RolloutContext, RolloutRuntime
-
     params = {"temperature": 0.0, "max_new_tokens": 6}
-
-    async def main() -> list[Sample]:
-        runtime = RolloutRuntime(RunConfig(model=str(tiny_model_dir)), Client(router), tok)
-        try:
-            sample = Sample(prompt="What is 2 + 3?", label="5", group_id=3)
-            return await rollout(RolloutContext(runtime, sample, sampling_params=params), sample)
-        finally:
-            await runtime.close()
-
-    (s,) = asyncio.run(main())
+    (s,) = run_plugin(rollout, tiny_model_dir, router, tok, Sample(prompt="What is 2 + 3?", label="5", group_id=3), params)
     s.check()
     assert s.reward in (0.0, 1.0) and s.metadata["capture"]["turns"] == MAX_TURNS  # a random model never boxes
     runs, start = [], None

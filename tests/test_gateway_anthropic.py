@@ -9,7 +9,6 @@ errors in Anthropic's shape, and the `anthropic_agent` plugin.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from family_cases import CASES, TURNS, Case, conversation, expected
-from conftest import with_capture
+from conftest import run_plugin, with_capture
 from slimish.formats.model import ModelFormat
 from slimish.launch.local import free_port
 from slimish.rollout.capture import CaptureServer
@@ -250,21 +249,8 @@ def test_anthropic_agent_plugin_yields_one_exact_sample(engine: str, tok: Any, t
     boxes an answer), one sample, each run of model ids what the engine generates from its context."""
     from rollout_plugins.anthropic_agent import MAX_TURNS, rollout, split_system
     from rollout_plugins.openai_agent import TOOLS
-    from slimish.client import Client
-    from slimish.config import RunConfig
-    from slimish.rollout.api import RolloutContext, RolloutRuntime
-
     params = {"temperature": 0.0, "max_new_tokens": 6}
-
-    async def main() -> list[Sample]:
-        runtime = RolloutRuntime(RunConfig(model=str(tiny_model_dir)), Client(engine), tok)
-        try:
-            sample = Sample(prompt="What is 2 + 3?", label="5", group_id=3)
-            return await rollout(RolloutContext(runtime, sample, sampling_params=params), sample)
-        finally:
-            await runtime.close()
-
-    (s,) = asyncio.run(main())
+    (s,) = run_plugin(rollout, tiny_model_dir, engine, tok, Sample(prompt="What is 2 + 3?", label="5", group_id=3), params)
     s.check()
     assert s.reward == 0.0 and s.metadata["capture"]["turns"] == MAX_TURNS
     assert s.loss_mask.count(1) == MAX_TURNS * params["max_new_tokens"]

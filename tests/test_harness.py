@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 
 from rollout_plugins.harness_task.task import TASK, score, task_files
+from conftest import serving
 from slimish.launch.local import free_port
 from slimish.rollout.harness import HarnessLimits, HarnessRun, gateway_env, run_harness
 from slimish.types import Sample, SampleStatus
@@ -233,19 +232,9 @@ def fake_server() -> Iterator[FakeModel]:
     async def chat(request: Request) -> dict[str, Any]:
         return model.reply(await request.json(), request.headers.get("authorization", ""))
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "fake server did not start"
-        time.sleep(0.01)
-    model.url = f"http://127.0.0.1:{server.config.port}"
-    try:
+    with serving(app, "fake model server") as url:
+        model.url = url
         yield model
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 @pytest.fixture
