@@ -136,16 +136,10 @@ def chat_items(engine: Engine, body: ChatCompletionRequest) -> list[Item]:
     if max_tokens < 1:
         raise OpenAIError(f"{max_field}: must be at least 1, got {max_tokens}", max_field)
     params = sampling_params_of(body, max_tokens, max_field)
-    if _parsed(engine, body):  # tool-call and reasoning markers may be special tokens: keep them in the text to parse
+    if engine.format.parses(active_tools(body), body.separate_reasoning):
         params = params.model_copy(update={"skip_special_tokens": False})
     wish = LogprobWish(return_logprob=body.logprobs, top_logprobs_num=(body.top_logprobs or 0) if body.logprobs else 0)
     return _items(engine, body, [ids], params, wish, "chatcmpl-", "messages", max_field)
-
-
-def _parsed(engine: Engine, body: ChatCompletionRequest) -> bool:
-    """Whether this request's replies are split by the engine's parsers."""
-    fmt = engine.format
-    return (fmt.tools is not None and active_tools(body) is not None) or (fmt.reasoning is not None and body.separate_reasoning)
 
 
 # ---- replies ----------------------------------------------------------------------------------

@@ -85,10 +85,10 @@ class ModelFormat:
             self._template = ChatTemplate(self.tokenizer)
         return self._template
 
-    @property
-    def parses(self) -> bool:
-        """Whether replies are parsed: then markers that are special tokens must stay in the text."""
-        return self.tools is not None or self.reasoning is not None
+    def parses(self, tools: list[dict] | None, reasoning: bool = True) -> bool:
+        """Whether a reply to a request offering `tools` (and splitting reasoning) is parsed: then
+        markers that are special tokens must stay in its text (`skip_special_tokens` false)."""
+        return (self.tools is not None and bool(tools)) or (self.reasoning is not None and reasoning)
 
     def chat(self, tools: list[dict] | None = None, **kwargs: Any) -> ChatTokens:
         """The token-space renderer for a tool list and template kwargs, built once (building one renders the template)."""

@@ -7,8 +7,8 @@ produced it) and every environment token through `append_env` (mask 0), so the a
 drift. Token in, token out: multi-turn samples are the engine's own output ids with the
 environment's turns spliced in by `ChatTokens.env_ids` (slimish/formats), never a re-tokenised text.
 
-`RolloutRuntime` holds what all samples of a run share (router client, tokenizer, config, and the
-OpenAI capture endpoint, started the first time an agent asks for it).
+`RolloutRuntime` holds what all samples of a run share (router client, tokenizer, model format,
+config, and the agent gateway, started the first time an agent asks for it).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from slimish.formats.tokens import ChatTokens, same_message
 from slimish.protocol import GenerateResponse
 from slimish.rollout.capture import CaptureServer
 from slimish.types import GenerateResult, Sample, SampleStatus, status_of
+
 
 def default_sampling_params(cfg: RolloutConfig) -> dict[str, Any]:
     """The sampling params every generate call starts from (a call's own params override them)."""
@@ -61,7 +62,7 @@ class RolloutRuntime:
         self.sampling_params = default_sampling_params(cfg.rollout)
         # The model's chat format (template, end tokens, parsers): the same object the engine builds.
         self.format = ModelFormat(tokenizer, cfg.model, cfg.rollout.tool_call_parser, cfg.rollout.reasoning_parser)
-        self.capture: CaptureServer | None = None  # started by the first `ctx.openai_base_url()`
+        self.capture: CaptureServer | None = None  # the agent gateway, started by the first session
         self._capture_lock = asyncio.Lock()
 
     def chat_tokens(self, tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> ChatTokens:
@@ -120,7 +121,7 @@ class RolloutContext:
     @property
     def resumable(self) -> bool:
         """Whether an aborted sample can be continued by calling the rollout function again:
-        single-turn samples can; a conversation's state (ctx.chat, an OpenAI session) is not kept."""
+        single-turn samples can; a conversation's state (ctx.chat, a gateway session) is not kept."""
         return self._chat is None and self._session is None
 
     # ---- generation -------------------------------------------------------------------------
@@ -185,7 +186,7 @@ class RolloutContext:
             sample.append_env(chat.env_ids(messages[known:], self._last_token))
         params = {**self.sampling_params, **(sampling_params or {})}
         fmt = self.runtime.format
-        if (fmt.tools is not None and tools) or fmt.reasoning is not None:  # markers may be special tokens: keep them in the text
+        if fmt.parses(tools):
             params.setdefault("skip_special_tokens", False)
         prompt = list(sample.tokens)
         result = await self.generate(prompt, params)
@@ -239,7 +240,7 @@ class RolloutContext:
         return capture, self._session
 
     def captured_samples(self) -> list[Sample]:
-        """The exact-token samples of this context's OpenAI session (one per template segment)."""
+        """The exact-token samples of this context's gateway session (one per leaf of its tree)."""
         sample = self._need_sample("captured_samples")
         if self._session is None or self.runtime.capture is None:
             raise ValueError("ctx.captured_samples: no gateway session; call `await ctx.openai_base_url()` (or "
@@ -247,7 +248,7 @@ class RolloutContext:
         return self.runtime.capture.pop_samples(self._session, sample)
 
     def release(self) -> None:
-        """Forget an OpenAI session the rollout function never collected (it raised, or was cut off)."""
+        """Forget a gateway session the rollout function never collected (it raised, or was cut off)."""
         if self._session is not None and self.runtime.capture is not None and self.sample is not None:
             self.runtime.capture.pop_samples(self._session, self.sample)
 

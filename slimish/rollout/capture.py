@@ -146,8 +146,8 @@ class CaptureServer:
         messages = [normalize_message(m, i) for i, m in enumerate(req.messages)]
         at = tree.place(messages, render_key, self.format.chat(req.tools, **kwargs))
         params = {**self.default_sampling, **self.session_sampling.get(session_id, {}), **req.sampling}
-        if (self.format.tools is not None and req.tools) or (self.format.reasoning is not None and req.separate_reasoning):
-            params["skip_special_tokens"] = False  # tool-call and reasoning markers may be special tokens: keep them to parse
+        if self.format.parses(req.tools, req.separate_reasoning):
+            params["skip_special_tokens"] = False
         out = await self.client.generate(input_ids=at.prompt_ids, sampling_params=params, return_logprob=True,
                                          top_logprobs_num=req.top_logprobs)  # fmt: skip
         assert isinstance(out, GenerateResponse)
