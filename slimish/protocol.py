@@ -10,6 +10,7 @@ gate is. Top-level keys we do not know are ignored (sglang-router adds several);
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -54,8 +55,8 @@ class SamplingParams(BaseModel):
     sampling_seed: int | None = None
     logit_bias: dict[str, float] | None = None
     stream_interval: int | None = None
-    # Accepted by SGLang; the built-in engine rejects the constrained-decoding ones when set
-    # (see `unsupported`), and ignores the rest as SGLang itself does.
+    # Constrained decoding (at most one; slimish/engine/grammar.py), then fields SGLang accepts
+    # and ignores, as the built-in engine does.
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -71,13 +72,6 @@ class SamplingParams(BaseModel):
         if v == 0 or v < -1:
             raise ValueError("top_k must be -1 (off) or a positive int")
         return TOP_K_OFF if v == -1 else v
-
-    def unsupported(self) -> str | None:
-        """Name the first set field that the built-in engine cannot honour, else None."""
-        for name in ("json_schema", "regex", "ebnf", "structural_tag"):
-            if getattr(self, name) is not None:
-                return name
-        return None
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -276,6 +270,49 @@ class MemoryOccupationReq(_Strict):
     tags: list[str] | None = None
 
 
+class ProfileReq(BaseModel):
+    """`/start_profile` (every field optional). Lax: SGLang's bench client sends step counts as
+    strings."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    output_dir: str | None = None
+    start_step: int | None = None
+    num_steps: int | None = Field(None, ge=1)
+    activities: list[str] | None = None
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+    profile_prefix: str | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """`/tokenize` and `/v1/tokenize`: exactly one of `prompt` or `messages`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("Exactly one of 'prompt' or 'messages' must be provided.")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int] | list[list[int]]
+    skip_special_tokens: bool = True
+
+
 class ControlResult(BaseModel):
     """The `{"success", "message"}` reply of control endpoints."""
 
@@ -288,6 +325,31 @@ class ControlResult(BaseModel):
 # --------------------------------------------------------------------------------------------
 # OpenAI-compatible (PROTOCOL.md 3). Lax types: SDKs send floats and ints freely.
 # --------------------------------------------------------------------------------------------
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`, turned into a grammar as SGLang does (`sampling_fields`)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: dict[str, Any] | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # SGLang also takes it at the top
+
+    @model_validator(mode="after")
+    def _has_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.schema_ is None and not isinstance((self.json_schema or {}).get("schema"), dict):
+            raise ValueError("json_schema.schema is required for a json_schema response format request")
+        return self
+
+    def sampling_fields(self) -> dict[str, str]:
+        if self.type == "json_schema":
+            return {"json_schema": json.dumps(self.schema_ if self.schema_ is not None else self.json_schema["schema"])}
+        if self.type == "json_object":
+            return {"json_schema": '{"type": "object"}'}
+        if self.type == "structural_tag":
+            return {"structural_tag": json.dumps(self.model_dump(by_alias=True, exclude_none=True))}
+        return {}
 
 
 class _OpenAISampling(BaseModel):
@@ -316,9 +378,16 @@ class _OpenAISampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool = False
     rid: str | None = None
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def sampling_params(self, max_new_tokens: int) -> SamplingParams:
+        grammar = {"regex": self.regex, "ebnf": self.ebnf, "json_schema": getattr(self, "json_schema", None)}
+        if self.response_format is not None:
+            grammar.update(self.response_format.sampling_fields())
         return SamplingParams(
+            **{name: text for name, text in grammar.items() if text is not None},
             max_new_tokens=max_new_tokens,
             temperature=float(self.temperature),
             top_p=float(self.top_p),
@@ -340,6 +409,7 @@ class _OpenAISampling(BaseModel):
 
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    json_schema: str | None = None
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False

@@ -226,3 +226,15 @@ def assert_run_survives_an_engine_kill(tmp_path: Path, kill: str, *overrides: st
     assert sorted(i for t in trained for i in t["group_ids"]) == list(range(16))  # every prompt once
     assert trained[-1]["versions"] == [[3]] * 4  # step 4 ran on the weights pushed after step 3, both engines
     assert "had exited: restarted" in done.stdout + done.stderr
+
+
+def metric_total(url: str, sample: str, **labels: str) -> float:
+    """The sum of a Prometheus sample over its label sets (those matching `labels`), read with
+    prometheus_client's own parser: 0 when no series exists yet."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))  # fmt: skip
+

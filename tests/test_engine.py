@@ -12,6 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import metric_total
+from prometheus_client.parser import text_string_to_metric_families
+
 from slimish.config import EngineConfig
 from slimish.launch.local import engine_process
 
@@ -357,16 +360,18 @@ def test_health_info_and_models(engine, tiny_model_dir):
     assert models["data"][0]["max_model_len"] == server["context_length"]
 
 
-def test_metrics_count_tokens(engine):
-    def value(name: str) -> float:
-        text = httpx.get(engine + "/metrics").text
-        return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
-
-    before = value("sglang:generation_tokens_total"), value("sglang:prompt_tokens_total")
+def test_metrics_count_tokens(engine, tiny_model_dir):
+    """SGLang's names and labels, read by prometheus_client's parser; `cached_tokens_total` exists."""
+    names = ("sglang:generation_tokens_total", "sglang:prompt_tokens_total")
+    before = [metric_total(engine, n, is_streaming="false") for n in names]
     generate(engine, input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 7})
-    after = value("sglang:generation_tokens_total"), value("sglang:prompt_tokens_total")
+    after = [metric_total(engine, n, is_streaming="false") for n in names]
     assert after[0] - before[0] == 7 and after[1] - before[1] == len(PROMPTS[0])
-    assert "sglang:num_running_reqs" in httpx.get(engine + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(engine + "/metrics").text)}
+    ranks = {"model_name": str(tiny_model_dir.resolve()), "engine_type": "unified", "tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
+    assert families["sglang:num_running_reqs"].samples[0].labels == ranks
+    cached = [s for s in families["sglang:cached_tokens"].samples if s.name == "sglang:cached_tokens_total"]
+    assert [(s.labels["cache_source"], s.value) for s in cached] == [("total", 0.0)]
 
 
 def test_weight_version_flush_and_memory_endpoints(engine, tiny_model_dir):
@@ -429,7 +434,7 @@ def test_schema_errors_name_the_field(engine, body, field):
         ({"input_ids": [1, 10**7]}, "outside the vocabulary"),
         ({"input_ids": [1] * 5000}, "context length"),
         ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10**6}}, "max_new_tokens"),
-        ({"input_ids": [1, 2], "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
+        ({"input_ids": [1, 2], "sampling_params": {"regex": "a("}}, "sampling_params.regex: Failed to compile regex grammar"),
         ({"input_ids": [1, 2], "logprob_start_len": 5, "return_logprob": True}, "logprob_start_len"),
         ({"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params.n"),
         # Found by tests/test_fuzz.py (each was a 500, or a scheduler step that aborted everyone):

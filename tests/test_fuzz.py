@@ -34,7 +34,7 @@ ENGINE_OPS = {
     **{("POST", p): (15, BOTH) for p in ("/abort_request", "/get_weights_by_name", "/update_weight_version",
                                           "/begin_weight_update", "/continue_generation", "/update_weights_from_disk",
                                           "/update_weights_from_distributed", "/destroy_weights_update_group",
-                                          "/release_memory_occupation")},  # fmt: skip
+                                          "/release_memory_occupation", "/tokenize", "/v1/detokenize")},  # fmt: skip
     **{("GET", p): (1, (GenerationMode.POSITIVE,)) for p in ("/health", "/model_info", "/server_info", "/v1/models", "/metrics")},
 }
 ROUTER_OPS = {

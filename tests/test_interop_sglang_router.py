@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import metric_total
 
 from slimish.client import Client
 from slimish.launch.local import engine_process, free_port, start_all
@@ -97,10 +98,7 @@ def generate(url: str, **body) -> dict | list:
 
 def requests_finished(engine: str) -> float:
     """The engine's `sglang:num_requests_total` counter (one per generated sequence)."""
-    for line in httpx.get(engine + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("sglang:num_requests_total "):
-            return float(line.split()[1])
-    raise AssertionError(f"{engine}/metrics has no sglang:num_requests_total")
+    return metric_total(engine, "sglang:num_requests_total")
 
 
 def test_workers_listed_with_engine_metadata(router, engines, tiny_model_dir):

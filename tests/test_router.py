@@ -237,6 +237,27 @@ def test_control_fans_out_to_every_worker(urls):
         generate(router, input_ids=PROMPT, sampling_params=GREEDY)  # still serving after the round trip
 
 
+def test_every_engine_admin_route_goes_through_the_router(urls, tiny_model_dir):
+    """Fanned out with a result per worker, or to one worker (`?worker=` id or URL) with its reply
+    as the engine gave it: versions, weights, disk loads and profiling driven through the router."""
+    with running_router(worker_urls=urls) as router:
+        one = {"worker": urls[1]}
+        r = httpx.post(router + "/update_weight_version", params=one, json={"new_version": "v7"})
+        assert r.status_code == 200 and r.json() == {"success": True, "message": "Weight version updated to v7", "new_version": "v7"}
+        assert [httpx.get(u + "/model_info").json()["weight_version"] for u in urls] == ["default", "v7"]
+        r = httpx.post(router + "/update_weights_from_disk", json={"model_path": str(tiny_model_dir), "weight_version": "v8"})
+        assert r.status_code == 200 and [w["body"]["success"] for w in r.json()["workers"]] == [True, True]
+        assert [httpx.get(u + "/model_info").json()["weight_version"] for u in urls] == ["v8", "v8"]
+        worker_id = httpx.get(router + "/workers").json()["workers"][0]["id"]
+        name = "model.embed_tokens.weight"
+        direct = httpx.post(urls[0] + "/get_weights_by_name", json={"name": name, "truncate_size": 3}).json()
+        assert httpx.post(router + "/get_weights_by_name", params={"worker": worker_id}, json={"name": name, "truncate_size": 3}).json() == direct
+        assert httpx.post(router + "/start_profile", params=one, json={"output_dir": "/nonexistent/\0"}).status_code == 400
+        assert httpx.post(router + "/stop_profile", params=one).json()["error"]["message"].startswith("Profiling is not in progress")
+        missing = httpx.post(router + "/flush_cache", params={"worker": "no-such-worker"})
+        assert missing.status_code == 404 and "no worker with id" in missing.json()["error"]["message"]
+
+
 def test_keys_guard_serving_and_admin_routes(urls):
     with running_router(worker_urls=urls, api_key="serve", admin_key="adm") as router:
         r = httpx.post(router + "/generate", json={"input_ids": PROMPT})

@@ -22,7 +22,9 @@ import torch
 from transformers import AutoTokenizer
 
 from slimish.config import EngineConfig
+from slimish.engine.grammar import GrammarError, Grammars
 from slimish.engine.metrics import Metrics
+from slimish.engine.profiler import Profiler
 from slimish.engine.runner import Runner, engine_device, load_model, use_device
 from slimish.engine.scheduler import LogprobWish, Request, Scheduler
 from slimish.engine.weights import WeightUpdater
@@ -74,15 +76,18 @@ class Engine:
         self.context_length = cfg.context_length or self.model.config.max_position_embeddings
         self.format = ModelFormat(self.tokenizer, self.model_path, cfg.tool_call_parser, cfg.reasoning_parser)
         self.served_model_name = cfg.served_model_name or self.model_path
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, set(self.format.end_ids))
         self.weights = WeightUpdater(self.model, timeout=timedelta(seconds=cfg.weight_sync_timeout_s))
         if cfg.await_weights:
             self.weights.await_full_push()
+        self.profiler = Profiler()
         self.scheduler = Scheduler(
             Runner(self.model),
             max_running_requests=cfg.max_running_requests,
             max_prefill_tokens=cfg.max_prefill_tokens,
+            on_step=self.profiler.step,
         )
-        self.metrics = Metrics()
+        self.metrics = Metrics(self.served_model_name)
         self.started_at = time.time()
         # Sequences submitted and not finished; only touched on the event loop's thread.
         self.unfinished = 0
@@ -169,8 +174,10 @@ class Engine:
         if (torn := self.weights.torn_error()) is not None:
             raise Unavailable(torn)
         p, w, n_in, cfg = item.params, item.wish, len(item.input_ids), self.cfg
-        if (name := p.unsupported()) is not None:
-            raise RequestError(f"sampling_params.{name}: constrained decoding is not supported by the built-in engine")
+        try:
+            self.grammars.compile(p)  # compiled once per text: the matcher at submit reuses it
+        except GrammarError as exc:
+            raise RequestError(str(exc)) from None
         if cfg.max_prompt_tokens is not None and n_in > cfg.max_prompt_tokens:
             raise RequestError(f"input_ids: the prompt has {n_in} tokens; this engine accepts at most {cfg.max_prompt_tokens} (--max-prompt-tokens)")
         if cfg.max_new_tokens_cap is not None and p.max_new_tokens > cfg.max_new_tokens_cap:
@@ -189,8 +196,8 @@ class Engine:
                 re.compile(rx)
             except re.error as exc:
                 raise RequestError(f"sampling_params.stop_regex: {rx!r} is not a valid regular expression ({exc})") from None
-        if w.logprob_start_len >= n_in:
-            raise RequestError(f"logprob_start_len: {w.logprob_start_len} must be smaller than the prompt length {n_in}")
+        if w.logprob_start_len > n_in:  # equal is allowed, as SGLang: no input logprobs
+            raise RequestError(f"logprob_start_len: {w.logprob_start_len} is higher than the number of input tokens {n_in}; use a smaller logprob_start_len")
         if w.top_logprobs_num < 0:
             raise RequestError("top_logprobs_num: must be >= 0")
         if any(not (k.isascii() and k.lstrip("-").isdigit()) for k in (p.logit_bias or {})):
@@ -240,22 +247,23 @@ class Engine:
                 wish=it.wish,
                 emit=emitter(i),
                 decode_text=self.decode,
+                grammar=self.grammars.matcher(it.params),
             )
             for i, it in enumerate(items)
         ]
         self.unfinished += len(reqs)
         for r in reqs:
             self.scheduler.submit(r)
-        return self._progress(reqs, queue)
+        return self._progress(reqs, queue, stream)
 
-    async def _progress(self, reqs: list[Request], queue: asyncio.Queue[Update]) -> AsyncIterator[tuple[list[Request], Update]]:
+    async def _progress(self, reqs: list[Request], queue: asyncio.Queue[Update], stream: bool) -> AsyncIterator[tuple[list[Request], Update]]:
         done = 0
         try:
             while done < len(reqs):
                 update = await queue.get()
                 done += update.finished
                 if done == len(reqs):
-                    self.metrics.finished(reqs)
+                    self.metrics.finished(reqs, stream)
                 yield reqs, update
         finally:
             if done < len(reqs):
@@ -307,13 +315,13 @@ class Engine:
         if w.return_logprob:
             tok = self.decode if text_in_logprobs else None
             triple = lambda lp, t: [lp, t, tok([t], False) if tok else None]  # noqa: E731
-            if req.input_logprobs is not None:
-                start = w.logprob_start_len
-                meta["input_token_logprobs"] = [triple(lp, t) for lp, t in zip(req.input_logprobs, req.input_ids[start:])]
-                if w.top_logprobs_num > 0:
-                    meta["input_top_logprobs"] = [None if e is None else [triple(lp, t) for lp, t in e] for e in req.input_top_logprobs]
-                if w.token_ids_logprob:
-                    meta["input_token_ids_logprobs"] = [None if e is None else [triple(lp, t) for lp, t in e] for e in req.input_ids_logprobs]
+            # Always present, as SGLang sends them: empty unless `logprob_start_len` is inside the prompt.
+            inputs = req.input_ids[w.logprob_start_len :] if req.input_logprobs is not None else []
+            meta["input_token_logprobs"] = [triple(lp, t) for lp, t in zip(req.input_logprobs or [], inputs)]
+            if w.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = [None if e is None else [triple(lp, t) for lp, t in e] for e in req.input_top_logprobs or []]
+            if w.token_ids_logprob:
+                meta["input_token_ids_logprobs"] = [None if e is None else [triple(lp, t) for lp, t in e] for e in req.input_ids_logprobs or []]
             meta["output_token_logprobs"] = [triple(lp, t) for lp, t in zip(req.output_logprobs[:n], ids)]
             meta["output_token_logprobs_length"] = n
             if w.top_logprobs_num > 0:

@@ -7,9 +7,11 @@ logit bias, before top-k/top-p/min-p truncation, with T = 1 for greedy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from slimish.engine.grammar import mask_logits
 from slimish.protocol import TOP_K_OFF, SamplingParams
 
 # As SGLang: a temperature below this samples greedily (dividing the logits by it would overflow).
@@ -30,10 +32,12 @@ class RowState:
     output_ids: list[int]  # output so far (frequency / presence penalty, min_new_tokens)
     stop_ids: set[int]
     generator: torch.Generator | None
+    grammar: Any = None  # an xgrammar matcher for constrained decoding
 
 
 def _adjust_logits(logits: torch.Tensor, rows: list[RowState]) -> None:
-    """In place: penalties, logit bias, and no stop token before `min_new_tokens`."""
+    """In place: penalties, logit bias, no stop token before `min_new_tokens`, and the grammar's
+    mask, all before logprobs are taken, as SGLang does."""
     device = logits.device
     for i, r in enumerate(rows):
         p = r.params
@@ -49,6 +53,7 @@ def _adjust_logits(logits: torch.Tensor, rows: list[RowState]) -> None:
                 logits[i, int(tok)] += bias
         if len(r.output_ids) < p.min_new_tokens and r.stop_ids:
             logits[i, torch.tensor(sorted(r.stop_ids), device=device)] = float("-inf")
+    mask_logits(logits, [r.grammar for r in rows])
 
 
 def _truncate(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:

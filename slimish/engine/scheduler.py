@@ -69,13 +69,14 @@ class Request:
     created: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
     generator: torch.Generator | None = None
+    grammar: Any = None  # an xgrammar matcher: masks each step, fed each token
 
     def __post_init__(self) -> None:
         if self.params.sampling_seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.sampling_seed)
 
     def row_state(self) -> RowState:
-        return RowState(self.params, self.input_ids + self.output_ids, self.output_ids, self.stop_ids, self.generator)
+        return RowState(self.params, self.input_ids + self.output_ids, self.output_ids, self.stop_ids, self.generator, self.grammar)
 
 
 @dataclass
@@ -229,7 +230,7 @@ class Scheduler:
         """Prefill one request; its cache if it joins the batch. A retracted one resumes its output."""
         if req.output_ids:  # resuming: the last output token is not in the cache yet
             return self.runner.prefill(req.input_ids + req.output_ids[:-1], all_logits=False).cache
-        want_input = req.wish.return_logprob and req.wish.logprob_start_len >= 0
+        want_input = req.wish.return_logprob and 0 <= req.wish.logprob_start_len < len(req.input_ids)
         out = self.runner.prefill(req.input_ids, all_logits=want_input)
         if want_input:
             self._input_logprobs(req, out.logits)
@@ -261,6 +262,8 @@ class Scheduler:
     def _append(self, req: Request, token: int, logprobs: torch.Tensor) -> None:
         req.output_ids.append(token)
         req.versions.append(self.weight_version)
+        if req.grammar is not None:
+            req.grammar.accept_token(token)  # the mask allowed it, so the matcher takes it
         w = req.wish
         if w.return_logprob:
             req.output_logprobs.append(float(logprobs[token]))
@@ -278,6 +281,8 @@ class Scheduler:
         p = req.params
         if token in req.stop_ids:  # sampling masks stop ids until min_new_tokens
             return {"type": "stop", "matched": token}
+        if req.grammar is not None and req.grammar.is_terminated():
+            return {"type": "stop", "matched": token}  # the grammar ended on one of its stop tokens
         stops, regexes = p.stop_strings(), p.stop_regexes()
         if stops or regexes:
             text = req.decode_text(req.output_ids, p.skip_special_tokens)

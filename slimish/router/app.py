@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import time
+from urllib.parse import urlencode
 from contextlib import asynccontextmanager
 from typing import Any, Callable
 
@@ -33,7 +34,15 @@ from slimish.router.workers import Worker, WorkerRegistry
 
 SERVING_POST = ("/generate", "/v1/completions", "/v1/chat/completions")
 SERVING_GET = ("/v1/models", "/model_info", "/get_model_info", "/server_info", "/get_server_info")
-FAN_OUT = ("/pause_generation", "/continue_generation", "/abort_request", "/flush_cache")
+# Every engine admin route: fanned out to all workers (one result each), or sent to one with
+# `?worker=<id or URL>` and its reply passed back as it came. Methods as the engine serves them.
+ENGINE_ADMIN = {
+    **dict.fromkeys(("/pause_generation", "/continue_generation", "/abort_request", "/init_weights_update_group",
+                     "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weights_from_disk",
+                     "/begin_weight_update", "/end_weight_update", "/update_weight_version"), ("POST",)),
+    **dict.fromkeys(("/flush_cache", "/get_weights_by_name", "/release_memory_occupation", "/resume_memory_occupation",
+                     "/start_profile", "/stop_profile"), ("GET", "POST")),
+}  # fmt: skip
 
 
 def create_app(cfg: RouterConfig) -> "_HotPaths":
@@ -116,18 +125,6 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
     hot = {route: (serve_post(route), ("POST", "PUT") if route == "/generate" else ("POST",)) for route in SERVING_POST}
     hot.update({route: (serve_get(route), ("GET",)) for route in SERVING_GET})
 
-    # ---- fan-out control --------------------------------------------------------------------
-
-    async def fan_out(request: Request) -> JSONResponse:
-        admin(request)
-        body = await read_body(request, cfg.max_body_bytes)
-        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        status, result = await proxy.fan_out(request.method, target, body or None)
-        return JSONResponse(result, status_code=status)
-
-    for route in FAN_OUT:
-        app.router.add_route(route, fan_out, methods=["GET", "POST"] if route == "/flush_cache" else ["POST"])
-
     # ---- worker registry (sglang-router 0.3.x shapes, and the legacy ones) ------------------
 
     def by_url(url: str) -> Worker | None:
@@ -201,6 +198,26 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
     async def legacy_list(request: Request) -> dict[str, Any]:
         admin(request)
         return {"urls": [w.url for w in workers.all()]}
+
+    # ---- engine admin routes: fanned out, or to one named worker ----------------------------
+
+    async def engine_admin(request: Request) -> Response:
+        admin(request)
+        body = await read_body(request, cfg.max_body_bytes) or None
+        query = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "worker"])
+        target = request.url.path + (f"?{query}" if query else "")
+        if (named := request.query_params.get("worker")) is None:
+            status, result = await proxy.fan_out(request.method, target, body)
+            return JSONResponse(result, status_code=status)
+        reply = await proxy.control(lookup(named), request.method, target, body)
+        if "status_code" not in reply:
+            raise RouterError(502, f"{request.url.path} on {reply['url']}: {reply['error']}")
+        if isinstance(reply["body"], str):
+            return PlainTextResponse(reply["body"], status_code=reply["status_code"])
+        return JSONResponse(reply["body"], status_code=reply["status_code"])
+
+    for route, methods in ENGINE_ADMIN.items():
+        app.router.add_route(route, engine_admin, methods=list(methods))
 
     # ---- health and observability (no key: load balancers and scrapers call these) ---------
 

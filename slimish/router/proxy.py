@@ -169,13 +169,14 @@ class Proxy:
         workers = self.workers.all()
         if not workers:
             raise RouterError(503, self._no_worker_message())
-        results = await asyncio.gather(*(self._control(w, method, path_and_query, body) for w in workers))
+        results = await asyncio.gather(*(self.control(w, method, path_and_query, body) for w in workers))
         failed = [r["url"] for r in results if not r["success"]]
         path = path_and_query.split("?")[0]
         message = f"{path} failed on {', '.join(failed)}" if failed else f"{path} succeeded on all {len(results)} workers"
         return (502 if failed else 200), {"success": not failed, "message": message, "workers": results}
 
-    async def _control(self, worker: Worker, method: str, path: str, body: bytes | None) -> dict[str, Any]:
+    async def control(self, worker: Worker, method: str, path: str, body: bytes | None) -> dict[str, Any]:
+        """One control request to one worker: its status and body, or the error that kept them."""
         assert self.session is not None
         result: dict[str, Any] = {"worker_id": worker.id, "url": worker.url}
         try:

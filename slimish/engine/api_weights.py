@@ -1,0 +1,131 @@
+"""Weight updates: the broadcast group (init / update / destroy), from disk, versions, the
+0.5.23 update session, reading a weight back, and memory release (a no-op on CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from slimish.engine.engine import Engine
+from slimish.engine.http import control, parse
+from slimish.protocol import (
+    BeginWeightUpdateReq,
+    DestroyWeightsUpdateGroupReq,
+    GetWeightsByNameReq,
+    InitWeightsUpdateGroupReq,
+    MemoryOccupationReq,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromDistributedReq,
+    UpdateWeightVersionReq,
+)
+
+
+def build_weights_router(engine: Engine) -> APIRouter:
+    router = APIRouter()
+    session = {"open": False}  # the 0.5.23 begin/end weight-update session
+
+    @router.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> JSONResponse:
+        req = await parse(request, InitWeightsUpdateGroupReq)
+        try:  # blocks until every rank joined: off the scheduler thread, generation goes on
+            await asyncio.to_thread(engine.weights.init_group, req)
+        except Exception as exc:
+            return control(False, f"Failed to initialize custom process group: {exc}.")
+        return control(True, "Succeeded to initialize custom process group.")
+
+    async def apply_update(req: Any, load: Callable[[], None], ok: str, fail: str, **extra: Any) -> JSONResponse:
+        """Abort if asked; load while no request runs (SGLang's writer lock) or while paused; version."""
+        if req.abort_all_requests:
+            await engine.run(lambda: engine.scheduler.abort(abort_all=True))
+
+        def load_and_version() -> None:
+            load()
+            if req.weight_version is not None:
+                engine.scheduler.weight_version = req.weight_version
+
+        try:
+            await engine.run(load_and_version, needs_idle=True)
+        except Exception as exc:
+            if (torn := engine.weights.torn_error()) is not None:  # paused requests must not resume on it
+                await engine.run(lambda: engine.scheduler.abort(abort_all=True))
+                return control(False, f"{fail.format(exc=exc)} ({torn})", **extra)
+            return control(False, fail.format(exc=exc), **extra)
+        note = f" Weight version updated to {req.weight_version}." if req.weight_version is not None else ""
+        return control(True, ok + note, **extra)
+
+    @router.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> JSONResponse:
+        req = await parse(request, UpdateWeightsFromDistributedReq)
+        return await apply_update(
+            req, lambda: engine.weights.update_from_distributed(req), "Succeeded to update parameter online.",
+            "Failed to update parameter online: {exc}. Please discard the whole weights.",
+        )  # fmt: skip
+
+    @router.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> JSONResponse:
+        req = await parse(request, DestroyWeightsUpdateGroupReq)
+        try:
+            await engine.run(lambda: engine.weights.destroy_group(req.group_name))
+        except Exception as exc:
+            return control(False, str(exc))
+        return control(True, "Succeeded to destroy custom process group.")
+
+    @router.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        req = await parse(request, UpdateWeightsFromDiskReq)
+
+        def load() -> None:
+            engine.weights.update_from_disk(req.model_path)
+            engine.model_path = req.model_path
+
+        return await apply_update(
+            req, load, "Succeeded to update model weights.",
+            "Failed to update weights: {exc}. Rolled back to the previous weights.", num_paused_requests=0,
+        )  # fmt: skip
+
+    @router.post("/begin_weight_update")
+    async def begin_weight_update(request: Request) -> JSONResponse:
+        await parse(request, BeginWeightUpdateReq)
+        if session["open"]:
+            return control(False, "a weight-update session is already open; call end_weight_update() first")
+        session["open"] = True
+        return control(True, "Weight-update session opened.")
+
+    @router.post("/end_weight_update")
+    async def end_weight_update() -> JSONResponse:
+        if not session["open"]:
+            return control(False, "no weight-update session is open; call begin_weight_update() first")
+        session["open"] = False
+        return control(True, "Weight-update session closed.")
+
+    @router.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> JSONResponse:
+        req = await parse(request, UpdateWeightVersionReq)
+
+        def apply() -> None:
+            if req.abort_all_requests:
+                engine.scheduler.abort(abort_all=True)
+            engine.scheduler.weight_version = req.new_version
+
+        await engine.run(apply)
+        return JSONResponse({"success": True, "message": f"Weight version updated to {req.new_version}", "new_version": req.new_version})
+
+    @router.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request) -> JSONResponse:
+        req = await parse(request, GetWeightsByNameReq, empty_ok=False)
+        try:
+            return JSONResponse(await engine.run(lambda: engine.weights.get_weights_by_name(req.name, req.truncate_size)))
+        except ValueError as exc:
+            return control(False, str(exc))
+
+    @router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    @router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def memory_occupation(request: Request) -> JSONResponse:
+        await parse(request, MemoryOccupationReq)  # nothing to release on CPU; SGLang replies `null`
+        return JSONResponse(None)
+
+    return router
