@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from slimish.launch.local import free_port
+from slimish.net import free_port
 
 GENERATE_BODY = json.dumps({"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}).encode()
 REPLY = json.dumps(

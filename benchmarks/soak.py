@@ -40,7 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import aiohttp  # noqa: E402
 from engine_throughput import bench_model, cpu_seconds  # noqa: E402  (same directory)
 
-from slimish.launch.local import ServerProcess, engine_process, free_port, start_all  # noqa: E402
+from slimish.launch.local import engine_process  # noqa: E402
+from slimish.launch.process import ServerProcess, start_all  # noqa: E402
+from slimish.net import free_port  # noqa: E402
 
 MIX = (("generate", 0.70), ("stream", 0.15), ("chat", 0.10), ("bad", 0.05))
 TARGETS = {"p50": 1.25, "p99": 1.5, "cpu": 1.25, "rss": 1.10}

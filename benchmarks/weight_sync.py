@@ -41,7 +41,9 @@ from safetensors.torch import load_file  # noqa: E402
 
 from slimish.config import WeightSyncConfig  # noqa: E402
 from slimish.distributed import destroy_custom_process_group, init_custom_process_group  # noqa: E402
-from slimish.launch.local import engine_process, free_port, start_all  # noqa: E402
+from slimish.launch.local import engine_process  # noqa: E402
+from slimish.launch.process import start_all  # noqa: E402
+from slimish.net import free_port  # noqa: E402
 from slimish.tiny_model import make_tiny_model  # noqa: E402
 from slimish.trainer.weight_sync import WeightSync, plan_buckets  # noqa: E402
 

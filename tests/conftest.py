@@ -73,7 +73,7 @@ def serving(app, what: str) -> Iterator[str]:
     its URL, for as long as the block runs."""
     import uvicorn
 
-    from slimish.launch.local import free_port
+    from slimish.net import free_port
 
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -158,7 +158,7 @@ def run_quickstart(tmp_path: Path, *overrides: str, model: Path | None = None, t
 def torchrun_ranks(worker: Path, args: list[str], out: Path, timeout: float = 300) -> dict[int, dict]:
     """`worker args...` on 2 torchrun ranks; each writes `out/rank{r}.json` (an `error` key when
     it failed). Own session, so a hung run is killed with all its ranks."""
-    from slimish.launch.local import free_port
+    from slimish.net import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(worker), *args]  # fmt: skip

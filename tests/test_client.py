@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from slimish.client import Client, ServerError, ServerUnreachable
-from slimish.launch.local import free_port
+from slimish.net import free_port
 
 PROMPT = [5, 6, 7, 8]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}

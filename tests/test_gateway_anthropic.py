@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from family_cases import CASES, TURNS, Case, conversation, expected
 from conftest import run_plugin, with_capture
 from slimish.formats.model import ModelFormat
-from slimish.launch.local import free_port
+from slimish.net import free_port
 from slimish.rollout.capture import CaptureServer
 from slimish.types import Sample, SampleStatus
 from test_family_formats import run_ctx_chat

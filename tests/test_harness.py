@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 
 from rollout_plugins.harness_task.task import TASK, score, task_files
 from conftest import serving
-from slimish.launch.local import free_port
+from slimish.net import free_port
 from slimish.rollout.harness import HarnessLimits, HarnessRun, gateway_env, run_harness
 from slimish.types import Sample, SampleStatus
 

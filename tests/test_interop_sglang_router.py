@@ -22,7 +22,9 @@ import pytest
 from conftest import metric_total
 
 from slimish.client import Client
-from slimish.launch.local import engine_process, free_port, start_all
+from slimish.launch.local import engine_process
+from slimish.launch.process import start_all
+from slimish.net import free_port
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 PROMPTS = [[5, 17, 42, 99, 7], [300, 301, 302], list(range(60, 90))]
@@ -206,7 +208,7 @@ def test_chat_completions_forwarded(router, engines):
 def test_slimish_router_in_front_of_the_same_engines(router, engines, tmp_path_factory):
     """The other direction: slimish's router over the engines sglang-router also serves; the two
     routers return the same greedy tokens and logprobs."""
-    from slimish.launch.local import ServerProcess
+    from slimish.launch.process import ServerProcess
 
     port = free_port()
     log = tmp_path_factory.mktemp("slimish-router-log") / "router.log"

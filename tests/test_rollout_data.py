@@ -10,7 +10,7 @@ import pytest
 from slimish.config import DataConfig
 from slimish.rollout.data import PromptData, eval_rows, load_rows
 from slimish.rollout.filters import nonzero_std
-from slimish.rollout.rewards import extract_boxed, final_turn_text
+from slimish.rollout.rewards import final_turn_text
 from slimish.types import Sample
 
 ROWS = [{"question": f"q{i}", "answer": str(i), "difficulty": i % 3} for i in range(10)]
@@ -121,12 +121,6 @@ def test_epochs_are_reshuffled_and_a_resumed_cursor_continues_exactly(tmp_path: 
     assert [next(PromptData(_cfg(cfg.source, shuffle=False)))["metadata"]["row_id"] for _ in range(1)] == [0]
     with pytest.raises(ValueError, match="saved for 10 rows but the source now has 3"):
         PromptData(cfg, rows=PromptData(cfg).rows[:3]).load_state_dict(state)
-
-
-def test_extract_boxed() -> None:
-    assert extract_boxed(r"so \boxed{3} then \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
-    assert extract_boxed(r"\boxed{4} and \boxed{5") == "4"
-    assert extract_boxed("no box") is None
 
 
 def test_final_turn_text_is_the_models_last_turn() -> None:

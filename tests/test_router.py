@@ -16,7 +16,9 @@ import httpx
 import openai
 import pytest
 
-from slimish.launch.local import engine_process, free_port, start_all
+from slimish.launch.local import engine_process
+from slimish.launch.process import start_all
+from slimish.net import free_port
 from slimish.protocol import ROUTING_KEY_HEADER
 from slimish.router.proxy import WORKER_HEADER
 

@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from slimish.launch.local import free_port
+from slimish.net import free_port
 
 SERVE = (
     "import argparse, sys; from slimish.launch import serve; p = argparse.ArgumentParser(); "

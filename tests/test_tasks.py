@@ -83,6 +83,7 @@ def test_labels_are_the_true_answers() -> None:
 
 def test_extract_boxed() -> None:
     assert extract_boxed("a \\boxed{3} b \\boxed{x{y}z}") == "x{y}z"
+    assert extract_boxed(r"so \boxed{3} then \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
     assert extract_boxed("\\boxed{7} then \\boxed{8") == "7"
     assert extract_boxed("\\boxed{}") == ""
     assert extract_boxed("no box") is None

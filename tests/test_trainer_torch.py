@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from slimish.config import load_run_config
-from slimish.launch.local import free_port
+from slimish.net import free_port
 from slimish.trainer.base import lr_factor, micro_batches, shard, split_minibatches
 from slimish.trainer.torch_backend import TorchTrainer
 from slimish.types import Sample

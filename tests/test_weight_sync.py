@@ -22,7 +22,9 @@ import torch
 
 from slimish.config import WeightSyncConfig, load_run_config
 from slimish.distributed import init_custom_process_group
-from slimish.launch.local import engine_process, free_port, start_all
+from slimish.launch.local import engine_process
+from slimish.launch.process import start_all
+from slimish.net import free_port
 from slimish.trainer.torch_backend import TorchTrainer
 from slimish.trainer.weight_sync import WeightSync, WeightSyncError
 from slimish.protocol import GenerateResponse

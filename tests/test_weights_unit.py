@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from slimish.distributed import broadcast_tensors, destroy_custom_process_group, flattened_layout, init_custom_process_group
 from slimish.engine.weights import WeightUpdater
-from slimish.launch.local import free_port
+from slimish.net import free_port
 from slimish.protocol import InitWeightsUpdateGroupReq, UpdateWeightsFromDistributedReq
 
 TIMEOUT = timedelta(seconds=30)

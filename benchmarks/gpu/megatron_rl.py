@@ -50,7 +50,8 @@ import torch
 import torch.distributed as dist
 
 from slimish.config import EngineConfig, WeightSyncConfig, load_run_config
-from slimish.launch.local import engine_process, free_port
+from slimish.launch.local import engine_process
+from slimish.net import free_port
 from slimish.tiny_model import make_tiny_model
 from slimish.trainer.weight_sync import WeightSync
 from slimish.protocol import GenerateResponse

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from slimish.launch.local import free_port
+from slimish.net import free_port
 from slimish.metrics import read_metrics
 from slimish.tiny_model import make_tiny_model
 

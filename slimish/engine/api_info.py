@@ -23,7 +23,16 @@ from slimish.protocol import DetokenizeRequest, ProfileReq, SamplingParams, Toke
 
 def build_info_router(engine: Engine, cfg: EngineConfig) -> APIRouter:
     router = APIRouter()
+    _health_routes(router, engine)
+    _info_routes(router, engine, cfg)
+    _tokenizer_routes(router, engine)
+    _profile_routes(router, engine)
+    for path, why in UNSERVED.items():  # never a bare 404 for an SGLang route
+        router.add_api_route(path, _unserved(path, why), methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False)
+    return router
 
+
+def _health_routes(router: APIRouter, engine: Engine) -> None:
     @router.get("/health")
     @router.get("/ready")
     async def health() -> Response:
@@ -43,6 +52,8 @@ def build_info_router(engine: Engine, cfg: EngineConfig) -> APIRouter:
             return Response(status_code=503)
         return Response(status_code=200)
 
+
+def _info_routes(router: APIRouter, engine: Engine, cfg: EngineConfig) -> None:
     @router.get("/model_info")
     @router.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
@@ -120,8 +131,8 @@ def build_info_router(engine: Engine, cfg: EngineConfig) -> APIRouter:
     async def prometheus() -> Response:
         return Response(engine.metrics.render(engine.scheduler), media_type=CONTENT_TYPE_LATEST)
 
-    # ---- tokenizer ----------------------------------------------------------------------------
 
+def _tokenizer_routes(router: APIRouter, engine: Engine) -> None:
     @router.post("/tokenize")
     @router.post("/v1/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
@@ -150,8 +161,8 @@ def build_info_router(engine: Engine, cfg: EngineConfig) -> APIRouter:
         decode = lambda ids: engine.decode(ids, req.skip_special_tokens)  # noqa: E731
         return JSONResponse({"text": [decode(ids) for ids in req.tokens] if batch else decode(req.tokens)})
 
-    # ---- profiling ----------------------------------------------------------------------------
 
+def _profile_routes(router: APIRouter, engine: Engine) -> None:
     @router.api_route("/start_profile", methods=["GET", "POST"])
     async def start_profile(request: Request) -> PlainTextResponse:
         req = await parse(request, ProfileReq)
@@ -168,13 +179,6 @@ def build_info_router(engine: Engine, cfg: EngineConfig) -> APIRouter:
         except ProfileError as exc:
             raise BadRequest({"error": {"message": str(exc)}}) from None
         return PlainTextResponse("Stop profiling. This will take some time.\n")
-
-    # ---- SGLang routes this engine does not serve: a JSON 501 naming the route, never a bare 404
-
-    for path, why in UNSERVED.items():
-        router.add_api_route(path, _unserved(path, why), methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False)
-
-    return router
 
 
 def _unserved(path: str, why: str) -> Any:

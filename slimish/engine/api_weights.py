@@ -26,7 +26,13 @@ from slimish.protocol import (
 
 def build_weights_router(engine: Engine) -> APIRouter:
     router = APIRouter()
-    session = {"open": False}  # the 0.5.23 begin/end weight-update session
+    _broadcast_routes(router, engine)
+    _update_routes(router, engine)
+    return router
+
+
+def _broadcast_routes(router: APIRouter, engine: Engine) -> None:
+    """The trainer's path: a process group, then broadcasts into it."""
 
     @router.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> JSONResponse:
@@ -37,31 +43,11 @@ def build_weights_router(engine: Engine) -> APIRouter:
             return control(False, f"Failed to initialize custom process group: {exc}.")
         return control(True, "Succeeded to initialize custom process group.")
 
-    async def apply_update(req: Any, load: Callable[[], None], ok: str, fail: str, **extra: Any) -> JSONResponse:
-        """Abort if asked; load while no request runs (SGLang's writer lock) or while paused; version."""
-        if req.abort_all_requests:
-            await engine.run(lambda: engine.scheduler.abort(abort_all=True))
-
-        def load_and_version() -> None:
-            load()
-            if req.weight_version is not None:
-                engine.scheduler.weight_version = req.weight_version
-
-        try:
-            await engine.run(load_and_version, needs_idle=True)
-        except Exception as exc:
-            if (torn := engine.weights.torn_error()) is not None:  # paused requests must not resume on it
-                await engine.run(lambda: engine.scheduler.abort(abort_all=True))
-                return control(False, f"{fail.format(exc=exc)} ({torn})", **extra)
-            return control(False, fail.format(exc=exc), **extra)
-        note = f" Weight version updated to {req.weight_version}." if req.weight_version is not None else ""
-        return control(True, ok + note, **extra)
-
     @router.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
         req = await parse(request, UpdateWeightsFromDistributedReq)
         return await apply_update(
-            req, lambda: engine.weights.update_from_distributed(req), "Succeeded to update parameter online.",
+            engine, req, lambda: engine.weights.update_from_distributed(req), "Succeeded to update parameter online.",
             "Failed to update parameter online: {exc}. Please discard the whole weights.",
         )  # fmt: skip
 
@@ -74,6 +60,10 @@ def build_weights_router(engine: Engine) -> APIRouter:
             return control(False, str(exc))
         return control(True, "Succeeded to destroy custom process group.")
 
+
+def _update_routes(router: APIRouter, engine: Engine) -> None:
+    session = {"open": False}  # the 0.5.23 begin/end weight-update session
+
     @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
         req = await parse(request, UpdateWeightsFromDiskReq)
@@ -83,7 +73,7 @@ def build_weights_router(engine: Engine) -> APIRouter:
             engine.model_path = req.model_path
 
         return await apply_update(
-            req, load, "Succeeded to update model weights.",
+            engine, req, load, "Succeeded to update model weights.",
             "Failed to update weights: {exc}. Rolled back to the previous weights.", num_paused_requests=0,
         )  # fmt: skip
 
@@ -128,4 +118,23 @@ def build_weights_router(engine: Engine) -> APIRouter:
         await parse(request, MemoryOccupationReq)  # nothing to release on CPU; SGLang replies `null`
         return JSONResponse(None)
 
-    return router
+
+async def apply_update(engine: Engine, req: Any, load: Callable[[], None], ok: str, fail: str, **extra: Any) -> JSONResponse:
+    """Abort if asked; load while no request runs (SGLang's writer lock) or while paused; version."""
+    if req.abort_all_requests:
+        await engine.run(lambda: engine.scheduler.abort(abort_all=True))
+
+    def load_and_version() -> None:
+        load()
+        if req.weight_version is not None:
+            engine.scheduler.weight_version = req.weight_version
+
+    try:
+        await engine.run(load_and_version, needs_idle=True)
+    except Exception as exc:
+        if (torn := engine.weights.torn_error()) is not None:  # paused requests must not resume on it
+            await engine.run(lambda: engine.scheduler.abort(abort_all=True))
+            return control(False, f"{fail.format(exc=exc)} ({torn})", **extra)
+        return control(False, fail.format(exc=exc), **extra)
+    note = f" Weight version updated to {req.weight_version}." if req.weight_version is not None else ""
+    return control(True, ok + note, **extra)

@@ -20,7 +20,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slimish.launch.local import ServerProcess, Servers, await_weights_on_relaunch, engine_server, replace_worker, router_process
+from slimish.launch.local import Servers, await_weights_on_relaunch, engine_server, replace_worker, router_process
+from slimish.launch.process import ServerProcess
 
 if TYPE_CHECKING:
     from slimish.config import LaunchConfig

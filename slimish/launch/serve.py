@@ -15,7 +15,8 @@ from pathlib import Path
 
 import uvicorn
 
-from slimish.launch.local import ServerProcess, engine_process, start_all
+from slimish.launch.local import engine_process
+from slimish.launch.process import ServerProcess, start_all
 from slimish.config import RouterConfig, ServeConfig, add_config_arguments, config_from_args
 from slimish.router.app import add_arguments as add_router_arguments
 from slimish.router.app import create_app

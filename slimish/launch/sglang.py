@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slimish.launch.local import ServerProcess, connect_host, free_port
+from slimish.launch.process import ServerProcess
+from slimish.net import connect_host, free_port
 
 MODULE = "sglang.launch_server"
 PREFIX = "--sglang-"

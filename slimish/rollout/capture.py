@@ -31,48 +31,23 @@ import contextlib
 import json
 import socket
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from slimish.client import Client
-from slimish.formats.model import ModelFormat, Reply
+from slimish.formats.model import ModelFormat
 from slimish.formats.template import normalize_message
 from slimish.protocol import GenerateResponse
+from slimish.rollout.protocols import anthropic, openai_chat, openai_responses
 from slimish.rollout.trajectory import TrajectoryTree
+from slimish.rollout.turns import TurnRequest, TurnResult
 from slimish.types import Sample
 
 START_TIMEOUT_S = 30.0
 SESSION_PREFIX = "/sessions/{session_id}"
-
-
-@dataclass
-class TurnRequest:
-    """One request of any protocol, as the core sees it: OpenAI chat messages and tools."""
-
-    messages: list[dict[str, Any]]  # OpenAI chat messages (tool_calls' arguments as JSON strings)
-    tools: list[dict[str, Any]] | None = None  # OpenAI function tools
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    sampling: dict[str, Any] = field(default_factory=dict)  # native sampling params the request set explicitly
-    top_logprobs: int = 0
-    separate_reasoning: bool = True
-
-
-@dataclass
-class TurnResult:
-    """The engine's reply to one turn, parsed by the model's format."""
-
-    id: str
-    reply: Reply
-    finish_reason: str  # stop | length | abort
-    matched_stop: Any
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    weight_version: str
-    meta: Any  # the native MetaInfo (logprobs, top logprobs)
 
 
 class _UvicornServer(uvicorn.Server):
@@ -179,8 +154,6 @@ class CaptureServer:
     # ---- HTTP -------------------------------------------------------------------------------
 
     def _app(self) -> FastAPI:
-        from slimish.rollout.protocols import anthropic, openai_chat, openai_responses
-
         app = FastAPI()
         for protocol in (openai_chat, openai_responses, anthropic):
             router = protocol.router(self)
@@ -193,14 +166,3 @@ class CaptureServer:
             return JSONResponse(await self.client.models())
 
         return app
-
-
-def session_of(request: Request) -> str:
-    """The session a request belongs to: the URL's, else its key (`Authorization: Bearer` or `x-api-key`)."""
-    if "session_id" in request.path_params:
-        return request.path_params["session_id"]
-    auth = request.headers.get("authorization", "")
-    key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "").strip()
-    if not key:
-        raise KeyError("no session: use a session URL, or the session id as the API key")
-    return key

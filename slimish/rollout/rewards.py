@@ -9,27 +9,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from slimish.rollout.tasks import extract_boxed, get_task
 from slimish.types import Sample
 
-BOXED = "\\boxed{"
-
-
-def extract_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` (nested braces balanced), or None when there is none.
-
-    The last one, because a model that reasons before answering may box intermediate values.
-    """
-    start = text.rfind(BOXED)
-    while start != -1:
-        depth, i = 1, start + len(BOXED)
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            return text[start + len(BOXED) : i - 1]
-        start = text.rfind(BOXED, 0, start)  # unclosed: an earlier, closed one may still count
-    return None
-
+__all__ = ["extract_boxed", "final_turn_text", "group_reward", "is_group_reward", "math_reward"]
 
 def group_reward(fn: Callable[..., Awaitable[list[Any]]]) -> Callable[..., Awaitable[list[Any]]]:
     """Marks `async def fn(ctx, samples) -> list[float | dict]` as a reward over a whole finished
@@ -62,8 +45,6 @@ async def math_reward(ctx: Any, sample: Sample) -> float:
     text = final_turn_text(ctx.tokenizer, sample)
     task = sample.metadata.get("task")
     if task:
-        from slimish.rollout.tasks import get_task  # tasks.py imports this module
-
         return get_task(task).score(text, sample.label)
     answer = extract_boxed(text)
     return float(answer is not None and _normalise(answer) == _normalise(str(sample.label)))

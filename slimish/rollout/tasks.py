@@ -25,7 +25,25 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from slimish.rollout.rewards import extract_boxed
+BOXED = "\\boxed{"
+
+
+def extract_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (nested braces balanced), or None when there is none.
+
+    The last one, because a model that reasons before answering may box intermediate values.
+    """
+    start = text.rfind(BOXED)
+    while start != -1:
+        depth, i = 1, start + len(BOXED)
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            return text[start + len(BOXED) : i - 1]
+        start = text.rfind(BOXED, 0, start)  # unclosed: an earlier, closed one may still count
+    return None
+
 
 SPLITS = ("train", "test")
 TEST_FRACTION = 0.2  # of the problem space, by prompt hash

@@ -12,9 +12,9 @@ import asyncio
 import json
 import logging
 import time
-from urllib.parse import urlencode
 from contextlib import asynccontextmanager
 from typing import Any, Callable
+from urllib.parse import urlencode
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -84,7 +84,14 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
     def admin(request: Request) -> None:
         check_key(request, admin_key, "--admin-key" if cfg.admin_key is not None else "--api-key")
 
-    # ---- serving --------------------------------------------------------------------------
+    _registry_routes(app, cfg, workers, admin)
+    _engine_admin_routes(app, cfg, workers, proxy, admin)
+    _health_routes(app, workers, metrics)
+    return _HotPaths(app, _serving_routes(cfg, proxy, policy, metrics), cfg, metrics)
+
+
+def _serving_routes(cfg: RouterConfig, proxy: Proxy, policy: Any, metrics: RouterMetrics) -> dict[str, tuple[Callable, tuple[str, ...]]]:
+    """The hot paths: each forwarded to a worker chosen by the policy."""
 
     def serve_post(route: str) -> Callable:
         async def handler(request: Request) -> Response:
@@ -124,21 +131,26 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
 
     hot = {route: (serve_post(route), ("POST", "PUT") if route == "/generate" else ("POST",)) for route in SERVING_POST}
     hot.update({route: (serve_get(route), ("GET",)) for route in SERVING_GET})
+    return hot
 
-    # ---- worker registry (sglang-router 0.3.x shapes, and the legacy ones) ------------------
 
-    def by_url(url: str) -> Worker | None:
-        try:
-            return workers.by_url(url)
-        except ValueError as exc:
-            raise RouterError(400, str(exc)) from exc
+def _by_url(workers: WorkerRegistry, url: str) -> Worker | None:
+    try:
+        return workers.by_url(url)
+    except ValueError as exc:
+        raise RouterError(400, str(exc)) from exc
 
-    def lookup(worker_id: str) -> Worker:
-        """By id, or by URL as older routers' `DELETE /workers/<url>` did."""
-        worker = workers.get(worker_id) or (by_url(worker_id) if "://" in worker_id else None)
-        if worker is None:
-            raise RouterError(404, f"no worker with id {worker_id!r}; GET /workers lists them")
-        return worker
+
+def _lookup(workers: WorkerRegistry, worker_id: str) -> Worker:
+    """By id, or by URL as older routers' `DELETE /workers/<url>` did."""
+    worker = workers.get(worker_id) or (_by_url(workers, worker_id) if "://" in worker_id else None)
+    if worker is None:
+        raise RouterError(404, f"no worker with id {worker_id!r}; GET /workers lists them")
+    return worker
+
+
+def _registry_routes(app: FastAPI, cfg: RouterConfig, workers: WorkerRegistry, admin: Callable[[Request], None]) -> None:
+    """The worker registry: sglang-router 0.3.x's shapes, and the legacy ones slime uses."""
 
     def register(url: Any) -> Worker:
         try:
@@ -170,12 +182,12 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
     @app.get("/workers/{worker_id:path}")
     async def get_worker(worker_id: str, request: Request) -> dict[str, Any]:
         admin(request)
-        return lookup(worker_id).as_dict()
+        return _lookup(workers, worker_id).as_dict()
 
     @app.delete("/workers/{worker_id:path}", status_code=202)
     async def delete_worker(worker_id: str, request: Request) -> dict[str, Any]:
         admin(request)
-        worker = lookup(worker_id)
+        worker = _lookup(workers, worker_id)
         workers.remove(worker)
         return {"status": "accepted", "worker_id": worker.id, "url": worker.url, "message": f"Worker {worker.url} removed"}
 
@@ -188,7 +200,7 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
     @app.post("/remove_worker")
     async def legacy_remove(request: Request, url: str) -> PlainTextResponse:
         admin(request)
-        worker = by_url(url)
+        worker = _by_url(workers, url)
         if worker is None:
             raise RouterError(404, f"worker {url} is not registered; GET /list_workers lists them")
         workers.remove(worker)
@@ -199,7 +211,9 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
         admin(request)
         return {"urls": [w.url for w in workers.all()]}
 
-    # ---- engine admin routes: fanned out, or to one named worker ----------------------------
+
+def _engine_admin_routes(app: FastAPI, cfg: RouterConfig, workers: WorkerRegistry, proxy: Proxy, admin: Callable[[Request], None]) -> None:
+    """Every engine admin route: fanned out, or to one named worker."""
 
     async def engine_admin(request: Request) -> Response:
         admin(request)
@@ -209,7 +223,7 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
         if (named := request.query_params.get("worker")) is None:
             status, result = await proxy.fan_out(request.method, target, body)
             return JSONResponse(result, status_code=status)
-        reply = await proxy.control(lookup(named), request.method, target, body)
+        reply = await proxy.control(_lookup(workers, named), request.method, target, body)
         if "status_code" not in reply:
             raise RouterError(502, f"{request.url.path} on {reply['url']}: {reply['error']}")
         if isinstance(reply["body"], str):
@@ -219,7 +233,9 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
     for route, methods in ENGINE_ADMIN.items():
         app.router.add_route(route, engine_admin, methods=list(methods))
 
-    # ---- health and observability (no key: load balancers and scrapers call these) ---------
+
+def _health_routes(app: FastAPI, workers: WorkerRegistry, metrics: RouterMetrics) -> None:
+    """No key: load balancers and scrapers call these."""
 
     @app.get("/health")
     @app.get("/liveness")
@@ -244,8 +260,6 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    return _HotPaths(app, hot, cfg, metrics)
 
 
 class _HotPaths:

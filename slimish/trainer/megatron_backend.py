@@ -41,7 +41,7 @@ from megatron_bridge.logprobs import vocab_parallel_entropy, vocab_parallel_logp
 from megatron_bridge.model import build_model, load_hf_weights
 from megatron_bridge.weights import export_hf
 from slimish.config import RunConfig
-from slimish.launch.local import free_port
+from slimish.net import free_port
 from slimish.trainer.base import LossFn, Trainer, lr_factor, micro_batches, response_index
 from slimish.types import Sample
 

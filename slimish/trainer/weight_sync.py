@@ -43,8 +43,8 @@ from slimish.distributed import (
     init_custom_process_group,
     parse_dtype,
 )
-from slimish.launch.local import free_port
 from slimish.loop_thread import LoopThread
+from slimish.net import free_port
 from slimish.protocol import InitWeightsUpdateGroupReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq
 
 T = TypeVar("T")

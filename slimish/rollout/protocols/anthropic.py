@@ -20,11 +20,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from slimish.client import ServerError
 from slimish.formats.template import TemplateError
 from slimish.protocol import describe_validation_error
-from slimish.rollout.capture import TurnRequest, session_of
+from slimish.rollout.turns import TurnRequest, session_of
 from slimish.serving import load_json
 
 if TYPE_CHECKING:
-    from slimish.rollout.capture import CaptureServer, TurnResult
+    from slimish.rollout.capture import CaptureServer
+    from slimish.rollout.turns import TurnResult
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -16,7 +16,8 @@ from slimish.formats.template import TemplateError
 from slimish.protocol import ChatCompletionRequest
 
 if TYPE_CHECKING:
-    from slimish.rollout.capture import CaptureServer, TurnResult
+    from slimish.rollout.capture import CaptureServer
+    from slimish.rollout.turns import TurnResult
 
 # OpenAI body field -> native sampling param, for the fields a request may set explicitly.
 OPENAI_SAMPLING = {
@@ -29,7 +30,7 @@ OPENAI_SAMPLING = {
 
 
 def router(capture: "CaptureServer") -> APIRouter:
-    from slimish.rollout.capture import TurnRequest, session_of
+    from slimish.rollout.turns import TurnRequest, session_of
 
     api = APIRouter()
 

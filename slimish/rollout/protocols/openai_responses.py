@@ -31,7 +31,8 @@ from slimish.protocol import describe_validation_error
 from slimish.rollout.protocols.openai_chat import openai_errors
 
 if TYPE_CHECKING:
-    from slimish.rollout.capture import CaptureServer, TurnResult
+    from slimish.rollout.capture import CaptureServer
+    from slimish.rollout.turns import TurnResult
 
 Conversation = list[dict[str, Any]]  # OpenAI chat messages
 
@@ -108,7 +109,7 @@ def _item(model: type[BaseModel], raw: dict[str, Any], where: str) -> Any:
 
 
 def router(capture: "CaptureServer") -> APIRouter:
-    from slimish.rollout.capture import TurnRequest, session_of
+    from slimish.rollout.turns import TurnRequest, session_of
 
     api, store = APIRouter(), ResponseStore(capture)
 

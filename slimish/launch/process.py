@@ -1,0 +1,107 @@
+"""A server as a child process: spawn, wait until healthy (bounded), stop without orphans. The
+built-in engine, the router and SGLang are all started through this."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+class ServerProcess:
+    """A `python -m <module> <argv>` child (`slimish.cli` unless told) serving HTTP on `host:port`."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        port: int,
+        host: str = "127.0.0.1",
+        health_path: str = "/health",
+        env: dict[str, str] | None = None,
+        log_path: str | Path | None = None,
+        module: str = "slimish.cli",
+    ) -> None:
+        self.argv, self.host, self.port, self.health_path, self.module = argv, host, port, health_path, module
+        self.name = argv[0] if module == "slimish.cli" else module  # for messages: "engine", "sglang.launch_server"
+        self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+        self.log_path = Path(log_path) if log_path else None
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 120.0) -> "ServerProcess":
+        self.launch()
+        self.wait_healthy(timeout)
+        return self
+
+    def launch(self) -> None:
+        """Spawn without waiting. The child gets SIGTERM if this process dies, even by SIGKILL
+        (Linux parent-death signal), so a crashed trainer leaves no engines behind. Call it from
+        the thread that lives as long as the child should: the signal follows the spawning thread."""
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", self.module, *self.argv], env=self.env, stdout=out, stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )  # fmt: skip
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=2.0) as http:  # one client: each bare httpx.get builds an SSL context (~80 ms)
+            while time.monotonic() < deadline:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} on port {self.port} exited with {self.proc.returncode}{self._log_tail()}")
+                try:
+                    if http.get(self.url + self.health_path).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"{self.name} on port {self.port} not healthy within {timeout:.0f}s{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        if self.log_path and self.log_path.exists():
+            return "; log tail:\n" + self.log_path.read_text(errors="replace")[-3000:]
+        return ""
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (fault-injection tests)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_all(procs: list[ServerProcess], timeout: float) -> None:
+    """Spawn all, then wait for each: the model copies load concurrently."""
+    for proc in procs:
+        proc.launch()
+    for proc in procs:
+        proc.wait_healthy(timeout)
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

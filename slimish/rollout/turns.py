@@ -1,0 +1,48 @@
+"""What a protocol adapter (`slimish/rollout/protocols/`) hands the gateway's core and gets back,
+and which session a request belongs to: the adapters and the core both import this, not each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from slimish.formats.model import Reply
+
+
+@dataclass
+class TurnRequest:
+    """One request of any protocol, as the core sees it: OpenAI chat messages and tools."""
+
+    messages: list[dict[str, Any]]  # OpenAI chat messages (tool_calls' arguments as JSON strings)
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)  # native sampling params the request set explicitly
+    top_logprobs: int = 0
+    separate_reasoning: bool = True
+
+
+@dataclass
+class TurnResult:
+    """The engine's reply to one turn, parsed by the model's format."""
+
+    id: str
+    reply: Reply
+    finish_reason: str  # stop | length | abort
+    matched_stop: Any
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    weight_version: str
+    meta: Any  # the native MetaInfo (logprobs, top logprobs)
+
+
+def session_of(request: Request) -> str:
+    """The session a request belongs to: the URL's, else its key (`Authorization: Bearer` or `x-api-key`)."""
+    if "session_id" in request.path_params:
+        return request.path_params["session_id"]
+    auth = request.headers.get("authorization", "")
+    key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "").strip()
+    if not key:
+        raise KeyError("no session: use a session URL, or the session id as the API key")
+    return key
