@@ -15,15 +15,16 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-# What the console line shows, in order, when present: (key, label, format).
+# What the console line shows, in order, when present: (key, label, format). Short enough that
+# a step is one line in an 80-column terminal or CI log.
 CONSOLE_KEYS = (
     ("reward/mean", "reward", "{:.3f}"),
-    ("eval/accuracy", "eval acc", "{:.3f}"),
-    ("response/length", "len", "{:.1f}"),
-    ("train/kl", "kl", "{:.4f}"),
-    ("train/mismatch", "mismatch", "{:.1e}"),
-    ("time/step", "s/step", "{:.1f}"),
-    ("time/weight_push", "push s", "{:.2f}"),
+    ("eval/accuracy", "acc", "{:.3f}"),
+    ("response/length", "len", "{:.0f}"),
+    ("train/kl", "kl", "{:.0e}"),
+    ("train/mismatch", "mism", "{:.0e}"),
+    ("time/step", "t", "{:.1f}s"),
+    ("time/weight_push", "push", "{:.1f}s"),
 )
 
 
@@ -38,11 +39,12 @@ class RunLog:
         self.console = Console(stderr=True) if console else None
         self.progress = Progress(
             TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-            TextColumn("{task.description}"), console=self.console, disable=not console, transient=False,
+            TextColumn("{task.description}"), console=self.console, disable=not (console and self.console.is_terminal), transient=True,
         )  # fmt: skip
         self.task = self.progress.add_task("", total=total_steps, completed=start_step)
         self.progress.start()
         self.last_eval: dict[str, float] = {}
+        self.seen: dict[str, list[float]] = {}  # first and last value of each console key, for the summary
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Record `metrics` for `step` (finite numbers only go to TensorBoard)."""
@@ -53,10 +55,18 @@ class RunLog:
                 self.tb.add_scalar(key, value, step)
         self.last_eval.update({k: v for k, v in metrics.items() if k.startswith("eval/")})
         shown = {**self.last_eval, **metrics}
-        line = "  ".join(f"{label} {fmt.format(shown[key])}" for key, label, fmt in CONSOLE_KEYS if key in shown)
+        line = " ".join(f"{label} {fmt.format(shown[key])}" for key, label, fmt in CONSOLE_KEYS if key in shown)
         self.progress.update(self.task, completed=step, description=line)
+        for key, _, _ in CONSOLE_KEYS:
+            if isinstance(metrics.get(key), (int, float)):
+                self.seen.setdefault(key, [metrics[key]] * 2)[1] = metrics[key]
         if self.console is not None:
-            self.console.print(f"step {step}: {line}", highlight=False)
+            self.console.print(f"step {step}: {line}", highlight=False, overflow="ellipsis", no_wrap=True)
+
+    def summary(self) -> str:
+        """One line for the end of a run: each console metric's first and last value."""
+        return ", ".join(f"{label} {fmt.format(self.seen[key][0])} -> {fmt.format(self.seen[key][1])}"
+                         for key, label, fmt in CONSOLE_KEYS[:3] if key in self.seen)  # fmt: skip
 
     def message(self, text: str) -> None:
         if self.console is not None:

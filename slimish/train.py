@@ -268,7 +268,8 @@ def train(cfg: RunConfig) -> None:
             driver.log.log(step, metrics)
         trainer.save_hf(Path(cfg.run_dir) / "hf")  # every rank takes part; rank 0 writes
         if driver:
-            driver.log.message(f"done: {cfg.steps} steps; HF export in {Path(cfg.run_dir) / 'hf'}")
+            driver.log.message(f"done: {cfg.steps} steps; {driver.log.summary()}")
+            driver.log.message(f"HF export in {Path(cfg.run_dir) / 'hf'}")
     if world > 1:
         dist.destroy_process_group()
 

@@ -25,4 +25,22 @@ def test_run_log_and_plot(tmp_path):
     assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit, match="no metric"):
         plot(tmp_path, keys=["train/nothing"])
-    json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0]) == {**rows[0], "time": rows[0]["time"]}
+
+
+def test_console_prints_one_line_per_step_and_a_summary(tmp_path, capsys, monkeypatch):
+    """Every console key at its widest still fits one 80-column line (it used to wrap)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    log = RunLog(tmp_path, total_steps=2, console=True)
+    wide = {"reward/mean": 0.123, "eval/accuracy": 0.5, "response/length": 1234.5, "train/kl": 1.2e-3,
+            "train/mismatch": 3e-7, "time/step": 123.4, "time/weight_push": 10.25}  # fmt: skip
+    log.log(1, wide)
+    log.log(2, {**wide, "reward/mean": 0.75})
+    log.message(log.summary())
+    log.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:2] == [
+        "step 1: reward 0.123 acc 0.500 len 1234 kl 1e-03 mism 3e-07 t 123.4s push 10.2s",
+        "step 2: reward 0.750 acc 0.500 len 1234 kl 1e-03 mism 3e-07 t 123.4s push 10.2s",
+    ] and all(len(line) <= 80 for line in lines)
+    assert lines[2] == "reward 0.123 -> 0.750, acc 0.500 -> 0.500, len 1234 -> 1234"

@@ -1,7 +1,7 @@
 # GPU image for slimish on a cluster: CUDA, SGLang (engines), Megatron-Core with TransformerEngine
 # (trainer), Ray (placement), slimish itself. Built from the repository root:
 #
-#   docker build -f docker/Dockerfile -t slimish:gpu .
+#   docker build -t slimish:gpu .
 #
 # SGLang pins its own torch and CUDA build, so the image starts from SGLang's and adds the rest
 # on top of that torch (nothing here reinstalls torch). SGLANG_TAG must carry sglang >= 0.5.23
