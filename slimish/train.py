@@ -202,10 +202,14 @@ def push_weights(trainer: Trainer, driver: Driver | None, version: int) -> dict[
     """Every rank takes part in a push (Megatron gathers the weights over TP / PP); rank 0's
     driver sends them to the engines and returns its metrics."""
     if driver is None:
-        for _ in trainer.hf_tensors():
-            pass
+        trainer.join_export()
         return {}
     return driver.push(trainer.hf_tensors(), version)
+
+
+def due(step: int, every: int, last: int) -> bool:
+    """Every `every` steps and at the last one; never when `every` is 0."""
+    return every > 0 and (step % every == 0 or step == last)
 
 
 def train(cfg: RunConfig) -> None:
@@ -248,15 +252,16 @@ def train(cfg: RunConfig) -> None:
             groups = broadcast(groups, world)
             metrics.update(trainer.train_step(groups, step))
             metrics.update(push_weights(trainer, driver, step))
+            save = step == cfg.steps or due(step, cfg.checkpoint.every, cfg.steps)  # the last step always
             if driver is None:
-                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or step == cfg.steps:
+                if save:
                     trainer.state_dict()  # this rank's part of rank 0's (Megatron gathers the shards)
                     dist.barrier()  # rank 0 is writing the checkpoint
                 continue
             driver.record_trained(step, groups)
-            if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
+            if due(step, cfg.eval.every, cfg.steps):
                 metrics.update(driver.evaluate())
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or step == cfg.steps:
+            if save:
                 saved = time.perf_counter()
                 checkpoint.save(cfg.run_dir, step, {"step": step, "trainer": trainer.state_dict(), "rng": checkpoint.rng_state(),
                                                     "rollout": driver.state()}, keep=cfg.checkpoint.keep)  # fmt: skip

@@ -279,11 +279,15 @@ def test_abort_mid_generation_returns_partial_tokens(engine):
 
 
 def test_stream_client_disconnect_aborts(engine):
+    """The request stops where the client left: counted as aborted, far short of its 1500 tokens."""
+    aborted, generated = metric_total(engine, "sglang:num_aborted_requests_total"), metric_total(engine, "sglang:generation_tokens_total")
     with httpx.stream("POST", engine + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": LONG, "stream": True}, timeout=60) as r:
         for i, _ in enumerate(line for line in r.iter_lines() if line.startswith("data: {")):
             if i == 3:
                 break
-    wait_for(lambda: server_state(engine)["#running-req"] == 0 and server_state(engine)["#queue-req"] == 0)
+    wait_for(lambda: metric_total(engine, "sglang:num_aborted_requests_total") == aborted + 1)
+    assert metric_total(engine, "sglang:generation_tokens_total") - generated < 300
+    assert server_state(engine)["#running-req"] == 0 and server_state(engine)["#queue-req"] == 0
 
 
 def test_abort_all_non_streaming(engine):

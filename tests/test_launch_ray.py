@@ -107,7 +107,8 @@ def test_engine_actors_serve_and_a_killed_one_rejoins_at_the_current_weights(
         for url in old:
             wait_unreachable(url)  # actor 0's engine child died with it
         assert servers.restart_dead(WAIT_S) == servers.engine_urls
-        assert ray.get_actor("slimish-engine-0-r1") is not None and ray.get_actor("slimish-engine-1") is not None
+        # Actor 0 replaced under a new name, actor 1 kept (its engine restarted inside it).
+        assert [ray.get_actor(n)._actor_id for n in ("slimish-engine-0-r1", "slimish-engine-1")] == [a._actor_id for a in servers.actors]
         assert router_workers(servers.router_url) == sorted(servers.engine_urls) and not set(old) & set(servers.engine_urls)
         for url in servers.engine_urls:
             assert httpx.get(url + "/health", timeout=30).status_code == 503  # no rollouts on their initial weights

@@ -151,7 +151,9 @@ def test_external_engines_get_a_router_and_are_left_running(sglang_servers, tmp_
     launch = LaunchConfig(engine_kind="external", engine_urls=[url + "/"], start_timeout=WAIT_S)
     with local_servers(launch, "unused", tmp_path) as servers:
         assert servers.engine_urls == [url] and servers.restart_dead(WAIT_S) == []
-        assert generate(servers.router_url)["meta_info"]["weight_version"] is not None
+        served = generate(servers.router_url)["meta_info"]
+        assert served["weight_version"] == httpx.get(url + "/model_info", timeout=30).json()["weight_version"]
+        assert served["completion_tokens"] > 0
     assert httpx.get(url + "/health", timeout=30).status_code == 200  # not ours to stop
 
 

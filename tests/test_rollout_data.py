@@ -143,6 +143,6 @@ def test_nonzero_std_drops_groups_with_equal_rewards() -> None:
 
     assert nonzero_std(group(1.0, 0.0, 1.0)) is None
     assert nonzero_std(group(0.0, 0.0)) == "zero reward variance (all 2 rewards 0.0)"
-    assert nonzero_std(group({"a": 1.0}, {"a": 1.0})) is not None
+    assert nonzero_std(group({"a": 1.0}, {"a": 1.0})) == "zero reward variance (all 2 rewards {'a': 1.0})"
     assert nonzero_std(group({"a": 1.0}, {"a": 0.0})) is None
     assert nonzero_std(group(1.0)) is None  # a group of one has no variance to compare

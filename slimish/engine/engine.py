@@ -266,9 +266,10 @@ class Engine:
                     self.metrics.finished(reqs, stream)
                 yield reqs, update
         finally:
-            if done < len(reqs):
+            if done < len(reqs):  # the consumer left (client gone): abort the rest, and count them then
                 rids = {r.rid for r in reqs if r.finish_reason is None}
-                self.scheduler.call(lambda: self.scheduler.abort(rids=rids))
+                aborted = self.scheduler.call(lambda: self.scheduler.abort(rids=rids))
+                aborted.add_done_callback(lambda _: self.metrics.finished(reqs, stream))
 
     async def generate(self, items: list[Item]) -> list[Request]:
         """Run to completion; the finished requests in item order."""

@@ -22,6 +22,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -117,6 +118,22 @@ def response_index(batch: list[Sample], first: int) -> Tensor:
 # -- the shared steps -----------------------------------------------------------------------------
 
 
+@dataclass
+class _Batch:
+    """A rollout batch made ready for its optimiser steps (`Trainer._prepare`)."""
+
+    samples: list[Sample]
+    minis: list[list[int]]  # sample indices of each update
+    shares: list[list[int]]  # this rank's part of each update
+    trajectory: list[int]  # each sample's trajectory
+    fresh: list[float]  # 1 where made by the weights this step starts from
+    old: dict[int, Tensor]  # this rank's samples: the log-probs the ratio is taken against
+    ref: dict[int, Tensor] | None  # and the reference policy's, with KL on
+    advantages: Tensor
+    raw_rewards: Tensor  # before KL in the reward, for the metrics
+    stats: dict[str, float]  # summed loss statistics, this rank's
+
+
 class Trainer(ABC):
     """The RL and SFT steps of every backend. A backend's `__init__` sets the attributes below
     (`_setup` does the common ones) and implements the abstract methods.
@@ -172,13 +189,24 @@ class Trainer(ABC):
         (1-based); it must follow the optimiser's history, which catches a resume that did not
         restore the trainer's state."""
         started = time.perf_counter()
-        algo, tc = self.cfg.algorithm, self.cfg.trainer
-        done = self._updates_done()
-        if done != (step - 1) * tc.updates_per_step:
+        done, per_step = self._updates_done(), self.cfg.trainer.updates_per_step
+        if done != (step - 1) * per_step:
             raise ValueError(f"train_step(step={step}): the trainer has taken {done} optimiser steps, expected "
-                             f"{(step - 1) * tc.updates_per_step}; load its state_dict when resuming")  # fmt: skip
+                             f"{(step - 1) * per_step}; load its state_dict when resuming")  # fmt: skip
         if not groups or not all(groups):
             raise ValueError(f"train_step: groups must be non-empty lists of samples, got sizes {[len(g) for g in groups]}")
+        batch = self._prepare(groups, step)
+        grad_norms, lrs = self._update(batch)
+        totals = dict(zip(STAT_KEYS, self._all_reduce(torch.tensor([batch.stats[k] for k in STAT_KEYS], dtype=torch.float64,
+                                                                    device=self.device)).tolist()))  # fmt: skip
+        metrics = self._metrics(totals, batch.samples, batch.raw_rewards, grad_norms, time.perf_counter() - started, batch.ref is not None)
+        metrics["train/lr"] = lrs[-1]
+        return metrics
+
+    def _prepare(self, groups: list[list[Sample]], step: int) -> "_Batch":
+        """Everything the updates need before the first one: this rank's shares, old and reference
+        log-probs (and the mismatch they show), KL in the reward, advantages."""
+        algo, tc = self.cfg.algorithm, self.cfg.trainer
         samples = [s for g in groups for s in g]
         check_samples(samples)
         rewards = torch.tensor([s.reward_value(self.cfg.rollout.reward_key) for s in samples], dtype=torch.float32)
@@ -214,10 +242,15 @@ class Trainer(ABC):
         trajectory, group = trajectory_index(groups)
         advantages = trajectory_advantages(algo.advantage, rewards, torch.tensor(trajectory), torch.tensor(group),
                                            torch.tensor(self._credit(samples, trajectory)), algo.advantage_eps)  # fmt: skip
+        return _Batch(samples, minis, shares, trajectory, fresh, old, ref, advantages, raw_rewards, stats)
 
+    def _update(self, b: "_Batch") -> tuple[list[float], list[float]]:
+        """The optimiser steps, one per minibatch; the grad norms and learning rates they used.
+        Loss statistics accumulate into `b.stats`."""
+        algo, samples, trajectory = self.cfg.algorithm, b.samples, b.trajectory
         grad_norms: list[float] = []
         lrs: list[float] = []
-        for u, (mini, share) in enumerate(zip(minis, shares)):
+        for u, (mini, share) in enumerate(zip(b.minis, b.shares)):
             n_tokens = sum(sum(samples[i].loss_mask) for i in mini)
             lrs.append(self._lr())
             if not n_tokens:  # nothing to learn from: no step (Adam would still apply momentum)
@@ -235,26 +268,21 @@ class Trainer(ABC):
                 rollout = self._pad([self._rollout_logprobs(s) for s in batch])
                 mask = self._pad([self._mask(s) for s in batch])
                 loss, st = rl_loss(
-                    algo, logprobs, self._pad([old[i] for i in idx]), advantages[idx].to(self.device), mask,
-                    normalizer, ref_logprobs=self._pad([ref[i] for i in idx]) if ref is not None else None,
+                    algo, logprobs, self._pad([b.old[i] for i in idx]), b.advantages[idx].to(self.device), mask,
+                    normalizer, ref_logprobs=self._pad([b.ref[i] for i in idx]) if b.ref is not None else None,
                     rollout_logprobs=rollout, entropy=entropy,
                     trajectory_tokens=torch.tensor([pooled[trajectory[i]] for i in idx], device=self.device),
                 )  # fmt: skip
                 if measure:
-                    st.update(mismatch(logprobs.detach(), rollout, mask, [fresh[i] for i in idx]))
+                    st.update(mismatch(logprobs.detach(), rollout, mask, [b.fresh[i] for i in idx]))
                 return loss, st
 
             entropy = True if algo.entropy_coef > 0 else None  # else measured without gradient
             for key, value in self._accumulate([samples[i] for i in share], share, loss_fn, entropy).items():
-                stats[key] += value
+                b.stats[key] += value
             grad_norms.append(self._optimizer_step(self.optimizer))
             self._scheduler_step()
-
-        totals = dict(zip(STAT_KEYS, self._all_reduce(torch.tensor([stats[k] for k in STAT_KEYS], dtype=torch.float64,
-                                                                    device=self.device)).tolist()))  # fmt: skip
-        metrics = self._metrics(totals, samples, raw_rewards, grad_norms, time.perf_counter() - started, ref is not None)
-        metrics["train/lr"] = lrs[-1]
-        return metrics
+        return grad_norms, lrs
 
     def _credit(self, samples: list[Sample], trajectory: list[int]) -> list[float]:
         """Each sample's share of its trajectory's advantage (`algorithm.segment_credit`)."""
@@ -406,6 +434,12 @@ class Trainer(ABC):
     def hf_tensors(self) -> Iterator[tuple[str, Tensor]]:
         """(HF name, full tensor) of every parameter, a tied one once: what the engines' weight
         loaders take. Complete on rank 0; other ranks may yield nothing (but must iterate)."""
+
+    def join_export(self) -> None:
+        """A follower rank's part of an export (weight push or HF save): run the collectives
+        `hf_tensors` takes part in, keeping none of the tensors (rank 0 has them all)."""
+        for _ in self.hf_tensors():
+            pass
 
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
