@@ -11,8 +11,10 @@ sample that outlived the bound still trains on its newer part). The state is pla
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
+from slimish.config import BufferConfig
 from slimish.types import Sample, version_number
 
 
@@ -23,10 +25,34 @@ def group_version(group: list[Sample]) -> int:
     return min(trained or [version_number(v) for s in group for v in s.weight_versions] or [0])
 
 
+@dataclass(frozen=True)
+class Staleness:
+    """The staleness rule, with one owner of `buffer.max_staleness`: how many versions behind the
+    trainer a trained token may lag, what the buffer does with a group past that, and how far
+    ahead an async rollout may run."""
+
+    bound: int = 0
+    mask_tokens: bool = False  # mask a group's too-old tokens instead of dropping the whole group
+
+    @classmethod
+    def of(cls, cfg: BufferConfig) -> "Staleness":
+        return cls(cfg.max_staleness, cfg.mask_stale_tokens)
+
+    def lag(self, group: list[Sample], version: int) -> int:
+        return version - group_version(group)
+
+    def too_stale(self, group: list[Sample], version: int) -> bool:
+        return self.lag(group, version) > self.bound
+
+    def groups_ahead(self, pushes: int, batch_size: int) -> int:
+        """Groups an async rollout may have put in the buffer after `pushes` pushes: the batch
+        being trained plus `bound` more; a group started beyond that would come out too stale."""
+        return (pushes + 1 + self.bound) * batch_size
+
+
 class Buffer:
-    def __init__(self, max_staleness: int = 0, mask_stale_tokens: bool = False) -> None:
-        self.max_staleness = max_staleness
-        self.mask_stale_tokens = mask_stale_tokens
+    def __init__(self, staleness: Staleness = Staleness()) -> None:
+        self.staleness = staleness
         self.groups: deque[list[Sample]] = deque()
         self.dropped_stale = 0  # groups dropped for staleness, ever
         self.dropped_stale_samples = 0
@@ -40,17 +66,17 @@ class Buffer:
             raise ValueError("Buffer.add: empty group")
         self.groups.append(group)
 
-    def get_batch(self, n_groups: int, max_staleness: int | None = None, current_version: int = 0) -> list[list[Sample]]:
-        """Up to `n_groups` groups, oldest first; groups staler than `max_staleness` versions
-        behind `current_version` (default: the buffer's bound) are dropped and counted on the way."""
-        bound = self.max_staleness if max_staleness is None else max_staleness
+    def get_batch(self, n_groups: int, version: int = 0) -> list[list[Sample]]:
+        """Up to `n_groups` groups, oldest first; groups too stale for the trainer at `version`
+        are dropped (or their old tokens masked) and counted on the way."""
+        rule = self.staleness
         batch: list[list[Sample]] = []
         while self.groups and len(batch) < n_groups:
             group = self.groups.popleft()
-            if self.mask_stale_tokens:  # train on what is fresh enough; drop only what is all too old
-                self.masked_stale_tokens += sum(s.mask_older_than(current_version - bound) for s in group)
-            all_masked = self.mask_stale_tokens and not any(any(s.loss_mask) for s in group)
-            if current_version - group_version(group) > bound or all_masked:
+            if rule.mask_tokens:  # train on what is fresh enough; drop only what is all too old
+                self.masked_stale_tokens += sum(s.mask_older_than(version - rule.bound) for s in group)
+            all_masked = rule.mask_tokens and not any(any(s.loss_mask) for s in group)
+            if rule.too_stale(group, version) or all_masked:
                 self.dropped_stale += 1
                 self.dropped_stale_samples += len(group)
                 continue

@@ -17,13 +17,11 @@ staler than the bound from the buffer (waiting only when there is none yet).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
 import sys
 import time
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -34,7 +32,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from slimish.buffer import Buffer, group_version
+from slimish.buffer import Buffer, Staleness
 from slimish.config import RunConfig, load_run_config
 from slimish.launch import Servers, start_servers
 from slimish.loop_thread import LoopThread
@@ -75,7 +73,7 @@ class Driver:
         stack.callback(self.loop.close)
         self.runtime = self.loop.run(RolloutRuntime.create(cfg, servers.router_url))
         stack.callback(lambda: self.loop.run(self.runtime.close()))
-        self.buffer = Buffer(cfg.buffer.max_staleness, cfg.buffer.mask_stale_tokens)
+        self.buffer = Buffer(Staleness.of(cfg.buffer))
         self.manager = RolloutManager.from_config(self.runtime, PromptData(cfg.data), self.buffer)
         self.eval_rows = eval_rows(cfg.data, cfg.rollout.eval_n_prompts)
         self.servers = servers
@@ -85,45 +83,16 @@ class Driver:
         stack.callback(self.log.close)
         self.trained = open(Path(cfg.run_dir) / "trained_prompts.jsonl", "a")
         stack.callback(self.trained.close)
-        self.producer: asyncio.Task | None = None  # async mode: the manager's `produce`
-        self.stop = asyncio.Event()
 
     def start_producing(self, version: int, stack: ExitStack) -> None:
         """Async mode: the rollout runs from now on, beside training; stopped (its leftovers
         requeued) when the run ends."""
-
-        async def start() -> asyncio.Task:
-            await self.manager.set_version(version)
-            return asyncio.create_task(self.manager.produce(self.stop))
-
-        async def stop() -> None:
-            self.stop.set()
-            await asyncio.gather(self.producer, return_exceptions=True)
-
-        self.producer = self.loop.run(start())
-        stack.callback(lambda: self.loop.run(stop()))
+        self.loop.run(self.manager.start(version))
+        stack.callback(lambda: self.loop.run(self.manager.stop()))
 
     def rollout(self, version: int) -> tuple[list[list[Sample]], dict[str, float]]:
-        """The step's batch and its rollout metrics; `time/rollout` is how long the trainer waited."""
-        n = self.cfg.rollout.rollout_batch_size
-        if self.producer is None:
-            stats = self.loop.run(self.manager.run_step(version))
-            groups = self.buffer.get_batch(n, self.cfg.buffer.max_staleness, version)
-            waited = stats["seconds"]
-        else:
-            groups, stats = self.loop.run(self.manager.next_batch(n, self.producer))
-            waited = stats["wait_seconds"]
-        metrics = {f"rollout/{k}": float(v) for k, v in stats.items() if isinstance(v, (int, float)) and k != "seconds"}
-        for reason, n in stats["filter_reasons"].items():
-            metrics[f"rollout/filtered/{reason}"] = float(n)
-        staleness = Counter(version - group_version(g) for g in groups)
-        for lag, count in sorted(staleness.items()):
-            metrics[f"rollout/staleness/{lag}"] = float(count)
-        metrics["rollout/staleness_max"] = float(max(staleness, default=0))
-        metrics["rollout/dropped_stale_groups"] = float(self.buffer.dropped_stale)  # ever: never trained
-        metrics["rollout/masked_stale_tokens"] = float(self.buffer.masked_stale_tokens)  # ever
-        metrics["time/rollout"] = waited
-        return groups, metrics
+        """The step's batch and its metrics (`time/rollout`: how long the trainer waited)."""
+        return self.loop.run(self.manager.next_batch(version))
 
     def push(self, tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         """Every engine serves `version` after this. An engine of ours that died (the router has
@@ -136,8 +105,7 @@ class Driver:
             self.sync = WeightSync(self.cfg.weight_sync, self.servers.engine_urls, self.cfg.launch.api_key)
             self.sync.connect()
         metrics = {"time/weight_push": self.sync.push(tensors, str(version))["seconds"], "launch/engines_restarted": float(len(restarted))}
-        if self.producer is not None:
-            self.loop.run(self.manager.set_version(version))
+        self.loop.run(self.manager.weights_pushed(version))
         return metrics
 
     def evaluate(self) -> dict[str, float]:

@@ -13,10 +13,11 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import httpx  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -231,10 +232,22 @@ def assert_run_survives_an_engine_kill(tmp_path: Path, kill: str, *overrides: st
 def metric_total(url: str, sample: str, **labels: str) -> float:
     """The sum of a Prometheus sample over its label sets (those matching `labels`), read with
     prometheus_client's own parser: 0 when no series exists yet."""
-    import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", timeout=10).text
     return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
                if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))  # fmt: skip
+
+
+def post(url: str, path: str, body: object = None, timeout: float = 120.0, **kw: object) -> httpx.Response:
+    """POST `body` as JSON (an empty object when None) to `url + path`."""
+    return httpx.post(url + path, json=body if body is not None else {}, timeout=timeout, **kw)
+
+
+def wait_for(predicate: Callable[[], bool], what: str = "the condition", timeout: float = 30.0) -> None:
+    """Poll `predicate` with a bound (never a sleep standing in for synchronisation)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.02)
 

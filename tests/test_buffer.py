@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from slimish.buffer import Buffer, group_version
+from slimish.buffer import Buffer, Staleness, group_version
 from slimish.protocol import GenerateResponse, MetaInfo
 from slimish.rollout.api import to_result
 from slimish.types import Sample
@@ -29,28 +29,28 @@ def test_oldest_first_and_at_most_n() -> None:
 
 
 def test_stale_groups_are_dropped_and_counted_never_returned() -> None:
-    buf = Buffer(max_staleness=1)
+    buf = Buffer(Staleness(1))
     buf.add(_group(0, "3", "1"))  # one sample from version 1: the group's age is 1
     buf.add(_group(1, "2", "3"))
     buf.add(_group(2, "3"))
     assert group_version(_group(0, "3", "1")) == 1 and group_version(_group(9, "default")) == 0
-    batch = buf.get_batch(2, current_version=3)
+    batch = buf.get_batch(2, version=3)
     assert [g[0].group_id for g in batch] == [1, 2]
     assert (buf.dropped_stale, buf.dropped_stale_samples) == (1, 2)
-    buf.add(_group(3, "1"))
-    assert buf.get_batch(1, max_staleness=2, current_version=3)[0][0].group_id == 3  # an explicit bound wins
+    assert Staleness(1).lag(_group(3, "1"), 3) == 2 and Staleness(2).too_stale(_group(3, "1"), 3) is False
+    assert Staleness(1).groups_ahead(pushes=0, batch_size=4) == 8  # the batch being trained, and one more
 
 
 def test_state_round_trips_through_json() -> None:
-    buf = Buffer(max_staleness=0)
+    buf = Buffer(Staleness(0))
     for gid, version in enumerate(["0", "1", "1"]):
         buf.add(_group(gid, version, version))
-    assert buf.get_batch(1, current_version=1)[0][0].group_id == 1  # group 0 dropped on the way
+    assert buf.get_batch(1, version=1)[0][0].group_id == 1  # group 0 dropped on the way
     state = json.loads(json.dumps(buf.state_dict()))
-    restored = Buffer(max_staleness=0)
+    restored = Buffer(Staleness(0))
     restored.load_state_dict(state)
     assert restored.dropped_stale == 1 and len(restored) == 1
-    (group,) = restored.get_batch(1, current_version=1)
+    (group,) = restored.get_batch(1, version=1)
     assert [s.to_dict() for s in group] == [s.to_dict() for s in _group(2, "1", "1")]
 
 
@@ -78,10 +78,10 @@ def test_mask_stale_tokens_trains_the_fresh_part_of_a_long_sample() -> None:
     long.append_model([3, 4, 5, 6], [-0.1, -0.2, -0.3, -0.4], ["1", "1", "3", "4"])
     old = Sample(prompt="p", tokens=[1], group_id=1, reward=1.0)
     old.append_model([3], [-0.5], "1")
-    buf = Buffer(max_staleness=1, mask_stale_tokens=True)
+    buf = Buffer(Staleness(1, mask_tokens=True))
     buf.add([long])
     buf.add([old])
-    batch = buf.get_batch(2, current_version=4)
+    batch = buf.get_batch(2, version=4)
     assert [g[0].group_id for g in batch] == [0]
     assert long.loss_mask == [0, 0, 1, 1] and long.rollout_logprobs == [0.0, 0.0, -0.3, -0.4]
     assert group_version(batch[0]) == 3 and long.trained_versions() == {3, 4}

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import metric_total
+from conftest import metric_total, post, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from slimish.config import EngineConfig
@@ -24,10 +24,6 @@ PROMPTS = [[5, 17, 42, 99, 7], [300, 301, 302], list(range(60, 90)), [11] * 9]
 @pytest.fixture(scope="module")
 def hf(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-def post(url: str, path: str, body: dict | None = None, **kw) -> httpx.Response:
-    return httpx.post(url + path, json=body if body is not None else {}, timeout=60, **kw)
 
 
 def generate(url: str, **body) -> dict | list:
@@ -246,14 +242,6 @@ def test_streaming_is_cumulative(engine):
 
 
 # ---- abort and pause -----------------------------------------------------------------------
-
-
-def wait_for(predicate, timeout: float = 30.0) -> None:
-    """Poll a condition with a bound (not a sleep standing in for synchronisation)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def server_state(url: str) -> dict:

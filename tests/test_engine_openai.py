@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from conftest import post
 from slimish.engine.openai_api import _settled
 
 PROMPT_IDS = [5, 17, 42, 99, 7]
@@ -37,10 +38,6 @@ def native(url: str, ids: list[int], max_new_tokens: int, **params) -> dict:
     r = httpx.post(url + "/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def post(url: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=60)
 
 
 # ---- /v1/completions ----------------------------------------------------------------------------

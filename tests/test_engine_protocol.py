@@ -12,6 +12,7 @@ import httpx
 import jsonschema
 import pytest
 import torch
+from conftest import post
 from transformers import AutoModelForCausalLM
 
 PROMPT = [5, 17, 42, 99, 7]
@@ -23,10 +24,6 @@ SCHEMA = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
-
-
-def post(url: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=120)
 
 
 def samples(url: str, n: int = 100, **grammar: str) -> list[dict]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import metric_total
+from conftest import metric_total, post
 
 from slimish.client import Client
 from slimish.launch.local import engine_process
@@ -86,10 +86,6 @@ def router(engines, tmp_path_factory) -> str:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
-
-
-def post(url: str, path: str, body: dict | None = None) -> httpx.Response:
-    return httpx.post(url + path, json=body if body is not None else {}, timeout=60)
 
 
 def generate(url: str, **body) -> dict | list:

@@ -13,8 +13,7 @@ import argparse
 import logging
 import re
 import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,7 +26,7 @@ from slimish.config import EngineConfig, RouterConfig, add_config_arguments
 from slimish.launch.local import engine_process
 from slimish.serving import warn_if_exposed
 
-from conftest import running_router
+from conftest import post, running_router, wait_for
 
 LIMITS = {"max_prompt_tokens": 48, "max_new_tokens_cap": 8, "max_body_bytes": 4096, "max_running_requests": 2, "max_queued_requests": 1}
 CAPACITY = 3  # max_running_requests + max_queued_requests
@@ -39,17 +38,6 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 def limited(tiny_model_dir, tmp_path_factory):
     with engine_process(tiny_model_dir, log_path=tmp_path_factory.mktemp("limits") / "engine.log", **LIMITS) as proc:
         yield proc.url
-
-
-def post(url: str, path: str, body: object, **kw) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=60, **kw)
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.02)
 
 
 def in_flight(engine: str) -> int:

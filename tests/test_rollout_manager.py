@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from slimish.buffer import Buffer
+from slimish.buffer import Buffer, Staleness
 from slimish.client import Client
 from slimish.config import LaunchConfig, RunConfig, load_run_config
 from slimish.launch.local import Servers, local_servers
@@ -54,7 +54,7 @@ def run_manager(cfg: RunConfig, router: str, rollout_fn: Any, body: Any, reward_
     async def main() -> Any:
         runtime = await RolloutRuntime.create(cfg, router)
         try:
-            manager = RolloutManager(runtime, PromptData(cfg.data), Buffer(cfg.buffer.max_staleness), rollout_fn, reward_fn, filter_fn)
+            manager = RolloutManager(runtime, PromptData(cfg.data), Buffer(Staleness.of(cfg.buffer)), rollout_fn, reward_fn, filter_fn)
             return await body(manager)
         finally:
             await runtime.close()
@@ -316,7 +316,7 @@ def test_leftovers_are_aborted_requeued_and_partial_samples_resumed(servers: Ser
 def test_async_production_runs_ahead_by_the_staleness_bound(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
     """`produce` starts groups only while the buffer owes the trainer at most 1 + max_staleness
     batches: with bound 1 and no push, exactly two batches' prompts are taken; a push (the
-    engines' version and `set_version`) releases one more batch, made by the new version."""
+    engines' version and `weights_pushed`) releases one more batch, made by the new version."""
     cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2",
                    "buffer.max_staleness=1", "mode=async")  # fmt: skip
 
@@ -326,27 +326,25 @@ def test_async_production_runs_ahead_by_the_staleness_bound(servers: Servers, ti
                 assert (await client.update_weight_version(version)).success
 
     async def body(m: RolloutManager) -> Any:
-        stop = asyncio.Event()
-        producer = asyncio.create_task(m.produce(stop))
+        await m.start(0)
         try:
-            first, _ = await m.next_batch(2, producer)
-            second, stats = await m.next_batch(2, producer)
+            first, _ = await m.next_batch(0)
+            second, metrics = await m.next_batch(0)
             taken_before_push = m.counters["prompts_taken"], len(m._inflight)
             await set_engines_version("1")
-            await m.set_version(1)
-            third, _ = await m.next_batch(2, producer)
+            await m.weights_pushed(1)
+            third, _ = await m.next_batch(1)
         finally:
-            stop.set()
-            await producer
+            await m.stop()
             await set_engines_version(DEFAULT_WEIGHT_VERSION)
-        return first, second, third, stats, taken_before_push, m
+        return first, second, third, metrics, taken_before_push, m
 
-    first, second, third, stats, taken_before_push, m = run_manager(cfg, servers.router_url, math_plugin.rollout, body)
+    first, second, third, metrics, taken_before_push, m = run_manager(cfg, servers.router_url, math_plugin.rollout, body)
     assert taken_before_push == (4, 0)
     assert sorted(g[0].group_id for g in first + second) == [0, 1, 2, 3]  # groups finish in any order
     assert {v for g in first + second for s in g for v in s.weight_versions} == {DEFAULT_WEIGHT_VERSION}
     assert sorted(g[0].group_id for g in third) == [4, 5] and {v for g in third for s in g for v in s.weight_versions} == {"1"}
-    assert 0.0 <= stats["engine_idle_fraction"] <= 1.0
+    assert 0.0 <= metrics["rollout/engine_idle_fraction"] <= 1.0 and metrics["rollout/staleness_max"] == 0
     assert accounted(m) and m.counters["prompts_taken"] == 6 + len(m.requeued)
 
 
@@ -390,6 +388,6 @@ def test_rollout_cli_writes_every_sample(servers: Servers, tiny_model_dir: Path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     samples = [Sample.from_dict(json.loads(line)) for line in out.read_text().splitlines()]
-    assert [(s.group_id, s.index) for s in samples] == [(g, i) for g in range(4) for i in range(2)]
+    assert sorted((s.group_id, s.index) for s in samples) == [(g, i) for g in range(4) for i in range(2)]  # in finish order
     assert all(s.response_length and s.reward == 0.0 and s.weight_versions == ["default"] for s in samples)
     assert "step 2: 2 groups kept" in proc.stderr

@@ -9,7 +9,6 @@ served a reply is read from the router's `x-slimish-worker` header.
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -22,7 +21,7 @@ from slimish.net import free_port
 from slimish.protocol import ROUTING_KEY_HEADER
 from slimish.router.proxy import WORKER_HEADER
 
-from conftest import running_router
+from conftest import running_router, wait_for
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPT = [5, 17, 42, 99, 7]
@@ -49,13 +48,6 @@ def generate(router: str, headers: dict | None = None, **body) -> httpx.Response
     r = httpx.post(router + "/generate", json=body, headers=headers, timeout=60)
     assert r.status_code == 200, r.text
     return r
-
-
-def wait_for(predicate, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.02)
 
 
 def loads(router: str) -> dict[str, int]:

@@ -18,7 +18,7 @@ from typing import IO, Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from slimish.buffer import Buffer
+from slimish.buffer import Buffer, Staleness
 from slimish.config import RunConfig, load_run_config
 from slimish.launch import start_servers
 from slimish.rollout.data import PromptData
@@ -73,7 +73,7 @@ async def _rollout(cfg: RunConfig, router_url: str, fns: tuple, data: PromptData
                 else:
                     _write(out, group)
 
-            buffer = Buffer(cfg.buffer.max_staleness)
+            buffer = Buffer(Staleness.of(cfg.buffer))
             manager = RolloutManager(runtime, data, buffer, *fns, on_group=on_group)
             for step in range(steps):
                 progress.update(bar, description=f"step {step + 1}/{steps}")

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from slimish.buffer import Buffer, group_version
+from slimish.buffer import Buffer
 from slimish.client import ServerError
 from slimish.rollout.api import RolloutContext, RolloutRuntime
 from slimish.rollout.data import PromptData
@@ -88,7 +88,10 @@ class RolloutManager:
         self.next_group_id = 0
         self.counters: Counter[str] = Counter({k: 0 for k in COUNTERS})
         self.filter_reasons: Counter[str] = Counter()
-        self.version = 0  # the weights the engines serve (async mode: set by `set_version` after each push)
+        self.staleness = buffer.staleness
+        self.version = 0  # the weights the engines serve (set by `weights_pushed`)
+        self.producer: asyncio.Task | None = None  # async mode: `produce`, from `start` to `stop`
+        self._stop_producing = asyncio.Event()
         self._inflight: dict[int, _Prompt] = {}  # group id -> its prompt, while its group runs
         self._changed = asyncio.Event()  # a new version, or a group went into the buffer
         self._idle = _IdleClock()
@@ -133,7 +136,7 @@ class RolloutManager:
         later would come out too stale to train on. With max_staleness 1 the rollout runs one
         batch ahead of the trainer. In flight at a push, a request does what
         `weight_sync.pause_mode` says; its tokens record the versions that made them."""
-        batch, bound = self.cfg.rollout_batch_size, self.runtime.cfg.buffer.max_staleness
+        batch = self.cfg.rollout_batch_size
         start, kept0, dropped0 = self.version, self.counters["groups_kept"], self.buffer.dropped_stale
         limit = math.ceil(self.cfg.max_prompts_factor * batch)
         tasks: set[asyncio.Task[bool]] = set()
@@ -141,7 +144,7 @@ class RolloutManager:
         self._mark()
         try:
             while not stop.is_set():
-                owed = (self.version - start + 1 + bound) * batch + self.buffer.dropped_stale - dropped0
+                owed = self.staleness.groups_ahead(self.version - start, batch) + self.buffer.dropped_stale - dropped0
                 wanted = owed - (self.counters["groups_kept"] - kept0)
                 while len(tasks) < math.ceil(self.cfg.over_sampling * wanted):
                     if taken_unkept >= limit:
@@ -155,27 +158,65 @@ class RolloutManager:
         finally:
             await self._stop(tasks, stop)
 
-    async def set_version(self, version: int) -> None:
+    async def start(self, version: int) -> None:
+        """Async mode: the rollout runs from now on, beside training, until `stop`."""
+        await self.weights_pushed(version)
+        self.producer = asyncio.create_task(self.produce(self._stop_producing))
+
+    async def stop(self) -> None:
+        """Stop producing; groups in flight are requeued (they run again after a resume)."""
+        if self.producer is not None:
+            self._stop_producing.set()
+            await asyncio.gather(self.producer, return_exceptions=True)
+
+    async def weights_pushed(self, version: int) -> None:
         """The engines serve `version` now: production may run ahead by one more batch."""
         self.version = version
         self._changed.set()
 
-    async def next_batch(self, n_groups: int, producer: asyncio.Future) -> tuple[list[list[Sample]], dict[str, Any]]:
-        """`n_groups` groups no staler than the bound, waiting for them; the stats since the
-        last batch. A producer that failed fails this."""
+    async def next_batch(self, version: int) -> tuple[list[list[Sample]], dict[str, float]]:
+        """The batch the trainer at `version` trains on next, no group staler than the bound, and
+        its metrics; `time/rollout` is how long the trainer waited for it. Sync: roll it out now.
+        Async: wait for the producer to have it."""
+        n = self.cfg.rollout_batch_size
+        if self.producer is None:
+            stats = await self.run_step(version)
+            groups, waited = self.buffer.get_batch(n, version), stats["seconds"]
+        else:
+            groups, stats = await self._produced(n, version)
+            waited = stats["wait_seconds"]
+        return groups, self._batch_metrics(groups, stats, version, waited)
+
+    async def _produced(self, n_groups: int, version: int) -> tuple[list[list[Sample]], dict[str, Any]]:
+        """`n_groups` groups from the producer, waiting for them; the stats since the last
+        batch. A producer that failed fails this."""
+        assert self.producer is not None
         batch: list[list[Sample]] = []
         waited = time.perf_counter()
         while True:
-            batch += self.buffer.get_batch(n_groups - len(batch), None, self.version)
+            batch += self.buffer.get_batch(n_groups - len(batch), version)
             if len(batch) == n_groups:
                 break
-            if producer.done():
-                producer.result()  # raises what stopped it
+            if self.producer.done():
+                self.producer.result()  # raises what stopped it
                 raise RuntimeError("the rollout producer stopped before the batch was full")
-            await self._wait_change(producer)
+            await self._wait_change(self.producer)
         stats = {**self._stats(batch), "wait_seconds": time.perf_counter() - waited}
         self._mark()
         return batch, stats
+
+    def _batch_metrics(self, groups: list[list[Sample]], stats: dict[str, Any], version: int, waited: float) -> dict[str, float]:
+        metrics = {f"rollout/{k}": float(v) for k, v in stats.items() if isinstance(v, (int, float)) and k != "seconds"}
+        for reason, count in stats["filter_reasons"].items():
+            metrics[f"rollout/filtered/{reason}"] = float(count)
+        lags = Counter(self.staleness.lag(g, version) for g in groups)
+        for lag, count in sorted(lags.items()):
+            metrics[f"rollout/staleness/{lag}"] = float(count)
+        metrics["rollout/staleness_max"] = float(max(lags, default=0))
+        metrics["rollout/dropped_stale_groups"] = float(self.buffer.dropped_stale)  # ever: never trained
+        metrics["rollout/masked_stale_tokens"] = float(self.buffer.masked_stale_tokens)  # ever
+        metrics["time/rollout"] = waited
+        return metrics
 
     async def _wait_change(self, *waitables: Any) -> set[asyncio.Future]:
         """Until a version change, a kept group, or one of `waitables` is done; returns the
@@ -193,7 +234,7 @@ class RolloutManager:
         if self.requeued:
             prompt = self.requeued.popleft()
             for i, s in list(prompt.partial.items()):
-                if current_version - group_version([s]) > self.runtime.cfg.buffer.max_staleness:
+                if self.staleness.too_stale([s], current_version):
                     del prompt.partial[i]
                     self.counters["partial_stale"] += 1
             self.counters["partial_resumed"] += sum(s.status == SampleStatus.PENDING for s in prompt.partial.values())
