@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import re
 import typing
 from dataclasses import dataclass, field
@@ -163,9 +164,45 @@ class ServeConfig:
             raise ValueError(f"engines must be >= 1, got {self.engines}")
 
 
+def field_docs(schema: type) -> dict[str, str]:
+    """Each field's comment in this file: its trailing one, else the comment block above it (a
+    block documents the fields that follow it up to a blank line). The comments are the docs, so
+    `--help` shows them instead of a second copy."""
+    docs: dict[str, str] = {}
+    block: list[str] = []
+    after_comment = False
+    for line in inspect.getsource(schema).splitlines()[1:]:
+        text = line.strip()
+        if text.startswith("#"):
+            block = (block if after_comment else []) + [text.lstrip("# ")]
+            after_comment = True
+            continue
+        after_comment = False
+        match = re.match(r"(\w+): [^#]*?(?:#\s*(.*))?$", text)
+        if match and not text.startswith(("def ", "return", "raise")):
+            docs[match.group(1)] = match.group(2) or " ".join(block)
+        elif not text:
+            block = []
+    return docs
+
+
+def describe_config(schema: type, prefix: str = "") -> list[str]:
+    """`key (default): doc` for every field, nested sections flattened to dotted keys."""
+    lines, docs = [], field_docs(schema)
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(f.default_factory) if f.default_factory is not dataclasses.MISSING else False:
+            lines += describe_config(f.default_factory, f"{prefix}{f.name}.")
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        shown = "required" if default is MISSING else repr(default)
+        lines.append(f"  {prefix}{f.name} ({shown})" + (f": {docs[f.name]}" if docs.get(f.name) else ""))
+    return lines
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, schema: type, skip: tuple[str, ...] = ()) -> None:
-    """One flag per schema field, default and type taken from the schema; lists take N values."""
-    hints = typing.get_type_hints(schema)
+    """One flag per schema field, default and type taken from the schema, its comment as help;
+    lists take N values."""
+    hints, docs = typing.get_type_hints(schema), field_docs(schema)
     for f in dataclasses.fields(schema):
         if f.name in skip:
             continue
@@ -178,7 +215,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, schema: type, skip: tu
             default = None if f.default is MISSING else f.default
         parser.add_argument(
             "--" + f.name.replace("_", "-"), type=kind, default=default, required=f.default is MISSING,
-            nargs="*" if is_list else None, help=f"(default: {default})",
+            nargs="*" if is_list else None, help=f"{docs.get(f.name, '')} (default: {default})".lstrip(),
         )  # fmt: skip
 
 
@@ -541,3 +578,9 @@ def load_run_config(path: str | None, overrides: list[str] = (), **named: Any) -
         return OmegaConf.to_object(cfg)  # type: ignore[return-value]
     except (ValueError, OmegaConfBaseException, FileNotFoundError) as exc:
         raise SystemExit(f"bad config{f' {path}' if path else ''}: {exc}") from None
+
+
+def document_run_config(parser: argparse.ArgumentParser) -> None:
+    """`--help` ends with every `key=value` a run takes, its default and its comment."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = "every key (default): what it does\n" + "\n".join(describe_config(RunConfig))

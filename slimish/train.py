@@ -33,7 +33,7 @@ import torch.distributed as dist
 import transformers
 
 from slimish.buffer import Buffer, Staleness
-from slimish.config import RunConfig, load_run_config
+from slimish.config import RunConfig, document_run_config, load_run_config
 from slimish.launch import Servers, start_servers
 from slimish.loop_thread import LoopThread
 from slimish.metrics import RunLog
@@ -56,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--filter-fn", default=None)
     parser.add_argument("--resume", default=None, help="auto (newest checkpoint in run_dir) or a checkpoint directory")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="RunConfig overrides, e.g. rollout.temperature=0.7")
+    document_run_config(parser)
 
 
 def config_of(args: argparse.Namespace) -> RunConfig:

@@ -22,7 +22,9 @@ import httpx
 import pytest
 
 import slimish
-from slimish.config import EngineConfig, RouterConfig, add_config_arguments
+from omegaconf import OmegaConf
+
+from slimish.config import EngineConfig, RouterConfig, RunConfig, add_config_arguments, describe_config, field_docs
 from slimish.launch.local import engine_process
 from slimish.serving import warn_if_exposed
 
@@ -165,6 +167,18 @@ def test_loopback_by_default():
         add_config_arguments(parser, schema)
         args = parser.parse_args(["--model", "m"] if schema is EngineConfig else [])
         assert args.host == "127.0.0.1" and schema.__dataclass_fields__["host"].default == "127.0.0.1"
+
+
+def test_help_shows_each_fields_comment(capsys):
+    """The schema's comments are the docs: every flag's help, and every run key in `--help`."""
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, EngineConfig)
+    text = " ".join(parser.format_help().split())
+    assert "--max-running-requests MAX_RUNNING_REQUESTS rows in the running batch (default: 32)" in text
+    assert field_docs(RouterConfig)["admin_key"] and set(field_docs(EngineConfig)) <= set(EngineConfig.__dataclass_fields__)
+    lines = describe_config(RunConfig)
+    assert "  rollout.temperature (1.0): Default sampling params for ctx.generate / ctx.chat." in lines and "  buffer.max_staleness (0): weight versions a trained sample may lag behind; 0 = on-policy" in lines
+    assert len(lines) == len([k for k in OmegaConf.to_container(OmegaConf.structured(RunConfig)).values() for _ in (k if isinstance(k, dict) else [k])])
 
 
 def test_non_loopback_without_key_warns(caplog):

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from slimish.buffer import Buffer, Staleness
-from slimish.config import RunConfig, load_run_config
+from slimish.config import RunConfig, document_run_config, load_run_config
 from slimish.launch import start_servers
 from slimish.rollout.data import PromptData
 from slimish.rollout.loader import LoadError, load_functions
@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="rollout steps (default: the config's steps)")
     parser.add_argument("--out", required=True, help="JSONL file, one sample per line")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, dotted keys (rollout.n_samples_per_prompt=4)")
+    document_run_config(parser)
 
 
 def run(args: argparse.Namespace) -> int:
