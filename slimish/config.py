@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import logging
 import re
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import Any, TypeVar
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -290,13 +293,12 @@ class DataConfig:
     """Prompts: a JSONL / Parquet file, a local `datasets` directory, or `task:NAME` (built-in)."""
 
     source: str = MISSING
-    eval_source: str | None = None  # held-out prompts; `task:NAME` uses the task's held-out split
     prompt_key: str = "prompt"  # a string (text) or a list of messages (chat)
     label_key: str | None = "label"  # None: rows carry no label (e.g. a reward model scores them)
     apply_chat_template: bool = True  # text prompts become one user message
     system_prompt: str | None = None
     shuffle: bool = True  # reshuffled every epoch with seed + epoch
-    seed: int = 0
+    seed: int | None = None  # shuffling and `task:NAME` prompts; None: the run's seed
     task_size: int = 2000  # prompts per split for `task:NAME` sources
 
 
@@ -343,13 +345,9 @@ class RolloutConfig:
     # rendering differs from the model's ids in at most this many of them (those are then the
     # environment's, mask 0); a larger change starts a new segment.
     realign_tokens: int = 8
-    # Evaluation on held-out prompts.
-    eval_n_prompts: int = 64
-    eval_n_samples_per_prompt: int = 1
-    eval_temperature: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("n_samples_per_prompt", "rollout_batch_size", "max_concurrency", "max_new_tokens", "eval_n_samples_per_prompt"):
+        for name in ("n_samples_per_prompt", "rollout_batch_size", "max_concurrency", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
         if self.over_sampling < 1.0:
@@ -464,7 +462,7 @@ class TrainerConfig:
     # fwd+bwd on 2 cores), and OMP_NUM_THREADS in async mode, where they do not.
     cpu_threads: int = 0
     ref_model: str | None = None  # None with kl_coef > 0: a frozen copy of the policy at its first RL step
-    seed: int = 0
+    seed: int | None = None  # model initialisation (Megatron); None: the run's seed
 
     def __post_init__(self) -> None:
         if self.backend not in ("torch", "megatron"):
@@ -529,7 +527,17 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
+    """Evaluation on held-out prompts, all of it here."""
+
     every: int = 5  # steps; 0 = never
+    source: str | None = None  # held-out prompts; `task:NAME` uses the task's held-out split
+    n_prompts: int = 64
+    n_samples_per_prompt: int = 1
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.n_samples_per_prompt < 1:
+            raise ValueError(f"eval.n_samples_per_prompt must be >= 1, got {self.n_samples_per_prompt}")
 
 
 @dataclass
@@ -545,7 +553,7 @@ class RunConfig:
     model: str = MISSING  # HF model directory (policy initial weights and tokenizer)
     run_dir: str = "runs/latest"
     steps: int = 10  # RL steps
-    seed: int = 0
+    seed: int = 0  # the one seed: python, numpy and torch, and data.seed / trainer.seed unless set
     # sync: rollout, then train, then push. async: the rollout keeps going while the trainer
     # trains, on weights up to buffer.max_staleness versions old (0: the same as sync).
     mode: str = "sync"
@@ -563,6 +571,29 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
             raise ValueError(f"mode must be sync or async, got {self.mode!r}")
+        for section in (self.data, self.trainer):
+            if section.seed is None:
+                section.seed = self.seed
+
+
+# Old key -> its new name: still read for a release, with a warning.
+RENAMED = {
+    "data.eval_source": "eval.source",
+    "rollout.eval_n_prompts": "eval.n_prompts",
+    "rollout.eval_n_samples_per_prompt": "eval.n_samples_per_prompt",
+    "rollout.eval_temperature": "eval.temperature",
+}
+
+
+def _rename(values: Any, where: str) -> Any:
+    """Move renamed keys of a YAML mapping to their new place, warning once per key."""
+    for old, new in RENAMED.items():
+        section, key = old.split(".")
+        node = values.get(section) if isinstance(values, dict) else None
+        if isinstance(node, dict) and key in node:
+            log.warning("%s: %s is now %s; the old name will stop working in the next release", where, old, new)
+            values.setdefault(new.split(".")[0], {})[new.split(".")[1]] = node.pop(key)
+    return values
 
 
 def load_run_config(path: str | None, overrides: list[str] = (), **named: Any) -> RunConfig:
@@ -570,8 +601,9 @@ def load_run_config(path: str | None, overrides: list[str] = (), **named: Any) -
     try:
         cfg = OmegaConf.structured(RunConfig)
         if path:
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+            cfg = OmegaConf.merge(cfg, _rename(OmegaConf.to_container(OmegaConf.load(path)), path))
+        dotlist = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.merge(cfg, _rename(dotlist, "key=value"))
         for key, value in named.items():
             if value is not None:
                 OmegaConf.update(cfg, key, value, merge=True)

@@ -76,7 +76,7 @@ class Driver:
         stack.callback(lambda: self.loop.run(self.runtime.close()))
         self.buffer = Buffer(Staleness.of(cfg.buffer))
         self.manager = RolloutManager.from_config(self.runtime, PromptData(cfg.data), self.buffer)
-        self.eval_rows = eval_rows(cfg.data, cfg.rollout.eval_n_prompts)
+        self.eval_rows = eval_rows(cfg.eval, cfg.data)
         self.servers = servers
         self.sync = WeightSync(cfg.weight_sync, servers.engine_urls, cfg.launch.api_key)
         stack.callback(lambda: self.sync.close())  # the one in use then: a restart replaces it

@@ -77,7 +77,7 @@ def test_anthropic_sdk_agent_learns_a_toy_tool_task(tmp_path: Path) -> None:
     tok.chat_template = SHORT_TOOLS + tok.chat_template[tok.chat_template.index("\n{%- else %}") :]  # the top-level else: no tools
     tok.save_pretrained(model)
     argv = [sys.executable, "-m", "slimish.train", "--config", str(ROOT / "configs/quickstart.yaml"), f"model={model}",
-            f"run_dir={tmp_path / 'run'}", f"data.source={tmp_path / 'rl.jsonl'}", f"data.eval_source={tmp_path / 'held_out.jsonl'}", f"sft.source={tmp_path / 'sft.jsonl'}",
+            f"run_dir={tmp_path / 'run'}", f"data.source={tmp_path / 'rl.jsonl'}", f"eval.source={tmp_path / 'held_out.jsonl'}", f"sft.source={tmp_path / 'sft.jsonl'}",
             f"rollout.rollout_fn={tmp_path / 'agent.py'}:rollout", "rollout.max_new_tokens=32",
             "steps=12", "eval.every=6", "checkpoint.every=0"]  # fmt: skip
     done = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1400)

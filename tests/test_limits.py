@@ -24,7 +24,7 @@ import pytest
 import slimish
 from omegaconf import OmegaConf
 
-from slimish.config import EngineConfig, RouterConfig, RunConfig, add_config_arguments, describe_config, field_docs
+from slimish.config import EngineConfig, RouterConfig, RunConfig, add_config_arguments, describe_config, field_docs, load_run_config
 from slimish.launch.local import engine_process
 from slimish.serving import warn_if_exposed
 
@@ -179,6 +179,18 @@ def test_help_shows_each_fields_comment(capsys):
     lines = describe_config(RunConfig)
     assert "  rollout.temperature (1.0): Default sampling params for ctx.generate / ctx.chat." in lines and "  buffer.max_staleness (0): weight versions a trained sample may lag behind; 0 = on-policy" in lines
     assert len(lines) == len([k for k in OmegaConf.to_container(OmegaConf.structured(RunConfig)).values() for _ in (k if isinstance(k, dict) else [k])])
+
+
+def test_one_seed_and_renamed_keys_still_read(tmp_path, caplog):
+    """`seed` seeds the data and the trainer unless they are set; old evaluation keys still work
+    for a release, each with a warning naming its new place."""
+    cfg = load_run_config(None, ["model=m", "data.source=x", "seed=7", "trainer.seed=3"])
+    assert (cfg.data.seed, cfg.trainer.seed) == (7, 3)
+    (tmp_path / "old.yaml").write_text("model: m\ndata:\n  source: x\n  eval_source: task:add\nrollout:\n  eval_n_prompts: 9\n")
+    with caplog.at_level(logging.WARNING, logger="slimish.config"):
+        cfg = load_run_config(str(tmp_path / "old.yaml"), ["rollout.eval_temperature=0.5"])
+    assert (cfg.eval.source, cfg.eval.n_prompts, cfg.eval.temperature) == ("task:add", 9, 0.5)
+    assert "data.eval_source is now eval.source" in caplog.text and "rollout.eval_temperature is now eval.temperature" in caplog.text
 
 
 def test_non_loopback_without_key_warns(caplog):

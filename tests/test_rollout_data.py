@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from slimish.config import DataConfig
+from slimish.config import DataConfig, EvalConfig
 from slimish.rollout.data import PromptData, eval_rows, load_rows
 from slimish.rollout.filters import nonzero_std
 from slimish.rollout.rewards import final_turn_text
@@ -22,7 +22,7 @@ def _jsonl(path: Path, rows: list[dict]) -> str:
 
 
 def _cfg(source: str, **kw) -> DataConfig:
-    return DataConfig(source=source, prompt_key="question", label_key="answer", **kw)
+    return DataConfig(source=source, prompt_key="question", label_key="answer", **{"seed": 0, **kw})
 
 
 def test_jsonl_rows_become_chat_prompts_with_labels_and_metadata(tmp_path: Path) -> None:
@@ -61,12 +61,12 @@ def test_parquet_and_datasets_directories(tmp_path: Path) -> None:
 
 
 def test_built_in_tasks_carry_their_verifier_name() -> None:
-    cfg = DataConfig(source="task:add", task_size=20, eval_source="task:add")
+    cfg = DataConfig(source="task:add", task_size=20, seed=0)
     rows = load_rows(cfg.source, cfg)
     assert len(rows) == 20 and all(r["metadata"]["task"] == "add" for r in rows)
-    held_out = eval_rows(cfg, 5)
+    held_out = eval_rows(EvalConfig(source="task:add", n_prompts=5), cfg)
     assert len(held_out) == 5 and not {r["prompt"][0]["content"] for r in held_out} & {r["prompt"][0]["content"] for r in rows}
-    assert eval_rows(DataConfig(source="task:add"), 5) == []
+    assert eval_rows(EvalConfig(), cfg) == []
 
 
 @pytest.mark.parametrize(

@@ -355,8 +355,8 @@ async def record_temperature(ctx, sample):
 
 
 def test_evaluate_uses_the_eval_temperature(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
-    cfg = make_cfg(tiny_model_dir, "task:add", "data.task_size=20", "data.eval_source=task:add", "rollout.eval_n_samples_per_prompt=2")
-    rows = eval_rows(cfg.data, 3)
+    cfg = make_cfg(tiny_model_dir, "task:add", "data.task_size=20", "eval.source=task:add", "eval.n_samples_per_prompt=2", "eval.n_prompts=3")
+    rows = eval_rows(cfg.eval, cfg.data)
     seen: list[Sample] = []
 
     async def judge(ctx, sample):

@@ -38,7 +38,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict]
     out = {}
     for name, overrides in MODES.items():
         tmp = tmp_path_factory.mktemp(name)
-        rows = run_quickstart(tmp, f"steps={STEPS}", f"eval.every={STEPS}", f"rollout.eval_n_prompts={EVAL_PROMPTS}",
+        rows = run_quickstart(tmp, f"steps={STEPS}", f"eval.every={STEPS}", f"eval.n_prompts={EVAL_PROMPTS}",
                               "sft.steps=0", *overrides, model=sft / "run" / "hf")  # fmt: skip
         out[name] = rows, tmp / "run"
     return out

@@ -17,7 +17,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from slimish.config import DataConfig
+from slimish.config import DataConfig, EvalConfig
 
 TASK_PREFIX = "task:"
 
@@ -138,8 +138,9 @@ class PromptData:
         self._order = self._epoch_order(self.epoch)
 
 
-def eval_rows(cfg: DataConfig, n: int) -> list[dict[str, Any]]:
-    """The first `n` held-out rows (`data.eval_source`; a `task:NAME` gives its test split), or none."""
-    if cfg.eval_source is None:
+def eval_rows(cfg: EvalConfig, data: DataConfig) -> list[dict[str, Any]]:
+    """The first `eval.n_prompts` held-out rows (`eval.source`; a `task:NAME` gives its test
+    split), read as `data` says; none without a source."""
+    if cfg.source is None:
         return []
-    return load_rows(cfg.eval_source, cfg, "test")[:n]
+    return load_rows(cfg.source, data, "test")[: cfg.n_prompts]

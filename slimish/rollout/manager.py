@@ -446,13 +446,13 @@ class RolloutManager:
     # ---- evaluation -------------------------------------------------------------------------
 
     async def evaluate(self, rows: list[dict[str, Any]]) -> dict[str, float]:
-        """Held-out prompts at `eval_temperature`, `eval_n_samples_per_prompt` each: reward mean,
+        """Held-out prompts at `eval.temperature`, `eval.n_samples_per_prompt` each: reward mean,
         accuracy (share of samples with reward >= 1, a verifier's "correct"), mean response length."""
-        params = {"temperature": self.cfg.eval_temperature}
+        params = {"temperature": self.runtime.cfg.eval.temperature}
 
         async def group_of(i: int, row: dict[str, Any]) -> list[Sample]:
             prompt = _Prompt(i, {**row, "metadata": {**row["metadata"], "eval": True}})
-            todo = [self._new_sample(prompt, j) for j in range(self.cfg.eval_n_samples_per_prompt)]
+            todo = [self._new_sample(prompt, j) for j in range(self.runtime.cfg.eval.n_samples_per_prompt)]
             group = [s for out, _ in await asyncio.gather(*(self._run_sample(s, None, params) for s in todo)) for s in out]
             scored = [s for s in group if s.status != SampleStatus.FAILED]
             if scored:
