@@ -98,10 +98,10 @@ class RouterConfig:
     port: int = 30000
     policy: str = "least_inflight"  # least_inflight | round_robin | cache_aware | session
     log_level: str = "warning"
-    # Security. With no keys set nothing is checked (like SGLang). `admin_key` falls back to
+    # Security. With no keys set nothing is checked (like SGLang). `admin_api_key` falls back to
     # `api_key`, so setting only `--api-key` does not leave worker management open.
     api_key: str | None = None
-    admin_key: str | None = None
+    admin_api_key: str | None = None
     max_body_bytes: int = 32 << 20  # a batch of long `input_ids` prompts is a few MiB
     max_new_tokens_cap: int | None = None  # None: the engines' own limits apply
     # `input_ids` prompts longer than this are refused (text prompts are counted by the engines:
@@ -160,7 +160,7 @@ class ServeConfig:
     engines: int = 1
     engine_flag: list[str] = field(default_factory=list)  # NAME=VALUE, passed to every engine as --NAME VALUE
     log_dir: str | None = None  # engine logs; default: a new temporary directory
-    engine_start_timeout: float = 300.0
+    start_timeout: float = 300.0  # seconds the engines get to load and answer /health
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -220,6 +220,20 @@ def add_config_arguments(parser: argparse.ArgumentParser, schema: type, skip: tu
             "--" + f.name.replace("_", "-"), type=kind, default=default, required=f.default is MISSING,
             nargs="*" if is_list else None, help=f"{docs.get(f.name, '')} (default: {default})".lstrip(),
         )  # fmt: skip
+    for old, new in RENAMED_FLAGS.items():
+        if new in hints and new not in skip:
+            parser.add_argument("--" + old.replace("_", "-"), dest=new, action=_RenamedFlag, help=argparse.SUPPRESS)
+
+
+# Old flag -> the field that took its place: read for a release, with a warning.
+RENAMED_FLAGS = {"admin_key": "admin_api_key", "engine_start_timeout": "start_timeout"}
+
+
+class _RenamedFlag(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        new = "--" + self.dest.replace("_", "-")
+        log.warning("%s is now %s; the old name will stop working in the next release", option_string, new)
+        setattr(namespace, self.dest, values)
 
 
 def config_from_args(schema: type[T], args: argparse.Namespace, **overrides: Any) -> T:
@@ -577,7 +591,7 @@ class RunConfig:
 
 
 # Old key -> its new name: still read for a release, with a warning.
-RENAMED = {
+RENAMED_KEYS = {
     "data.eval_source": "eval.source",
     "rollout.eval_n_prompts": "eval.n_prompts",
     "rollout.eval_n_samples_per_prompt": "eval.n_samples_per_prompt",
@@ -587,7 +601,7 @@ RENAMED = {
 
 def _rename(values: Any, where: str) -> Any:
     """Move renamed keys of a YAML mapping to their new place, warning once per key."""
-    for old, new in RENAMED.items():
+    for old, new in RENAMED_KEYS.items():
         section, key = old.split(".")
         node = values.get(section) if isinstance(values, dict) else None
         if isinstance(node, dict) and key in node:

@@ -175,7 +175,7 @@ def test_help_shows_each_fields_comment(capsys):
     add_config_arguments(parser, EngineConfig)
     text = " ".join(parser.format_help().split())
     assert "--max-running-requests MAX_RUNNING_REQUESTS rows in the running batch (default: 32)" in text
-    assert field_docs(RouterConfig)["admin_key"] and set(field_docs(EngineConfig)) <= set(EngineConfig.__dataclass_fields__)
+    assert field_docs(RouterConfig)["admin_api_key"] and set(field_docs(EngineConfig)) <= set(EngineConfig.__dataclass_fields__)
     lines = describe_config(RunConfig)
     assert "  rollout.temperature (1.0): Default sampling params for ctx.generate / ctx.chat." in lines and "  buffer.max_staleness (0): weight versions a trained sample may lag behind; 0 = on-policy" in lines
     assert len(lines) == len([k for k in OmegaConf.to_container(OmegaConf.structured(RunConfig)).values() for _ in (k if isinstance(k, dict) else [k])])
@@ -191,6 +191,14 @@ def test_one_seed_and_renamed_keys_still_read(tmp_path, caplog):
         cfg = load_run_config(str(tmp_path / "old.yaml"), ["rollout.eval_temperature=0.5"])
     assert (cfg.eval.source, cfg.eval.n_prompts, cfg.eval.temperature) == ("task:add", 9, 0.5)
     assert "data.eval_source is now eval.source" in caplog.text and "rollout.eval_temperature is now eval.temperature" in caplog.text
+
+
+def test_renamed_flags_still_parse_with_a_warning(caplog):
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, RouterConfig)
+    with caplog.at_level(logging.WARNING, logger="slimish.config"):
+        assert parser.parse_args(["--admin-key", "k"]).admin_api_key == "k"
+    assert "--admin-key is now --admin-api-key" in caplog.text and "--admin-key" not in parser.format_help()
 
 
 def test_non_loopback_without_key_warns(caplog):

@@ -87,7 +87,7 @@ def test_least_inflight_prefers_the_idle_worker(urls):
 
 def test_session_sticks_across_turns_and_repins_when_removed(urls):
     admin = {"Authorization": "Bearer adm"}
-    with running_router(worker_urls=urls, policy="session", admin_key="adm") as router:
+    with running_router(worker_urls=urls, policy="session", admin_api_key="adm") as router:
         pinned = {}
         for agent in ("agent-a", "agent-b"):
             ids, seen = list(PROMPT), set()
@@ -198,7 +198,7 @@ def test_errors_name_the_worker_and_the_cause(urls):
 
 def test_worker_registry_current_and_legacy_shapes(urls):
     key = {"Authorization": "Bearer adm"}
-    with running_router(worker_urls=urls[:1], admin_key="adm") as router:
+    with running_router(worker_urls=urls[:1], admin_api_key="adm") as router:
         listing = httpx.get(router + "/workers", headers=key).json()
         assert listing["total"] == 1 and listing["workers"][0]["url"] == urls[0] and listing["workers"][0]["is_healthy"]
         assert listing["workers"][0]["metadata"]["tp_size"] == 1
@@ -253,7 +253,7 @@ def test_every_engine_admin_route_goes_through_the_router(urls, tiny_model_dir):
 
 
 def test_keys_guard_serving_and_admin_routes(urls):
-    with running_router(worker_urls=urls, api_key="serve", admin_key="adm") as router:
+    with running_router(worker_urls=urls, api_key="serve", admin_api_key="adm") as router:
         r = httpx.post(router + "/generate", json={"input_ids": PROMPT})
         assert r.status_code == 401 and "--api-key" in r.json()["error"]["message"]
         assert httpx.post(router + "/generate", json={"input_ids": PROMPT}, headers={"Authorization": "Bearer nope"}).status_code == 401

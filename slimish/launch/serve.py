@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     try:
         print(f"slimish serve: starting {serve.engines} engine(s) for {serve.model} (logs in {log_dir})", flush=True)
-        start_all(engines, serve.engine_start_timeout)
+        start_all(engines, serve.start_timeout)
         for e in engines:
             print(f"slimish serve: engine ready at {e.url}", flush=True)
         cfg = config_from_args(RouterConfig, args, worker_urls=[e.url for e in engines])

@@ -52,7 +52,7 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
     policy = make_policy(cfg)
     metrics = RouterMetrics(workers)
     proxy = Proxy(cfg, workers, policy, metrics)
-    admin_key = cfg.admin_key if cfg.admin_key is not None else cfg.api_key
+    admin_key = cfg.admin_api_key if cfg.admin_api_key is not None else cfg.api_key
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -82,7 +82,7 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
         return error_response(400, f"{request.method} {request.url.path}: {problems}")
 
     def admin(request: Request) -> None:
-        check_key(request, admin_key, "--admin-key" if cfg.admin_key is not None else "--api-key")
+        check_key(request, admin_key, "--admin-api-key" if cfg.admin_api_key is not None else "--api-key")
 
     _registry_routes(app, cfg, workers, admin)
     _engine_admin_routes(app, cfg, workers, proxy, admin)
