@@ -24,6 +24,20 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def at_least(low: float, section: object, prefix: str, *names: str) -> None:
+    """The one range check of the schemas: each named field (None: unset) is >= `low`."""
+    for name in names:
+        value = getattr(section, name)
+        if value is not None and value < low:
+            raise ValueError(f"{prefix}{name} must be >= {low}, got {value}")
+
+
+def one_of(name: str, value: Any, allowed: typing.Iterable[Any]) -> None:
+    """The one choice check of the schemas, naming the field and every allowed value."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+
+
 @dataclass
 class EngineConfig:
     """The built-in engine (`slimish engine`)."""
@@ -63,14 +77,8 @@ class EngineConfig:
     await_weights: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_running_requests", "max_prefill_tokens", "max_body_bytes", "retry_after_s"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_prompt_tokens", "max_new_tokens_cap"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        at_least(1, self, "", "max_running_requests", "max_prefill_tokens", "max_body_bytes", "retry_after_s", "max_prompt_tokens", "max_new_tokens_cap")
+        at_least(0, self, "", "max_queued_requests")
         if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
             raise ValueError(f"engine.device (--device) must be cpu, cuda or cuda:K, got {self.device!r}")
         check_parsers("engine.", self.tool_call_parser, self.reasoning_parser)
@@ -135,21 +143,13 @@ class RouterConfig:
     max_sessions: int = 1 << 16  # LRU bound on remembered session pins
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        one_of("policy", self.policy, POLICIES)
         for name in ("request_timeout", "connect_timeout", "health_check_interval", "health_check_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        for name in ("max_new_tokens_cap", "max_prompt_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_body_bytes", "max_concurrent_requests", "retry_after_s"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.health_failure_threshold < 1:
-            raise ValueError(f"health_failure_threshold must be >= 1, got {self.health_failure_threshold}")
+        at_least(0, self, "", "max_retries")
+        at_least(1, self, "", "max_new_tokens_cap", "max_prompt_tokens", "max_body_bytes", "max_concurrent_requests", "retry_after_s",
+                 "health_failure_threshold")  # fmt: skip
 
 
 @dataclass
@@ -163,8 +163,7 @@ class ServeConfig:
     start_timeout: float = 300.0  # seconds the engines get to load and answer /health
 
     def __post_init__(self) -> None:
-        if self.engines < 1:
-            raise ValueError(f"engines must be >= 1, got {self.engines}")
+        at_least(1, self, "", "engines")
 
 
 def field_docs(schema: type) -> dict[str, str]:
@@ -284,10 +283,8 @@ class LaunchConfig:
     placement_strategy: str = "PACK"  # mode=ray: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
 
     def __post_init__(self) -> None:
-        if self.mode not in ("local", "ray"):
-            raise ValueError(f"launch.mode must be local or ray, got {self.mode!r}")
-        if self.engine_kind not in ("builtin", "sglang", "external"):
-            raise ValueError(f"launch.engine_kind must be builtin, sglang or external, got {self.engine_kind!r}")
+        one_of("launch.mode", self.mode, ("local", "ray"))
+        one_of("launch.engine_kind", self.engine_kind, ("builtin", "sglang", "external"))
         if self.engine_kind == "external" and not (self.engine_urls or self.router_url):
             raise ValueError("launch.engine_urls: engine_kind=external needs the engines' URLs")
         if self.engine_urls and self.engine_kind != "external":
@@ -361,15 +358,9 @@ class RolloutConfig:
     realign_tokens: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("n_samples_per_prompt", "rollout_batch_size", "max_concurrency", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
-        if self.over_sampling < 1.0:
-            raise ValueError(f"rollout.over_sampling must be >= 1.0, got {self.over_sampling}")
-        if self.max_prompts_factor < 1.0:
-            raise ValueError(f"rollout.max_prompts_factor must be >= 1.0, got {self.max_prompts_factor}")
-        if self.history not in ("exact", "template"):
-            raise ValueError(f"rollout.history must be exact or template, got {self.history!r}")
+        at_least(1, self, "rollout.", "n_samples_per_prompt", "rollout_batch_size", "max_concurrency", "max_new_tokens",
+                 "over_sampling", "max_prompts_factor")  # fmt: skip
+        one_of("rollout.history", self.history, ("exact", "template"))
         check_parsers("rollout.", self.tool_call_parser, self.reasoning_parser)
 
 
@@ -381,8 +372,7 @@ class BufferConfig:
     mask_stale_tokens: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_staleness < 0:
-            raise ValueError(f"buffer.max_staleness must be >= 0, got {self.max_staleness}")
+        at_least(0, self, "buffer.", "max_staleness")
 
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")
@@ -424,8 +414,7 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         choices = {"advantage": ADVANTAGES, "loss": LOSSES, "loss_reduction": LOSS_REDUCTIONS, "kl_estimator": KL_ESTIMATORS}
         for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"algorithm.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+            one_of(f"algorithm.{name}", getattr(self, name), allowed)
         if self.segment_credit not in SEGMENT_CREDITS and ":" not in self.segment_credit:
             raise ValueError(f"algorithm.segment_credit must be one of {', '.join(SEGMENT_CREDITS)} or module:function, "
                              f"got {self.segment_credit!r}")  # fmt: skip
@@ -440,8 +429,7 @@ class AlgorithmConfig:
                 raise ValueError(f"algorithm.{name} must be > 0, got {getattr(self, name)}")
         if self.tis_cap is not None and self.mis_cap is not None:
             raise ValueError("algorithm.tis_cap and algorithm.mis_cap: set one importance-sampling correction, not both")
-        if self.advantage_eps < 0 or self.kl_coef < 0:
-            raise ValueError(f"algorithm.advantage_eps and algorithm.kl_coef must be >= 0, got {self.advantage_eps}, {self.kl_coef}")
+        at_least(0, self, "algorithm.", "advantage_eps", "kl_coef")
 
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -479,24 +467,16 @@ class TrainerConfig:
     seed: int | None = None  # model initialisation (Megatron); None: the run's seed
 
     def __post_init__(self) -> None:
-        if self.backend not in ("torch", "megatron"):
-            raise ValueError(f"trainer.backend must be torch or megatron, got {self.backend!r}")
+        one_of("trainer.backend", self.backend, ("torch", "megatron"))
         if self.backend == "torch" and (self.tp, self.pp) != (1, 1):
             raise ValueError(f"trainer.tp and trainer.pp need trainer.backend=megatron, got tp={self.tp}, pp={self.pp}")
-        if self.megatron_spec not in ("local", "te"):
-            raise ValueError(f"trainer.megatron_spec must be local or te, got {self.megatron_spec!r}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"trainer.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        one_of("trainer.megatron_spec", self.megatron_spec, ("local", "te"))
+        one_of("trainer.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"trainer.betas must be two numbers in [0, 1), got {list(self.betas)}")
-        for name in ("nproc", "tp", "pp", "micro_batch_tokens", "updates_per_step"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("lr", "warmup_steps", "weight_decay", "grad_clip", "cpu_threads"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
-        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"trainer.dtype must be float32, bfloat16, float16 or null, got {self.dtype!r}")
+        at_least(1, self, "trainer.", "nproc", "tp", "pp", "micro_batch_tokens", "updates_per_step")
+        at_least(0, self, "trainer.", "lr", "warmup_steps", "weight_decay", "grad_clip", "cpu_threads")
+        one_of("trainer.dtype", self.dtype, (None, "float32", "bfloat16", "float16"))
 
 
 @dataclass
@@ -518,10 +498,8 @@ class WeightSyncConfig:
     disk_dir: str | None = None  # transport disk: where pushes are written (engines must see it); None: a temp dir
 
     def __post_init__(self) -> None:
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"weight_sync.transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
-        if self.pause_mode not in PAUSE_MODES:
-            raise ValueError(f"weight_sync.pause_mode must be one of {', '.join(PAUSE_MODES)}, got {self.pause_mode!r}")
+        one_of("weight_sync.transport", self.transport, TRANSPORTS)
+        one_of("weight_sync.pause_mode", self.pause_mode, PAUSE_MODES)
         if self.bucket_mb <= 0 or self.timeout_s <= 0:
             raise ValueError(f"weight_sync.bucket_mb and timeout_s must be > 0, got {self.bucket_mb}, {self.timeout_s}")
 
@@ -535,8 +513,7 @@ class CheckpointConfig:
     resume: str | None = None  # auto (newest in run_dir, or a fresh start) | a checkpoint directory | None
 
     def __post_init__(self) -> None:
-        if self.every < 0 or self.keep < 0:
-            raise ValueError(f"checkpoint.every and checkpoint.keep must be >= 0, got {self.every}, {self.keep}")
+        at_least(0, self, "checkpoint.", "every", "keep")
 
 
 @dataclass
@@ -550,8 +527,7 @@ class EvalConfig:
     temperature: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.n_samples_per_prompt < 1:
-            raise ValueError(f"eval.n_samples_per_prompt must be >= 1, got {self.n_samples_per_prompt}")
+        at_least(1, self, "eval.", "n_samples_per_prompt")
 
 
 @dataclass
@@ -583,8 +559,7 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("sync", "async"):
-            raise ValueError(f"mode must be sync or async, got {self.mode!r}")
+        one_of("mode", self.mode, ("sync", "async"))
         for section in (self.data, self.trainer):
             if section.seed is None:
                 section.seed = self.seed

@@ -96,10 +96,10 @@ def test_engine_flags_the_launcher_sets_are_refused():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["launch.engine_kind=vllm"], "launch.engine_kind must be builtin, sglang or external, got 'vllm'"),
+        (["launch.engine_kind=vllm"], "launch.engine_kind must be one of builtin, sglang, external, got 'vllm'"),
         (["launch.engine_kind=external"], "launch.engine_urls: engine_kind=external needs"),
         (["launch.engine_urls=[http://h:1]"], "launch.engine_urls needs launch.engine_kind=external"),
-        (["launch.mode=slurm"], "launch.mode must be local or ray, got 'slurm'"),
+        (["launch.mode=slurm"], "launch.mode must be one of local, ray, got 'slurm'"),
         (["launch.mode=ray", "launch.engine_kind=external", "launch.engine_urls=[http://h:1]"], "launch.mode=ray places engines"),
         (["launch.placement_strategy=ANY"], "launch.placement_strategy must be PACK"),
         (["launch.engine_gpus=-1"], "engine_cpus/engine_gpus >= 0"),
