@@ -54,34 +54,15 @@ ARCHS: dict[str, type[PretrainedConfig]] = {"qwen2": Qwen2Config, "qwen3": Qwen3
 
 # Shared shape per size; ARCH_OVERRIDES keeps every arch of a size in the same parameter band
 # (small: 28-32M) although qwen3's wider attention and llama's untied head cost parameters.
+SHAPE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+         "max_position_embeddings")  # fmt: skip
 SIZES: dict[str, dict[str, int]] = {
-    "tiny": dict(
-        vocab_size=1024,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=192,
-        max_position_embeddings=2048,
-    ),
-    "mini": dict(
-        vocab_size=1024,
-        hidden_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=384,
-        max_position_embeddings=2048,
-    ),
-    "small": dict(
-        vocab_size=8192,
-        hidden_size=512,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        intermediate_size=1536,
-        max_position_embeddings=2048,
-    ),
+    name: dict(zip(SHAPE, values))
+    for name, values in {
+        "tiny": (1024, 64, 2, 4, 2, 192, 2048),
+        "mini": (1024, 128, 4, 4, 2, 384, 2048),
+        "small": (8192, 512, 8, 8, 4, 1536, 2048),
+    }.items()
 }
 ARCH_OVERRIDES: dict[tuple[str, str], dict[str, int]] = {
     ("qwen3", "tiny"): dict(head_dim=32),

@@ -13,15 +13,11 @@ Megatron's parallel state is re-initialised between layouts.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from gloo_rank import rank_main
 
 from slimish.config import WeightSyncConfig, load_run_config
 from slimish.trainer.megatron_backend import MegatronTrainer, ps
@@ -73,27 +69,16 @@ def push_to_engine(trainer: MegatronTrainer, url: str, hf_dir: Path) -> None:
         with WeightSync(WeightSyncConfig(timeout_s=60.0, bucket_mb=0.1), [url]) as sync:
             sync.push(trainer.hf_tensors(), "2")
     else:
-        for _ in trainer.hf_tensors():
-            pass
+        trainer.join_export()
     trainer.save_hf(str(hf_dir))
 
 
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(sys.argv[2])
-    # A rank that fails leaves its peer in a collective: time that out well before the test's limit.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    results: dict = {}
-    try:
-        for layout in spec["layouts"]:
-            results[layout["name"]] = run_layout(spec, layout, out)
-    except Exception:
-        results["error"] = traceback.format_exc()
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
+def main(spec: dict, out: Path) -> None:
+    for layout in spec["layouts"]:
+        RESULTS[layout["name"]] = run_layout(spec, layout, out)
 
+
+RESULTS: dict = {}
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    main()
+    rank_main(main, RESULTS)

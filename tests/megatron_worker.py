@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import sys
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from gloo_rank import rank_main
 
 from megatron_bridge import cpu
 
@@ -255,45 +252,34 @@ def check_pipeline_forward(key: str, path: str) -> None:
     check_export(key, model, cfg, path, parallel_state.get_pipeline_model_parallel_rank(), 2)
 
 
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(sys.argv[2])
-    # A rank that fails leaves its peer in a collective: time that out well before the test's 300 s.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+def main(spec: dict, out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     models: dict[str, str] = spec["models"]
-    try:
-        init(1, 1)  # TP=1: the ranks split the models between them
-        for i, (arch, path) in enumerate(sorted(models.items())):
-            if i % world == rank:
-                # llama3 RoPE scaling changes only long wavelengths: 1024 positions make it visible
-                check_model(f"tp1/{arch}", path, 1, 128, seq=1024 if arch == "llama3_rope" else SEQ)
-        te_models: dict[str, str] = spec["te_models"]  # random norm weights
-        for i, (arch, path) in enumerate(sorted(te_models.items())):
-            if i % world == rank:
-                check_model(f"te_tp1/{arch}", path, 1, 128, spec="te")
-        if rank == 0 and not gpt_layer_specs.HAVE_TE:
-            try:
-                load_hf_config(models["llama"], spec="te").layer_spec()
-            except ValueError as exc:
-                results["te_missing_error"] = str(exc)
-        init(2, 1)
-        check_logprobs_random()
-        for arch in spec["tp2"]:
-            check_model(f"tp2/{arch}", models[arch], 2, 100)  # 1024 -> 1200 rows: 88 padded rows per rank
-        for arch in spec["te_tp2"]:
-            check_model(f"te_tp2/{arch}", te_models[arch], 2, 100, spec="te")
-        check_convert_shards("tp2/convert_shards", models["llama"], spec["convert_shards"])
-        init(1, 2)
-        check_pipeline_grads("pp2/llama", models["llama"])
-        check_pipeline_forward("pp2/qwen3", models["qwen3"])
-    except Exception:
-        results["error"] = traceback.format_exc()
-    (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
+    init(1, 1)  # TP=1: the ranks split the models between them
+    for i, (arch, path) in enumerate(sorted(models.items())):
+        if i % world == rank:
+            # llama3 RoPE scaling changes only long wavelengths: 1024 positions make it visible
+            check_model(f"tp1/{arch}", path, 1, 128, seq=1024 if arch == "llama3_rope" else SEQ)
+    te_models: dict[str, str] = spec["te_models"]  # random norm weights
+    for i, (arch, path) in enumerate(sorted(te_models.items())):
+        if i % world == rank:
+            check_model(f"te_tp1/{arch}", path, 1, 128, spec="te")
+    if rank == 0 and not gpt_layer_specs.HAVE_TE:
+        try:
+            load_hf_config(models["llama"], spec="te").layer_spec()
+        except ValueError as exc:
+            results["te_missing_error"] = str(exc)
+    init(2, 1)
+    check_logprobs_random()
+    for arch in spec["tp2"]:
+        check_model(f"tp2/{arch}", models[arch], 2, 100)  # 1024 -> 1200 rows: 88 padded rows per rank
+    for arch in spec["te_tp2"]:
+        check_model(f"te_tp2/{arch}", te_models[arch], 2, 100, spec="te")
+    check_convert_shards("tp2/convert_shards", models["llama"], spec["convert_shards"])
+    init(1, 2)
+    check_pipeline_grads("pp2/llama", models["llama"])
+    check_pipeline_forward("pp2/qwen3", models["qwen3"])
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    main()
+    rank_main(main, results)

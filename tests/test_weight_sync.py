@@ -27,8 +27,7 @@ from slimish.launch.process import start_all
 from slimish.net import free_port
 from slimish.trainer.torch_backend import TorchTrainer
 from slimish.trainer.weight_sync import WeightSync, WeightSyncError
-from slimish.protocol import GenerateResponse
-from slimish.rollout.api import to_result
+from slimish.rollout.api import sample_from_reply
 from slimish.types import Sample
 
 WAIT_S = 120.0
@@ -201,8 +200,7 @@ def rollouts(url: str, prompts: list[list[int]], n: int, seed: int) -> list[list
         for k in range(n):
             params = {"temperature": 1.0, "max_new_tokens": 8, "sampling_seed": seed * 1000 + g * 10 + k}
             out = generate(url, prompt, params)
-            s, reply = Sample(prompt="", tokens=list(prompt), group_id=g, index=k), to_result(GenerateResponse(**out))
-            s.append_model(reply.output_ids, reply.logprobs, reply.token_versions)
+            s = sample_from_reply(prompt, out, group_id=g, index=k)
             s.reward = float(out["output_ids"][0] % 2 == 0)
             group.append(s)
         groups.append(group)

@@ -54,8 +54,7 @@ from slimish.launch.local import engine_process
 from slimish.net import free_port
 from slimish.tiny_model import make_tiny_model
 from slimish.trainer.weight_sync import WeightSync
-from slimish.protocol import GenerateResponse
-from slimish.rollout.api import to_result
+from slimish.rollout.api import sample_from_reply
 from slimish.types import Sample
 
 
@@ -68,8 +67,7 @@ def rollouts(url: str, prompts: list[list[int]], n: int, seed: int, max_new_toke
             outs = http.post(url + "/generate", json=body).raise_for_status().json()
             group = []
             for k, out in enumerate(outs):
-                s, reply = Sample(prompt="", tokens=list(prompt), group_id=g, index=k), to_result(GenerateResponse(**out))
-                s.append_model(reply.output_ids, reply.logprobs, reply.token_versions)
+                s = sample_from_reply(prompt, out, group_id=g, index=k)
                 s.reward = float(out["output_ids"][0] % 2 == 0)
                 group.append(s)
             groups.append(group)

@@ -54,6 +54,15 @@ def to_result(out: GenerateResponse) -> GenerateResult:
     )
 
 
+def sample_from_reply(prompt_ids: list[int], reply: dict[str, Any], **fields: Any) -> Sample:
+    """A single-turn sample from a raw `/generate` reply (its JSON), with the ids, logprobs and
+    versions as served: for code that calls an engine directly (benchmarks, tests)."""
+    result = to_result(GenerateResponse(**reply))
+    sample = Sample(prompt="", tokens=list(prompt_ids), **fields)
+    sample.append_model(result.output_ids, result.logprobs, result.token_versions)
+    return sample
+
+
 class RolloutRuntime:
     """Shared by every sample of a run."""
 
