@@ -251,3 +251,20 @@ def wait_for(predicate: Callable[[], bool], what: str = "the condition", timeout
         assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
         time.sleep(0.02)
 
+
+@contextmanager
+def running_engines(model_dir: Path, factory: pytest.TempPathFactory, n: int = 2, timeout: float = 120.0, **flags: object) -> Iterator[list]:
+    """`n` built-in engine processes loading their model at once (logs in a fresh directory);
+    stopped when the block ends."""
+    from slimish.launch.local import engine_process
+    from slimish.launch.process import start_all
+
+    logs = factory.mktemp("engine-logs")
+    procs = [engine_process(model_dir, log_path=logs / f"engine{i}.log", **flags) for i in range(n)]
+    try:
+        start_all(procs, timeout=timeout)
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+

@@ -19,11 +19,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import metric_total, post
+from conftest import metric_total, post, running_engines
 
 from slimish.client import Client
-from slimish.launch.local import engine_process
-from slimish.launch.process import start_all
 from slimish.net import free_port
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
@@ -46,14 +44,8 @@ def wait_for(what: str, ok: Callable[[], bool], proc: subprocess.Popen, log: Pat
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir, tmp_path_factory) -> list[str]:
-    logs = tmp_path_factory.mktemp("engine-logs")
-    procs = [engine_process(tiny_model_dir, log_path=logs / f"engine{i}.log", max_running_requests=8) for i in range(2)]
-    try:
-        start_all(procs, timeout=120)  # both load their model at once
+    with running_engines(tiny_model_dir, tmp_path_factory, max_running_requests=8) as procs:
         yield [p.url for p in procs]
-    finally:
-        for p in procs:
-            p.stop()
 
 
 @pytest.fixture(scope="module")

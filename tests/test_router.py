@@ -16,12 +16,11 @@ import openai
 import pytest
 
 from slimish.launch.local import engine_process
-from slimish.launch.process import start_all
 from slimish.net import free_port
 from slimish.protocol import ROUTING_KEY_HEADER
 from slimish.router.proxy import WORKER_HEADER
 
-from conftest import running_router, wait_for
+from conftest import running_engines, running_router, wait_for
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPT = [5, 17, 42, 99, 7]
@@ -29,14 +28,8 @@ PROMPT = [5, 17, 42, 99, 7]
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("router-logs")
-    procs = [engine_process(tiny_model_dir, log_path=logs / f"engine{i}.log", max_running_requests=16) for i in range(2)]
-    try:
-        start_all(procs, timeout=120)  # both load their model at once
+    with running_engines(tiny_model_dir, tmp_path_factory, max_running_requests=16) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 @pytest.fixture(scope="module")

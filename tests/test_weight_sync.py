@@ -20,10 +20,10 @@ import httpx
 import pytest
 import torch
 
+from conftest import running_engines
 from slimish.config import WeightSyncConfig, load_run_config
 from slimish.distributed import init_custom_process_group
 from slimish.launch.local import engine_process
-from slimish.launch.process import start_all
 from slimish.net import free_port
 from slimish.trainer.torch_backend import TorchTrainer
 from slimish.trainer.weight_sync import WeightSync, WeightSyncError
@@ -48,14 +48,8 @@ def post(url: str, path: str, body: dict | None = None) -> httpx.Response:
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("logs")
-    procs = [engine_process(tiny_model_dir, log_path=logs / f"engine{i}.log", weight_sync_timeout_s=120) for i in range(2)]
-    try:
-        start_all(procs, WAIT_S)
+    with running_engines(tiny_model_dir, tmp_path_factory, timeout=WAIT_S, weight_sync_timeout_s=120) as procs:
         yield [p.url for p in procs]
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def sync_config(**kw) -> WeightSyncConfig:
