@@ -49,6 +49,8 @@ from pathlib import Path
 
 import torch
 
+from slimish.tiny_model import SIZES
+
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 
 # Qwen2's pre-tokenizer split (tokenizer.json of Qwen2/2.5/3): digits one per token.
@@ -61,15 +63,8 @@ LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# The stand-in network (same for every family; only vocab_size differs).
-NETWORK = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=192,
-    max_position_embeddings=4096,
-)
+# The stand-in network: the tiny model's (only vocab_size differs), with room for long conversations.
+NETWORK = {**{k: v for k, v in SIZES["tiny"].items() if k != "vocab_size"}, "max_position_embeddings": 4096}
 
 
 @dataclass(frozen=True)
@@ -106,47 +101,16 @@ Special = tuple[int, str, bool]  # (id, content, special flag as in the real add
 # Verified against stored copies of Qwen2.5's and Qwen3's tokenizer_config.json (added_tokens_decoder:
 # 151643-151656 special true; 151657-151664 `<tool_call>` .. `<|file_sep|>` special false; Qwen3 adds
 # 151665-151668 `<tool_response>` .. `</think>`, special false).
-QWEN25_SPECIALS: tuple[Special, ...] = tuple(
-    [
-        (151643 + i, t, True)
-        for i, t in enumerate(
-            [
-                "<|endoftext|>",
-                "<|im_start|>",
-                "<|im_end|>",
-                "<|object_ref_start|>",
-                "<|object_ref_end|>",
-                "<|box_start|>",
-                "<|box_end|>",
-                "<|quad_start|>",
-                "<|quad_end|>",
-                "<|vision_start|>",
-                "<|vision_end|>",
-                "<|vision_pad|>",
-                "<|image_pad|>",
-                "<|video_pad|>",
-            ]
-        )
-    ]
-    + [
-        (151657 + i, t, False)
-        for i, t in enumerate(
-            [
-                "<tool_call>",
-                "</tool_call>",
-                "<|fim_prefix|>",
-                "<|fim_middle|>",
-                "<|fim_suffix|>",
-                "<|fim_pad|>",
-                "<|repo_name|>",
-                "<|file_sep|>",
-            ]
-        )
-    ]
-)
-QWEN3_SPECIALS: tuple[Special, ...] = QWEN25_SPECIALS + tuple(
-    (151665 + i, t, False) for i, t in enumerate(["<tool_response>", "</tool_response>", "<think>", "</think>"])
-)
+def numbered(first: int, tokens: str, special: bool) -> tuple[Special, ...]:
+    """Consecutive ids from `first` for the space-separated `tokens`."""
+    return tuple((first + i, t, special) for i, t in enumerate(tokens.split()))
+
+
+QWEN25_SPECIALS: tuple[Special, ...] = numbered(
+    151643, "<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> <|box_end|> "
+    "<|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> <|vision_pad|> <|image_pad|> <|video_pad|>", True,
+) + numbered(151657, "<tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> <|fim_suffix|> <|fim_pad|> <|repo_name|> <|file_sep|>", False)
+QWEN3_SPECIALS: tuple[Special, ...] = QWEN25_SPECIALS + numbered(151665, "<tool_response> </tool_response> <think> </think>", False)
 
 # --- Llama 3.1 / 3.2 -------------------------------------------------------------------------------
 # meta-llama Llama-3.1/3.2 tokenizer_config.json: all 256 added tokens special. Verified: 128000,

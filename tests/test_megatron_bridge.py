@@ -26,7 +26,7 @@ from megatron_bridge.config import from_hf, load_hf_config  # noqa: E402
 from megatron_bridge.convert import hf_to_shards, shards_to_hf  # noqa: E402
 from megatron_bridge.weights import stage_params  # noqa: E402
 from conftest import torchrun_ranks  # noqa: E402
-from slimish.tiny_model import make_tiny_model  # noqa: E402
+from slimish.tiny_model import SIZES, make_tiny_model  # noqa: E402
 
 WORKER = Path(__file__).with_name("megatron_worker.py")
 ARCHS = ("llama", "llama3_rope", "qwen2", "qwen3", "qwen3_moe")
@@ -42,10 +42,7 @@ def _tiny_moe(path: Path, vocab_size: int) -> Path:
 
     config = Qwen3MoeConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **{k: SIZES["tiny"][k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")},
         head_dim=32,
         intermediate_size=128,
         moe_intermediate_size=48,

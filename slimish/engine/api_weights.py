@@ -12,16 +12,8 @@ from fastapi.responses import JSONResponse
 
 from slimish.engine.engine import Engine
 from slimish.engine.http import control, parse
-from slimish.protocol import (
-    BeginWeightUpdateReq,
-    DestroyWeightsUpdateGroupReq,
-    GetWeightsByNameReq,
-    InitWeightsUpdateGroupReq,
-    MemoryOccupationReq,
-    UpdateWeightsFromDiskReq,
-    UpdateWeightsFromDistributedReq,
-    UpdateWeightVersionReq,
-)
+from slimish.protocol import BeginWeightUpdateReq, DestroyWeightsUpdateGroupReq, GetWeightsByNameReq, InitWeightsUpdateGroupReq
+from slimish.protocol import MemoryOccupationReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightVersionReq
 
 
 def build_weights_router(engine: Engine) -> APIRouter:
