@@ -41,7 +41,7 @@ def gone(pid: int, within_s: float = 3.0) -> bool:
     while True:
         try:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or during the read
             return True
         if state in ("Z", "X"):
             return True
