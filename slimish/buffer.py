@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from slimish.config import BufferConfig
-from slimish.types import Sample, version_number
+from slimish.types import Sample
 
 
 def group_version(group: list[Sample]) -> int:
     """The oldest weight version that produced any token the group trains on (any token at all
     when it trains on none)."""
     trained = [v for s in group for v in s.trained_versions()]
-    return min(trained or [version_number(v) for s in group for v in s.weight_versions] or [0])
+    return min(trained or [v for s in group for v in s.weight_versions] or [0])
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,15 @@ TOP_K_OFF = 1 << 30
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 
 
+def version_number(version: str) -> int:
+    """The wire's weight version as the integer every other part of slimish uses: versions are
+    training steps written as strings; anything else (an engine's initial "default") is step 0."""
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        return 0
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -167,11 +176,11 @@ class MetaInfo(BaseModel):
     # `[{"version", "start", "end"}]`, when a request outlived a weight update.
     weight_versions: list[dict[str, Any]] | None = None
 
-    def output_versions(self, n: int) -> list[str]:
-        """The version that made each of the `n` output tokens; all `weight_version` when the
-        engine reports no spans (SGLang): then a request that outlived an update counts as the newer."""
+    def output_versions(self, n: int) -> list[int]:
+        """The version number that made each of the `n` output tokens; all `weight_version` when
+        the engine reports no spans (SGLang): then a request that outlived an update counts as the newer."""
         versions = [span["version"] for span in self.weight_versions or [] for _ in range(span["end"] - span["start"])]
-        return versions if len(versions) == n else [self.weight_version] * n
+        return [version_number(v) for v in (versions if len(versions) == n else [self.weight_version] * n)]
 
 
 class GenerateResponse(BaseModel):

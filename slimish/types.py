@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from slimish.protocol import version_number
+
 
 class SampleStatus(str, Enum):
     PENDING = "pending"  # not started, or a partial sample waiting to be resumed
@@ -40,9 +42,9 @@ class GenerateResult:
     logprobs: list[float]  # one per output id
     text: str
     finish_reason: str  # "stop" | "length" | "abort"
-    weight_version: str
+    weight_version: int  # the engine's, as a number (`protocol.version_number`)
     prompt_tokens: int = 0
-    token_versions: list[str] = field(default_factory=list)  # per output id: the weights that made it
+    token_versions: list[int] = field(default_factory=list)  # per output id: the weights that made it
 
 
 @dataclass
@@ -55,7 +57,7 @@ class Sample:
     rollout_logprobs: list[float] = field(default_factory=list)  # one per response token (0.0 where mask 0)
     reward: float | dict[str, float] | None = None
     status: SampleStatus = SampleStatus.PENDING
-    weight_versions: list[str] = field(default_factory=list)  # versions that produced its tokens, in order
+    weight_versions: list[int] = field(default_factory=list)  # versions that produced its tokens, in order
     # Per response token: the version number that made it; -1 for environment tokens and where
     # unknown. Empty for samples built without versions (then `weight_versions` alone counts).
     token_versions: list[int] = field(default_factory=list)
@@ -82,15 +84,15 @@ class Sample:
             raise ValueError(f"sample {self.group_id}/{self.index}: set_prompt after {self.response_length} response tokens")
         self.tokens = list(ids)
 
-    def append_model(self, ids: list[int], logprobs: list[float], weight_version: str | list[str] | None = None) -> None:
+    def append_model(self, ids: list[int], logprobs: list[float], weight_version: int | list[int] | None = None) -> None:
         """Tokens the policy generated: trained on (mask 1), with the engine's logprobs and the
         weight version that made them (one per token when they span a weight update)."""
         if len(ids) != len(logprobs):
             raise ValueError(f"sample {self.group_id}/{self.index}: {len(ids)} ids but {len(logprobs)} logprobs")
-        versions = [weight_version] * len(ids) if weight_version is None or isinstance(weight_version, str) else list(weight_version)
+        versions = list(weight_version) if isinstance(weight_version, list) else [weight_version] * len(ids)
         if len(versions) != len(ids):
             raise ValueError(f"sample {self.group_id}/{self.index}: {len(ids)} ids but {len(versions)} token versions")
-        self._append(ids, [1] * len(ids), list(logprobs), [-1 if v is None else version_number(v) for v in versions])
+        self._append(ids, [1] * len(ids), list(logprobs), [-1 if v is None else v for v in versions])
         for version in versions:
             if version is not None and (not self.weight_versions or self.weight_versions[-1] != version):
                 self.weight_versions.append(version)
@@ -115,7 +117,7 @@ class Sample:
         `weight_versions`."""
         if self.token_versions:
             return {v for v, m in zip(self.token_versions, self.loss_mask) if m and v >= 0}
-        return {version_number(v) for v in self.weight_versions}
+        return set(self.weight_versions)
 
     def mask_older_than(self, version: int) -> int:
         """Stop training on tokens made by weights older than `version`; how many were masked."""
@@ -160,13 +162,5 @@ class Sample:
     def from_dict(cls, d: dict[str, Any]) -> "Sample":
         d = copy.deepcopy(d)  # the sample must not share lists with saved state
         d["status"] = SampleStatus(d.get("status", "pending"))
+        d["weight_versions"] = [version_number(v) if isinstance(v, str) else v for v in d.get("weight_versions", [])]  # saved as strings before
         return cls(**d)
-
-
-def version_number(version: str) -> int:
-    """Weight versions are training steps written as strings; anything else (an engine's
-    initial "default") counts as step 0."""
-    try:
-        return int(version)
-    except (TypeError, ValueError):
-        return 0

@@ -10,7 +10,7 @@ from slimish.rollout.api import to_result
 from slimish.types import Sample
 
 
-def _group(gid: int, *versions: str) -> list[Sample]:
+def _group(gid: int, *versions: int) -> list[Sample]:
     samples = []
     for i, v in enumerate(versions):
         s = Sample(prompt="p", tokens=[1, 2], group_id=gid, index=i, reward=1.0)
@@ -22,7 +22,7 @@ def _group(gid: int, *versions: str) -> list[Sample]:
 def test_oldest_first_and_at_most_n() -> None:
     buf = Buffer()
     for gid in range(3):
-        buf.add(_group(gid, "default"))
+        buf.add(_group(gid, 0))
     assert [g[0].group_id for g in buf.get_batch(2)] == [0, 1]
     assert [g[0].group_id for g in buf.get_batch(5)] == [2]
     assert buf.get_batch(1) == [] and len(buf) == 0
@@ -30,20 +30,20 @@ def test_oldest_first_and_at_most_n() -> None:
 
 def test_stale_groups_are_dropped_and_counted_never_returned() -> None:
     buf = Buffer(Staleness(1))
-    buf.add(_group(0, "3", "1"))  # one sample from version 1: the group's age is 1
-    buf.add(_group(1, "2", "3"))
-    buf.add(_group(2, "3"))
-    assert group_version(_group(0, "3", "1")) == 1 and group_version(_group(9, "default")) == 0
+    buf.add(_group(0, 3, 1))  # one sample from version 1: the group's age is 1
+    buf.add(_group(1, 2, 3))
+    buf.add(_group(2, 3))
+    assert group_version(_group(0, 3, 1)) == 1 and group_version(_group(9, 0)) == 0
     batch = buf.get_batch(2, version=3)
     assert [g[0].group_id for g in batch] == [1, 2]
     assert (buf.dropped_stale, buf.dropped_stale_samples) == (1, 2)
-    assert Staleness(1).lag(_group(3, "1"), 3) == 2 and Staleness(2).too_stale(_group(3, "1"), 3) is False
+    assert Staleness(1).lag(_group(3, 1), 3) == 2 and Staleness(2).too_stale(_group(3, 1), 3) is False
     assert Staleness(1).groups_ahead(pushes=0, batch_size=4) == 8  # the batch being trained, and one more
 
 
 def test_state_round_trips_through_json() -> None:
     buf = Buffer(Staleness(0))
-    for gid, version in enumerate(["0", "1", "1"]):
+    for gid, version in enumerate([0, 1, 1]):
         buf.add(_group(gid, version, version))
     assert buf.get_batch(1, version=1)[0][0].group_id == 1  # group 0 dropped on the way
     state = json.loads(json.dumps(buf.state_dict()))
@@ -51,7 +51,7 @@ def test_state_round_trips_through_json() -> None:
     restored.load_state_dict(state)
     assert restored.dropped_stale == 1 and len(restored) == 1
     (group,) = restored.get_batch(1, version=1)
-    assert [s.to_dict() for s in group] == [s.to_dict() for s in _group(2, "1", "1")]
+    assert [s.to_dict() for s in group] == [s.to_dict() for s in _group(2, 1, 1)]
 
 
 def test_a_request_that_outlived_an_update_ages_its_group_by_its_oldest_tokens() -> None:
@@ -61,23 +61,23 @@ def test_a_request_that_outlived_an_update_ages_its_group_by_its_oldest_tokens()
     meta = {"id": "r", "prompt_tokens": 2, "completion_tokens": 5, "weight_version": "3",
             "output_token_logprobs": [[-0.1, t, None] for t in range(5)], "finish_reason": {"type": "length"}}  # fmt: skip
     result = to_result(GenerateResponse(text="", output_ids=list(range(5)), meta_info=MetaInfo(**meta, weight_versions=spans)))
-    assert result.token_versions == ["2", "2", "2", "3", "3"]
+    assert result.token_versions == [2, 2, 2, 3, 3] and result.weight_version == 3
     s = Sample(prompt="p", tokens=[1, 2])
     s.append_model(result.output_ids, result.logprobs, result.token_versions)
     s.append_env([9])
-    s.append_model([7], [-0.2], "3")
+    s.append_model([7], [-0.2], 3)
     s.check()
-    assert s.weight_versions == ["2", "3"] and s.token_versions == [2, 2, 2, 3, 3, -1, 3] and group_version([s]) == 2
-    assert MetaInfo(**meta).output_versions(5) == ["3"] * 5  # an engine without spans (SGLang): the final version
+    assert s.weight_versions == [2, 3] and s.token_versions == [2, 2, 2, 3, 3, -1, 3] and group_version([s]) == 2
+    assert MetaInfo(**meta).output_versions(5) == [3] * 5  # an engine without spans (SGLang): the final version
 
 
 def test_mask_stale_tokens_trains_the_fresh_part_of_a_long_sample() -> None:
     """Instead of dropping a group whose first tokens are too old, mask those tokens out; a group
     left with nothing to train on is dropped and counted."""
     long = Sample(prompt="p", tokens=[1], group_id=0, reward=1.0)
-    long.append_model([3, 4, 5, 6], [-0.1, -0.2, -0.3, -0.4], ["1", "1", "3", "4"])
+    long.append_model([3, 4, 5, 6], [-0.1, -0.2, -0.3, -0.4], [1, 1, 3, 4])
     old = Sample(prompt="p", tokens=[1], group_id=1, reward=1.0)
-    old.append_model([3], [-0.5], "1")
+    old.append_model([3], [-0.5], 1)
     buf = Buffer(Staleness(1, mask_tokens=True))
     buf.add([long])
     buf.add([old])

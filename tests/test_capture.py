@@ -89,7 +89,7 @@ def test_three_turn_tool_session_is_one_exact_sample(engine, router, tok):
 
     assert s.tokens == context and s.prompt_length == len(prompt)
     assert s.loss_mask == mask and s.rollout_logprobs == logprobs
-    assert s.status == SampleStatus.TRUNCATED and s.weight_versions == ["default"]
+    assert s.status == SampleStatus.TRUNCATED and s.weight_versions == [0]
     assert (s.prompt, s.label, s.group_id, s.index, s.metadata["task"]) == (OPENING, "20", 7, 2, "calc")
     assert s.metadata["capture"] == {"session": "s1", "segments": 1, "realignments": 0, "segment": 0, "branch": 0, "turns": 3,
                                      "how": ["start", "continue", "continue"]}

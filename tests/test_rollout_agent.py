@@ -117,7 +117,7 @@ def test_tool_agent_sample_is_engine_ids_interleaved_with_tool_ids(servers: Serv
         assert s.tokens == prompt + call_ids + tool_ids + answer_ids
         assert s.loss_mask == [1] * len(call_ids) + [0] * len(tool_ids) + [1] * len(answer_ids)
         assert s.rollout_logprobs == pytest.approx(call_lps + [0.0] * len(tool_ids) + answer_lps, abs=1e-4)
-        assert s.status == SampleStatus.COMPLETED and s.reward == 1.0 and s.weight_versions == ["default"]
+        assert s.status == SampleStatus.COMPLETED and s.reward == 1.0 and s.weight_versions == [0]
     assert "51" in tok.decode(tool_ids)
 
 

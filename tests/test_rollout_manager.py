@@ -92,7 +92,7 @@ def test_math_plugin_end_to_end(servers: Servers, tiny_model_dir: Path, prompts:
             assert s.tokens[: s.prompt_length] == ModelFormat(tok).chat().prompt_ids([{"role": "user", "content": s.prompt[0]["content"]}])
             assert s.response_ids == ids and s.loss_mask == [1] * len(ids)
             assert s.rollout_logprobs == pytest.approx(logprobs, abs=1e-4)
-            assert s.weight_versions == ["default"] and s.reward == 0.0
+            assert s.weight_versions == [0] and s.reward == 0.0
             assert s.status == (SampleStatus.TRUNCATED if len(ids) == 8 else SampleStatus.COMPLETED)
     assert stats["groups_kept"] == 2 and stats["completed"] + stats["truncated"] == 6
     assert stats["prompts_taken"] == 2 and accounted(m) and stats["samples_per_s"] > 0
@@ -342,8 +342,8 @@ def test_async_production_runs_ahead_by_the_staleness_bound(servers: Servers, ti
     first, second, third, metrics, taken_before_push, m = run_manager(cfg, servers.router_url, math_plugin.rollout, body)
     assert taken_before_push == (4, 0)
     assert sorted(g[0].group_id for g in first + second) == [0, 1, 2, 3]  # groups finish in any order
-    assert {v for g in first + second for s in g for v in s.weight_versions} == {DEFAULT_WEIGHT_VERSION}
-    assert sorted(g[0].group_id for g in third) == [4, 5] and {v for g in third for s in g for v in s.weight_versions} == {"1"}
+    assert {v for g in first + second for s in g for v in s.weight_versions} == {0}  # the engines' "default"
+    assert sorted(g[0].group_id for g in third) == [4, 5] and {v for g in third for s in g for v in s.weight_versions} == {1}
     assert 0.0 <= metrics["rollout/engine_idle_fraction"] <= 1.0 and metrics["rollout/staleness_max"] == 0
     assert accounted(m) and m.counters["prompts_taken"] == 6 + len(m.requeued)
 
@@ -389,5 +389,5 @@ def test_rollout_cli_writes_every_sample(servers: Servers, tiny_model_dir: Path,
     assert proc.returncode == 0, proc.stderr[-3000:]
     samples = [Sample.from_dict(json.loads(line)) for line in out.read_text().splitlines()]
     assert sorted((s.group_id, s.index) for s in samples) == [(g, i) for g in range(4) for i in range(2)]  # in finish order
-    assert all(s.response_length and s.reward == 0.0 and s.weight_versions == ["default"] for s in samples)
+    assert all(s.response_length and s.reward == 0.0 and s.weight_versions == [0] for s in samples)
     assert "step 2: 2 groups kept" in proc.stderr

@@ -222,7 +222,7 @@ def test_trainer_step_push_and_fresh_rollouts(engines, sync, tiny_model_dir):
     for url in engines:
         assert_serves(url, trainer.model)
         fresh = [s for g in rollouts(url, prompts, n=2, seed=2) for s in g]
-        assert {v for s in fresh for v in s.weight_versions} == {"1"}
+        assert {v for s in fresh for v in s.weight_versions} == {1}
         assert mismatch(trainer, fresh) < 1e-4
 
 

@@ -24,7 +24,7 @@ from slimish.client import Client
 from slimish.config import RolloutConfig, RunConfig
 from slimish.formats.model import ModelFormat
 from slimish.formats.tokens import ChatTokens, same_message
-from slimish.protocol import GenerateResponse
+from slimish.protocol import GenerateResponse, version_number
 from slimish.rollout.capture import CaptureServer
 from slimish.types import GenerateResult, Sample, SampleStatus, status_of
 
@@ -48,7 +48,7 @@ def to_result(out: GenerateResponse) -> GenerateResult:
         logprobs=logprobs,
         text=out.text,
         finish_reason=meta.finish_reason.type if meta.finish_reason else "abort",
-        weight_version=meta.weight_version,
+        weight_version=version_number(meta.weight_version),
         prompt_tokens=meta.prompt_tokens,
         token_versions=meta.output_versions(len(out.output_ids)),
     )
@@ -139,7 +139,7 @@ class RolloutContext:
         """Native `/generate` on the router: token ids in, token ids and logprobs out."""
         params = {**self.sampling_params, **(sampling_params or {})}
         if self._abort is not None and self._abort.is_set():
-            return GenerateResult([], [], "", "abort", weight_version="", prompt_tokens=len(input_ids))
+            return GenerateResult([], [], "", "abort", weight_version=-1, prompt_tokens=len(input_ids))  # nothing was asked
         out = await self.client.generate(input_ids=list(input_ids), sampling_params=params, return_logprob=True)
         assert isinstance(out, GenerateResponse)
         return to_result(out)
@@ -210,7 +210,7 @@ class RolloutContext:
     def append_model(self, result: GenerateResult) -> None:
         """The engine's tokens (mask 1, its logprobs, its weight version); status from the finish reason."""
         sample = self._need_sample("append_model")
-        sample.append_model(result.output_ids, result.logprobs, result.token_versions or result.weight_version or None)
+        sample.append_model(result.output_ids, result.logprobs, result.token_versions or result.weight_version)
         sample.status = status_of(result.finish_reason)
 
     def append_env(self, ids: list[int]) -> None:

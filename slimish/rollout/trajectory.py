@@ -47,7 +47,7 @@ class Turn:
     how: str  # start | fork | continue | realign
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list[str] = field(default_factory=list)  # per completion id
+    versions: list[int] = field(default_factory=list)  # per completion id
     finish_reason: str = "abort"
     children: list["Turn"] = field(default_factory=list)
 
@@ -118,7 +118,7 @@ class TrajectoryTree:
         return Placement(None, 0, rendered, rendered, "fork", reason)
 
     def add(self, at: Placement, messages: list[dict[str, Any]], reply: dict[str, Any], render_key: str,
-            completion_ids: list[int], logprobs: list[float], versions: list[str], finish_reason: str) -> Turn:  # fmt: skip
+            completion_ids: list[int], logprobs: list[float], versions: list[int], finish_reason: str) -> Turn:  # fmt: skip
         turn = Turn(at.parent, at.keep, at.env_ids, at.prompt_ids, messages, reply, render_key, at.how,
                     completion_ids, logprobs, versions, finish_reason)  # fmt: skip
         if at.parent is not None:
