@@ -130,6 +130,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out: str) -> No
         m1, m2 = trainer.train_step(batches[0], 1), trainer.train_step(batches[1], 2)
         if rank == 0:
             torch.save({"params": params(trainer), "metrics": [m1, m2]}, out)
+        torch.distributed.barrier()  # tear down together: a rank leaving while its peer's gloo pairs are live can abort
     finally:
         torch.distributed.destroy_process_group()
 
