@@ -52,7 +52,7 @@ def test_sigkill_then_resume_trains_every_prompt_once(tiny_model_dir: Path, tmp_
         while len(_trained(run_dir)) < 3:  # bounded wait for the third trained step
             assert first.poll() is None, first.stderr.read().decode()[-3000:]
             assert time.monotonic() < deadline, "the first run trained fewer than 3 steps in 240 s"
-            time.sleep(0.2)
+            time.sleep(0.01)  # a step of this tiny run can take well under 0.2 s: kill it before it finishes
     finally:
         first.kill()
         first.wait(timeout=30)
