@@ -188,14 +188,19 @@ def field_docs(schema: type) -> dict[str, str]:
     return docs
 
 
+def _default(f: dataclasses.Field) -> Any:
+    """A field's default value (MISSING when it is required)."""
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def describe_config(schema: type, prefix: str = "") -> list[str]:
     """`key (default): doc` for every field, nested sections flattened to dotted keys."""
     lines, docs = [], field_docs(schema)
     for f in dataclasses.fields(schema):
-        if dataclasses.is_dataclass(f.default_factory) if f.default_factory is not dataclasses.MISSING else False:
+        if dataclasses.is_dataclass(f.default_factory):  # a section: its own keys, dotted
             lines += describe_config(f.default_factory, f"{prefix}{f.name}.")
             continue
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        default = _default(f)
         shown = "required" if default is MISSING else repr(default)
         lines.append(f"  {prefix}{f.name} ({shown})" + (f": {docs[f.name]}" if docs.get(f.name) else ""))
     return lines
@@ -211,10 +216,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, schema: type, skip: tu
         hint = hints[f.name]
         is_list = typing.get_origin(hint) is list
         kind = typing.get_args(hint)[0] if is_list else _scalar(hint)
-        if f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = None if f.default is MISSING else f.default
+        default = _default(f)
+        default = None if default is MISSING else default
         parser.add_argument(
             "--" + f.name.replace("_", "-"), type=kind, default=default, required=f.default is MISSING,
             nargs="*" if is_list else None, help=f"{docs.get(f.name, '')} (default: {default})".lstrip(),

@@ -142,7 +142,7 @@ def _tokenizer_routes(router: APIRouter, engine: Engine) -> None:
             try:
                 tokens: Any = engine.format.template.render(req.messages, req.tools, generation, **(req.chat_template_kwargs or {}))
             except TemplateError as exc:
-                raise BadRequest({"error": {"message": str(exc)}}) from None
+                raise BadRequest.of(str(exc)) from None
         elif isinstance(req.prompt, str):
             tokens = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
@@ -157,7 +157,7 @@ def _tokenizer_routes(router: APIRouter, engine: Engine) -> None:
         batch = bool(req.tokens) and isinstance(req.tokens[0], list)
         for ids in req.tokens if batch else [req.tokens]:
             if bad := [t for t in ids if not 0 <= t < engine.vocab_size]:
-                raise BadRequest({"error": {"message": f"tokens: token id {bad[0]} is outside the vocabulary [0, {engine.vocab_size})"}})
+                raise BadRequest.of(f"tokens: token id {bad[0]} is outside the vocabulary [0, {engine.vocab_size})")
         decode = lambda ids: engine.decode(ids, req.skip_special_tokens)  # noqa: E731
         return JSONResponse({"text": [decode(ids) for ids in req.tokens] if batch else decode(req.tokens)})
 
@@ -169,7 +169,7 @@ def _profile_routes(router: APIRouter, engine: Engine) -> None:
         try:
             await engine.run(lambda: engine.profiler.start(req))
         except ProfileError as exc:
-            raise BadRequest({"error": {"message": str(exc)}}) from None
+            raise BadRequest.of(str(exc)) from None
         return PlainTextResponse("Start profiling.\n")
 
     @router.api_route("/stop_profile", methods=["GET", "POST"])
@@ -177,7 +177,7 @@ def _profile_routes(router: APIRouter, engine: Engine) -> None:
         try:
             await engine.run(engine.profiler.stop)
         except ProfileError as exc:
-            raise BadRequest({"error": {"message": str(exc)}}) from None
+            raise BadRequest.of(str(exc)) from None
         return PlainTextResponse("Stop profiling. This will take some time.\n")
 
 

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoTokenizer
 
 from slimish.config import EngineConfig
-from slimish.engine.grammar import GrammarError, Grammars
+from slimish.engine.grammar import GrammarError, Grammars, matcher
 from slimish.engine.metrics import Metrics
 from slimish.engine.profiler import Profiler
 from slimish.engine.runner import Runner, engine_device, load_model, use_device
@@ -52,6 +52,7 @@ class Item:
     params: SamplingParams
     rid: str
     wish: LogprobWish
+    grammar: Any = None  # the compiled grammar, set by `Engine.check`; each sequence gets its own matcher
 
 
 @dataclass
@@ -175,7 +176,7 @@ class Engine:
             raise Unavailable(torn)
         p, w, n_in, cfg = item.params, item.wish, len(item.input_ids), self.cfg
         try:
-            self.grammars.compile(p)  # compiled once per text: the matcher at submit reuses it
+            item.grammar = self.grammars.compile(p)  # compiled once per text (xgrammar's cache)
         except GrammarError as exc:
             raise RequestError(str(exc)) from None
         if cfg.max_prompt_tokens is not None and n_in > cfg.max_prompt_tokens:
@@ -247,7 +248,7 @@ class Engine:
                 wish=it.wish,
                 emit=emitter(i),
                 decode_text=self.decode,
-                grammar=self.grammars.matcher(it.params),
+                grammar=matcher(it.grammar),
             )
             for i, it in enumerate(items)
         ]

@@ -36,7 +36,7 @@ def grammar_field(params: SamplingParams) -> str | None:
 
 
 class Grammars:
-    """Compiles a request's grammar once per distinct text and hands out matchers."""
+    """Compiles a request's grammar, once per distinct text."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, end_ids: set[int]) -> None:
         self.tokenizer, self.vocab_size, self.end_ids = tokenizer, vocab_size, sorted(end_ids)
@@ -70,13 +70,15 @@ class Grammars:
         except Exception as exc:  # xgrammar raises RuntimeError, ValueError or its own errors
             raise GrammarError(f"sampling_params.{field}: Failed to compile {kind} grammar: {_reason(exc)}") from None
 
-    def matcher(self, params: SamplingParams) -> xgrammar.GrammarMatcher | None:
-        compiled = self.compile(params)
-        if compiled is None:
-            return None
-        import xgrammar
 
-        return xgrammar.GrammarMatcher(compiled)
+
+def matcher(compiled: xgrammar.CompiledGrammar | None) -> xgrammar.GrammarMatcher | None:
+    """A sequence's own matcher of a compiled grammar (None: free generation)."""
+    if compiled is None:
+        return None
+    import xgrammar
+
+    return xgrammar.GrammarMatcher(compiled)
 
 
 def _reason(exc: Exception) -> str:

@@ -22,6 +22,11 @@ class BadRequest(Exception):
     def __init__(self, body: Any) -> None:
         self.body = body
 
+    @classmethod
+    def of(cls, message: str) -> "BadRequest":
+        """The usual body, `{"error": {"message": ...}}`."""
+        return cls({"error": {"message": message}})
+
 
 def error_message(message: str, status: int = 400, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status, headers=headers)
@@ -42,14 +47,14 @@ async def parse(request: Request, model: type[M], empty_ok: bool = True, contrac
         try:
             data = load_json(raw)
         except ValueError as exc:
-            raise BadRequest({"error": {"message": f"body: malformed JSON ({exc})"}}) from None
+            raise BadRequest.of(f"body: malformed JSON ({exc})") from None
     try:
         if not isinstance(data, dict):
             raise TypeError(f"body: expected a JSON object, got {type(data).__name__}")
         return model.model_validate(data)
     except (TypeError, ValidationError) as exc:
         message = describe_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
-        raise BadRequest({"error": message} if contract else {"error": {"message": message}}) from None
+        raise (BadRequest({"error": message}) if contract else BadRequest.of(message)) from None
 
 
 class BodyTooLarge(Exception):

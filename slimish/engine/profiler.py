@@ -25,7 +25,6 @@ class Profiler:
         self.active: torch.profiler.profile | None = None
         self.steps_left: int | None = None
         self.path: Path | None = None
-        self.written: list[Path] = []
 
     def start(self, req: ProfileReq) -> None:
         if self.active is not None:
@@ -50,7 +49,6 @@ class Profiler:
         self.active = self.steps_left = None
         prof.__exit__(None, None, None)
         prof.export_chrome_trace(str(path))
-        self.written.append(path)
         return path
 
     def step(self, _: Any = None) -> None:
