@@ -1,8 +1,9 @@
 """The training loop: `torchrun --nproc-per-node N -m slimish.train --config C --rollout-fn F [key=value ...]`.
 
-Rank 0 is the driver: it owns the engines and router (started here unless `launch.router_url`
-names running ones), the rollout manager (asyncio, on a background thread), the buffer, weight
-sync, metrics and checkpoints. Every rank holds the policy and trains on its share of each batch.
+Every rank runs the same loop. Rank 0's side of it is the `Driver`: it owns the engines and router
+(started here unless `launch.router_url` names running ones), the rollout manager (asyncio, on a
+background thread), weight sync, metrics and checkpoints; the other ranks' side is a `Follower`,
+which only joins the collectives. Every rank holds the policy and trains on its share of each batch.
 One step, in sync mode:
 
     rollout (rank 0) -> broadcast the batch -> train_step (all ranks) -> push weights (rank 0)
@@ -22,7 +23,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, TypeVar
@@ -68,8 +69,8 @@ def config_of(args: argparse.Namespace) -> RunConfig:
 class Driver:
     """Rank 0's side of the loop: rollouts, weight pushes, evaluation, metrics, checkpoints."""
 
-    def __init__(self, cfg: RunConfig, servers: Servers, stack: ExitStack, start_step: int) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: RunConfig, servers: Servers, stack: ExitStack, start_step: int, world: int) -> None:
+        self.cfg, self.world = cfg, world
         self.loop = LoopThread("rollout")
         stack.callback(self.loop.close)
         self.runtime = self.loop.run(RolloutRuntime.create(cfg, servers.router_url))
@@ -80,8 +81,8 @@ class Driver:
         self.servers = servers
         self.sync = WeightSync(cfg.weight_sync, servers.engine_urls, cfg.launch.api_key)
         stack.callback(lambda: self.sync.close())  # the one in use then: a restart replaces it
-        self.log = RunLog(cfg.run_dir, cfg.steps, start_step)
-        stack.callback(self.log.close)
+        self.run_log = RunLog(cfg.run_dir, cfg.steps, start_step)
+        stack.callback(self.run_log.close)
         self.trained = open(Path(cfg.run_dir) / "trained_prompts.jsonl", "a")
         stack.callback(self.trained.close)
 
@@ -95,19 +96,22 @@ class Driver:
         """The step's batch and its metrics (`time/rollout`: how long the trainer waited)."""
         return self.loop.run(self.manager.next_batch(version))
 
-    def push(self, tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+    def connect(self) -> None:
+        self.sync.connect()
+
+    def push(self, trainer: Trainer, version: int) -> dict[str, float]:
         """Every engine serves `version` after this. An engine of ours that died (the router has
         routed around it since) is started again first and joins a new weight-update group:
         it serves nothing until this push has set all its weights."""
         restarted = self.servers.restart_dead(self.cfg.launch.start_timeout)
         if restarted:
-            self.log.message(f"engines {', '.join(restarted)} had exited: restarted, they serve from version {version} on")
+            self.run_log.message(f"engines {', '.join(restarted)} had exited: restarted, they serve from version {version} on")
             self.sync.close()
             self.sync = WeightSync(self.cfg.weight_sync, self.servers.engine_urls, self.cfg.launch.api_key)
             self.sync.connect()
-        metrics = {"time/weight_push": self.sync.push(tensors, str(version))["seconds"], "launch/engines_restarted": float(len(restarted))}
+        pushed = self.sync.push(trainer.hf_tensors(), str(version))  # every rank takes part (Megatron gathers)
         self.loop.run(self.manager.weights_pushed(version))
-        return metrics
+        return {"time/weight_push": pushed["seconds"], "launch/engines_restarted": float(len(restarted))}
 
     def evaluate(self) -> dict[str, float]:
         if not self.eval_rows:
@@ -123,17 +127,83 @@ class Driver:
         self.trained.write(json.dumps({"step": step, "group_ids": ids, "versions": versions}) + "\n")
         self.trained.flush()
 
-    def state(self) -> dict[str, Any]:
-        """Taken on the rollout thread: in async mode groups are still arriving."""
+    def save(self, step: int, trainer: Trainer) -> dict[str, float]:
+        """A checkpoint of every component: the trainer (every rank takes part), the RNG, and the
+        rollout side, taken on its thread (in async mode groups are still arriving)."""
+        saved = time.perf_counter()
 
-        async def state() -> dict[str, Any]:
+        async def rollout_state() -> dict[str, Any]:
             return {"manager": self.manager.state_dict(), "buffer": self.buffer.state_dict()}
 
-        return self.loop.run(state())
+        state = {"step": step, "trainer": trainer.state_dict(), "rng": checkpoint.rng_state(), "rollout": self.loop.run(rollout_state())}
+        checkpoint.save(self.cfg.run_dir, step, state, keep=self.cfg.checkpoint.keep)
+        if self.world > 1:
+            dist.barrier()  # the followers wait for the write
+        return {"time/checkpoint": time.perf_counter() - saved}
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: dict[str, Any], source: str) -> None:
         self.manager.load_state_dict(state["manager"])
         self.buffer.load_state_dict(state["buffer"])
+        self.run_log.message(f"resumed from {source}")
+
+    def message(self, text: str) -> None:
+        self.run_log.message(text)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run_log.log(step, metrics)
+
+    def end_step(self, step: int, metrics: dict[str, float], started: float) -> None:
+        metrics["time/step"] = time.perf_counter() - started
+        metrics["time/trainer_idle_fraction"] = metrics["time/rollout"] / metrics["time/step"]
+        self.log(step, metrics)
+
+    def done(self) -> None:
+        self.run_log.message(f"done: {self.cfg.steps} steps; {self.run_log.summary()}")
+        self.run_log.message(f"HF export in {Path(self.cfg.run_dir) / 'hf'}")
+
+
+class Follower:
+    """Every other rank's side of the same loop: it joins the collectives rank 0's `Driver`
+    starts (the weight export, the checkpoint's state and barrier) and keeps nothing else."""
+
+    def connect(self) -> None:
+        pass
+
+    def start_producing(self, version: int, stack: ExitStack) -> None:
+        pass
+
+    def rollout(self, version: int) -> tuple[None, dict[str, float]]:
+        return None, {}  # the batch comes by broadcast
+
+    def push(self, trainer: Trainer, version: int) -> dict[str, float]:
+        trainer.join_export()
+        return {}
+
+    def evaluate(self) -> dict[str, float]:
+        return {}
+
+    def record_trained(self, step: int, groups: list[list[Sample]]) -> None:
+        pass
+
+    def save(self, step: int, trainer: Trainer) -> dict[str, float]:
+        trainer.state_dict()  # this rank's part of rank 0's (Megatron gathers the shards)
+        dist.barrier()  # rank 0 is writing the checkpoint
+        return {}
+
+    def load_state(self, state: dict[str, Any], source: str) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def end_step(self, step: int, metrics: dict[str, float], started: float) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
 
 
 def init_distributed() -> tuple[int, int]:
@@ -159,21 +229,12 @@ def broadcast(obj: T, world: int) -> T:
     return box[0]
 
 
-def warm_start(cfg: RunConfig, trainer: Trainer, log: RunLog | None) -> None:
+def warm_start(cfg: RunConfig, trainer: Trainer, message: Callable[[str], None]) -> None:
     """Supervised steps before RL (`sft.steps`); every rank gets the whole batch and trains on its share."""
     for i, batch in enumerate(sft_batches(cfg, trainer.tokenizer)):
         metrics = trainer.sft_step(batch)
-        if log is not None and (i % 10 == 0 or i == cfg.sft.steps - 1):
-            log.message(f"sft {i + 1}/{cfg.sft.steps}: loss {metrics['sft/loss']:.4f}")
-
-
-def push_weights(trainer: Trainer, driver: Driver | None, version: int) -> dict[str, float]:
-    """Every rank takes part in a push (Megatron gathers the weights over TP / PP); rank 0's
-    driver sends them to the engines and returns its metrics."""
-    if driver is None:
-        trainer.join_export()
-        return {}
-    return driver.push(trainer.hf_tensors(), version)
+        if i % 10 == 0 or i == cfg.sft.steps - 1:
+            message(f"sft {i + 1}/{cfg.sft.steps}: loss {metrics['sft/loss']:.4f}")
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -194,56 +255,38 @@ def train(cfg: RunConfig) -> None:
     start_step = state["step"] if state else 0
     with ExitStack() as stack:
         trainer = make_trainer(cfg)
-        driver = None
         if rank == 0:
             servers = stack.enter_context(start_servers(cfg.launch, cfg.model, Path(cfg.run_dir) / "logs"))
-            driver = Driver(cfg, servers, stack, start_step)
+            side: Driver | Follower = Driver(cfg, servers, stack, start_step, world)
+        else:
+            side = Follower()
         if state:
             trainer.load_state_dict(state["trainer"])
             checkpoint.set_rng_state(state["rng"])
-            if driver:
-                driver.load_state(state["rollout"])
-                driver.log.message(f"resumed from {resume_from} at step {start_step}")
+            side.load_state(state["rollout"], f"{resume_from} at step {start_step}")
         elif cfg.sft.steps:
-            warm_start(cfg, trainer, driver.log if driver else None)
-        if driver:
-            driver.sync.connect()
-        first = push_weights(trainer, driver, start_step)  # engines serve the trainer's weights
-        if driver:
-            if cfg.eval.every:
-                first.update(driver.evaluate())
-            driver.log.log(start_step, first)
-            if cfg.mode == "async" and cfg.buffer.max_staleness > 0:
-                driver.start_producing(start_step, stack)
+            warm_start(cfg, trainer, side.message)
+        side.connect()
+        first = side.push(trainer, start_step)  # engines serve the trainer's weights
+        if cfg.eval.every:
+            first.update(side.evaluate())
+        side.log(start_step, first)
+        if cfg.mode == "async" and cfg.buffer.max_staleness > 0:
+            side.start_producing(start_step, stack)
         for step in range(start_step + 1, cfg.steps + 1):
             started = time.perf_counter()
-            groups, metrics = driver.rollout(step - 1) if driver else (None, {})
+            groups, metrics = side.rollout(step - 1)
             groups = broadcast(groups, world)
             metrics.update(trainer.train_step(groups, step))
-            metrics.update(push_weights(trainer, driver, step))
-            save = step == cfg.steps or due(step, cfg.checkpoint.every, cfg.steps)  # the last step always
-            if driver is None:
-                if save:
-                    trainer.state_dict()  # this rank's part of rank 0's (Megatron gathers the shards)
-                    dist.barrier()  # rank 0 is writing the checkpoint
-                continue
-            driver.record_trained(step, groups)
+            metrics.update(side.push(trainer, step))
+            side.record_trained(step, groups)
             if due(step, cfg.eval.every, cfg.steps):
-                metrics.update(driver.evaluate())
-            if save:
-                saved = time.perf_counter()
-                checkpoint.save(cfg.run_dir, step, {"step": step, "trainer": trainer.state_dict(), "rng": checkpoint.rng_state(),
-                                                    "rollout": driver.state()}, keep=cfg.checkpoint.keep)  # fmt: skip
-                metrics["time/checkpoint"] = time.perf_counter() - saved
-                if world > 1:
-                    dist.barrier()
-            metrics["time/step"] = time.perf_counter() - started
-            metrics["time/trainer_idle_fraction"] = metrics["time/rollout"] / metrics["time/step"]
-            driver.log.log(step, metrics)
+                metrics.update(side.evaluate())
+            if step == cfg.steps or due(step, cfg.checkpoint.every, cfg.steps):  # the last step always
+                metrics.update(side.save(step, trainer))
+            side.end_step(step, metrics, started)
         trainer.save_hf(Path(cfg.run_dir) / "hf")  # every rank takes part; rank 0 writes
-        if driver:
-            driver.log.message(f"done: {cfg.steps} steps; {driver.log.summary()}")
-            driver.log.message(f"HF export in {Path(cfg.run_dir) / 'hf'}")
+        side.done()
     if world > 1:
         dist.destroy_process_group()
 

@@ -101,14 +101,15 @@ def test_engine_actors_serve_and_a_killed_one_rejoins_at_the_current_weights(
         trained = generate(servers.engine_urls[1])["output_ids"]
         assert trained != initial
 
-        old = list(servers.engine_urls)
+        old, actor_ids = list(servers.engine_urls), [a._actor_id for a in servers.actors]
         ray.kill(servers.actors[0])  # actor 0 dies; actor 1 lives but loses its engine
         os.kill(engine_pid(old[1]), signal.SIGKILL)
         for url in old:
             wait_unreachable(url)  # actor 0's engine child died with it
         assert servers.restart_dead(WAIT_S) == servers.engine_urls
         # Actor 0 replaced under a new name, actor 1 kept (its engine restarted inside it).
-        assert [ray.get_actor(n)._actor_id for n in ("slimish-engine-0-r1", "slimish-engine-1")] == [a._actor_id for a in servers.actors]
+        now = [ray.get_actor(n)._actor_id for n in ("slimish-engine-0-r1", "slimish-engine-1")]
+        assert now == [a._actor_id for a in servers.actors] and now[0] != actor_ids[0] and now[1] == actor_ids[1]
         assert router_workers(servers.router_url) == sorted(servers.engine_urls) and not set(old) & set(servers.engine_urls)
         for url in servers.engine_urls:
             assert httpx.get(url + "/health", timeout=30).status_code == 503  # no rollouts on their initial weights

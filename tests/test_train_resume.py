@@ -72,6 +72,22 @@ def test_sigkill_then_resume_trains_every_prompt_once(tiny_model_dir: Path, tmp_
     assert (run_dir / "hf" / "config.json").exists()
 
 
+def test_two_ranks_train_checkpoint_and_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The follower rank's side of the loop (the weight export, the checkpoint's state and
+    barrier), which one-rank runs never take: 2 steps on 2 ranks checkpointing each, then a
+    resume on 2 ranks to step 3."""
+    data, run_dir = _prompts(tmp_path / "prompts.jsonl", 20), tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for steps, extra in ((2, ()), (3, ("--resume", "auto"))):
+        done = subprocess.run(_argv(tiny_model_dir, run_dir, data, f"steps={steps}", "trainer.nproc=2", *extra), env=env,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr and [r["step"] for r in _trained(run_dir)] == [1, 2, 3]
+    trained = [gid for r in _trained(run_dir) for gid in r["group_ids"]]
+    assert sorted(trained) == list(range(3 * GROUPS))  # each prompt once, across the resume
+    assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == ["step_00000002", "step_00000003"]
+
+
 # The trainer killed at a chosen point of step KILL_STEP, from inside: this launcher patches the
 # point to SIGKILL its own process, then runs `python -m slimish.train` as usual.
 KILL_STEP = 3
