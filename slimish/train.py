@@ -75,8 +75,7 @@ class Driver:
         stack.callback(self.loop.close)
         self.runtime = self.loop.run(RolloutRuntime.create(cfg, servers.router_url))
         stack.callback(lambda: self.loop.run(self.runtime.close()))
-        self.buffer = Buffer(Staleness.of(cfg.buffer))
-        self.manager = RolloutManager.from_config(self.runtime, PromptData(cfg.data), self.buffer)
+        self.manager = RolloutManager.from_config(self.runtime, PromptData(cfg.data), Buffer(Staleness.of(cfg.buffer)))
         self.eval_rows = eval_rows(cfg.eval, cfg.data)
         self.servers = servers
         self.sync = WeightSync(cfg.weight_sync, servers.engine_urls, cfg.launch.api_key)
@@ -133,7 +132,7 @@ class Driver:
         saved = time.perf_counter()
 
         async def rollout_state() -> dict[str, Any]:
-            return {"manager": self.manager.state_dict(), "buffer": self.buffer.state_dict()}
+            return self.manager.state_dict()
 
         state = {"step": step, "trainer": trainer.state_dict(), "rng": checkpoint.rng_state(), "rollout": self.loop.run(rollout_state())}
         checkpoint.save(self.cfg.run_dir, step, state, keep=self.cfg.checkpoint.keep)
@@ -142,8 +141,7 @@ class Driver:
         return {"time/checkpoint": time.perf_counter() - saved}
 
     def load_state(self, state: dict[str, Any], source: str) -> None:
-        self.manager.load_state_dict(state["manager"])
-        self.buffer.load_state_dict(state["buffer"])
+        self.manager.load_state_dict(state)
         self.run_log.message(f"resumed from {source}")
 
     def message(self, text: str) -> None:

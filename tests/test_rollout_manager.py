@@ -273,7 +273,9 @@ def test_leftovers_are_aborted_requeued_and_partial_samples_resumed(servers: Ser
                    f"rollout.partial_rollout={partial_rollout}", "buffer.max_staleness=1")  # fmt: skip
 
     async def first_step(m: RolloutManager) -> Any:
-        return await m.run_step(0), json.loads(json.dumps(m.state_dict())), m
+        stats = await m.run_step(0)
+        assert len(m.buffer.get_batch(10)) == 2  # the step trains on them; the rest is saved
+        return stats, json.loads(json.dumps(m.state_dict())), m
 
     stats, state, m = run_manager(cfg, servers.router_url, long_and_short, first_step)
     assert (stats["groups_kept"], stats["aborted"], stats["requeued"], stats["requeued_pending"]) == (2, 4, 4, 4)

@@ -513,8 +513,11 @@ class RolloutManager:
         )
 
     def state_dict(self) -> dict[str, Any]:
+        """Everything the rollout side needs to resume: the data cursor, the buffer, and groups in
+        flight as prompts to run again. Call it on the manager's loop (groups may be arriving)."""
         return {
             "data": self.data.state_dict(),
+            "buffer": self.buffer.state_dict(),
             "next_group_id": self.next_group_id,
             # Groups in flight (async mode) are saved as requeued prompts: a resume runs them again.
             "requeued": [{"group_id": p.group_id, "row": p.row, "partial": [s.to_dict() for s in p.partial.values()]} for p in self.requeued]
@@ -524,7 +527,10 @@ class RolloutManager:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "manager" in state:  # a checkpoint written before the manager owned the buffer's state
+            state = {**state["manager"], "buffer": state["buffer"]}
         self.data.load_state_dict(state["data"])
+        self.buffer.load_state_dict(state["buffer"])
         self.next_group_id = int(state["next_group_id"])
         self.requeued = deque(
             _Prompt(p["group_id"], copy.deepcopy(p["row"]), {d["index"]: Sample.from_dict(d) for d in p["partial"]})
