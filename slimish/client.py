@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 
 from slimish.protocol import (
+    ROUTING_KEY_HEADER,
     ControlResult,
     GenerateResponse,
     InitWeightsUpdateGroupReq,
@@ -93,12 +94,13 @@ class Client:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
+    async def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None,
+                       headers: dict[str, str] | None = None) -> Any:  # fmt: skip
         """The reply's JSON (None for an empty body)."""
         url = self.base_url + path
         kw = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout else {}
         try:
-            async with self.session.request(method, url, json=body, **kw) as r:
+            async with self.session.request(method, url, json=body, headers=headers, **kw) as r:
                 raw = await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise ServerUnreachable(url, exc) from exc
@@ -111,9 +113,11 @@ class Client:
 
     # ---- generation -------------------------------------------------------------------------
 
-    async def generate(self, **body: Any) -> GenerateResponse | list[GenerateResponse]:
-        """POST /generate with the PROTOCOL.md 1.1 fields as keywords (`input_ids=`, `sampling_params=`...)."""
-        data = await self._request("POST", "/generate", {**body, "stream": False})
+    async def generate(self, routing_key: str | None = None, **body: Any) -> GenerateResponse | list[GenerateResponse]:
+        """POST /generate with the PROTOCOL.md 1.1 fields as keywords (`input_ids=`, `sampling_params=`...);
+        `routing_key` goes in the header sglang-router's `session` policy pins a conversation by."""
+        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
+        data = await self._request("POST", "/generate", {**body, "stream": False}, headers=headers)
         if isinstance(data, list):
             return [GenerateResponse.model_validate(d) for d in data]
         return GenerateResponse.model_validate(data)

@@ -321,7 +321,19 @@ class RolloutConfig:
     rollout_fn: str = "rollout_plugins.math:rollout"  # module:function or path/to/file.py:function
     reward_fn: str | None = None  # async (ctx, sample) -> float, or a group form; None: the plugin sets rewards
     filter_fn: str | None = "slimish.rollout.filters:nonzero_std"  # over a finished group; None: keep all
-    reward_key: str | None = None  # for dict rewards: the key advantages use
+    reward_key: str | None = None  # for dict rewards: the numeric key advantages use (others are kept as metadata)
+    # Hooks, each module:function (slimish/rollout/loader.py has their shapes): on every sample the
+    # rollout fn returned, before scoring; and over a scored group, replacing its rewards.
+    sample_hook: str | None = None
+    reward_post_fn: str | None = None
+    # When a step runs out of prompts (max_prompts_factor) with groups dropped by the filter, train
+    # on the newest of those to fill the batch instead of training short (rollout/groups_refilled).
+    keep_when_insufficient: bool = False
+    # A rollout, reward or filter function that fails the same way (same exception type, same
+    # place) on this many groups in a row stops the run with that error; 0 = never.
+    max_consecutive_failures: int = 8
+    # The plugin's own settings (any YAML; `rollout.args.KEY=VALUE` on the command line): `ctx.args`.
+    args: dict[str, Any] = field(default_factory=dict)
     n_samples_per_prompt: int = 8
     rollout_batch_size: int = 8  # groups that must survive filtering each step
     max_concurrency: int = 64  # samples in flight
@@ -363,6 +375,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         at_least(1, self, "rollout.", "n_samples_per_prompt", "rollout_batch_size", "max_concurrency", "max_new_tokens",
                  "over_sampling", "max_prompts_factor")  # fmt: skip
+        at_least(0, self, "rollout.", "max_consecutive_failures")
         one_of("rollout.history", self.history, ("exact", "template"))
         check_parsers("rollout.", self.tool_call_parser, self.reasoning_parser)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -55,7 +56,7 @@ class Sample:
     response_length: int = 0
     loss_mask: list[int] = field(default_factory=list)  # one per response token
     rollout_logprobs: list[float] = field(default_factory=list)  # one per response token (0.0 where mask 0)
-    reward: float | dict[str, float] | None = None
+    reward: float | dict[str, Any] | None = None  # a dict: named values, `rollout.reward_key` the numeric one trained on
     status: SampleStatus = SampleStatus.PENDING
     weight_versions: list[int] = field(default_factory=list)  # versions that produced its tokens, in order
     # Per response token: the version number that made it; -1 for environment tokens and where
@@ -67,8 +68,14 @@ class Sample:
     # sample one rollout call returned, share it (set by the manager where the rollout fn did
     # not). A trajectory counts once in its group's baseline, however many samples it has.
     trajectory_id: str | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)  # any JSON values; saved and logged with the sample
     error: str | None = None  # why it failed
+    # The response ids decoded (special tokens kept), set when the rollout function returns:
+    # what reward functions and hooks read. Stop strings are in it: ids are the truth.
+    response: str = ""
+    # Counted in its group's baseline (its reward is part of the mean) but not trained on: e.g. a
+    # sample a hook judged malformed, or a fan-out sibling whose tokens should not move the policy.
+    exclude_from_loss: bool = False
 
     @property
     def prompt_length(self) -> int:
@@ -112,6 +119,11 @@ class Sample:
         self.token_versions.extend(versions)
         self.response_length += len(ids)
 
+    @property
+    def train_mask(self) -> list[int]:
+        """The loss mask the trainer uses: `loss_mask`, all zeros when `exclude_from_loss`."""
+        return [0] * self.response_length if self.exclude_from_loss else self.loss_mask
+
     def trained_versions(self) -> set[int]:
         """The versions of the tokens it trains on (mask 1); without a per-token record, all of
         `weight_versions`."""
@@ -135,7 +147,12 @@ class Sample:
                 raise ValueError(f"sample {self.group_id}/{self.index}: dict reward {sorted(self.reward)} needs rollout.reward_key")
             if key not in self.reward:
                 raise ValueError(f"sample {self.group_id}/{self.index}: rollout.reward_key {key!r} is not in its reward {sorted(self.reward)}")
-            return float(self.reward[key])
+            value = self.reward[key]
+            if not isinstance(value, (int, float)):
+                numeric = sorted(k for k, v in self.reward.items() if isinstance(v, (int, float)))
+                raise ValueError(f"sample {self.group_id}/{self.index}: rollout.reward_key {key!r} names a {type(value).__name__} "
+                                 f"({value!r}); it must name a number (numeric keys: {numeric})")  # fmt: skip
+            return float(value)
         if self.reward is None:
             raise ValueError(f"sample {self.group_id}/{self.index}: reward is missing")
         return float(self.reward)
@@ -152,6 +169,11 @@ class Sample:
             raise ValueError(f"{where}: loss_mask must hold only 0 and 1")
         if self.status in (SampleStatus.FAILED, SampleStatus.INFRA_FAILED) and not self.error:
             raise ValueError(f"{where}: status {self.status.value} needs an error")
+        for key, value in self.metadata.items():
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{where}: metadata[{key!r}] must be a JSON value (it is saved and logged): {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -141,8 +143,14 @@ def test_nonzero_std_drops_groups_with_equal_rewards() -> None:
     def group(*rewards):
         return [Sample(prompt="p", reward=r) for r in rewards]
 
-    assert nonzero_std(group(1.0, 0.0, 1.0)) is None
-    assert nonzero_std(group(0.0, 0.0)) == "zero reward variance (all 2 rewards 0.0)"
-    assert nonzero_std(group({"a": 1.0}, {"a": 1.0})) == "zero reward variance (all 2 rewards {'a': 1.0})"
-    assert nonzero_std(group({"a": 1.0}, {"a": 0.0})) is None
-    assert nonzero_std(group(1.0)) is None  # a group of one has no variance to compare
+    def ctx(reward_key: str | None = None) -> Any:
+        return SimpleNamespace(config=SimpleNamespace(rollout=SimpleNamespace(reward_key=reward_key)))
+
+    assert nonzero_std(ctx(), group(1.0, 0.0, 1.0)) is None
+    assert nonzero_std(ctx(), group(0.0, 0.0)) == "zero reward variance (all 2 rewards 0.0)"
+    assert nonzero_std(ctx(), group({"a": 1.0}, {"a": 1.0})) == "zero reward variance (all 2 rewards {'a': 1.0})"
+    assert nonzero_std(ctx(), group({"a": 1.0}, {"a": 0.0})) is None
+    assert nonzero_std(ctx(), group(1.0)) is None  # a group of one has no variance to compare
+    # With a reward key only that value counts: a parsed answer that differs is not variance.
+    same_score = group({"score": 1.0, "pred": "4"}, {"score": 1.0, "pred": "5"})
+    assert nonzero_std(ctx(), same_score) is None and nonzero_std(ctx("score"), same_score) == "zero reward variance (all 2 rewards 1.0)"

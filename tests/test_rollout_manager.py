@@ -139,7 +139,9 @@ def test_a_raising_rollout_fn_fails_one_sample_and_the_run_goes_on(servers: Serv
     assert first["prompts_taken"] == 10 and first["errors"][0].startswith("3/0: rollout fn: ValueError: tool crashed on row 3 (at ")
     assert "test_rollout_manager.py" in first["errors"][0]
     (failed,), reason = dropped[0]
+    at = failed.metadata.pop("error_at")  # the line in this file that raised
     assert failed.status == SampleStatus.FAILED and failed.metadata == {"row_id": 3, "epoch": 0, "dropped": reason}
+    assert at.startswith(f"{__file__}:") and "tool crashed" in Path(__file__).read_text().splitlines()[int(at.rpartition(":")[2]) - 1]
     assert "tool crashed on row 3" in failed.error and reason.startswith("failed: rollout fn: ValueError")
     assert second["groups_kept"] == 9 and second["failed"] == 1 and len(m.buffer) == 18 and accounted(m)
 
@@ -213,7 +215,7 @@ async def reward_dict(ctx, sample):
     return {"correct": 1.0, "format": float(sample.index)}
 
 
-def filter_returns_number(group):
+def filter_returns_number(ctx, group):
     return 0
 
 

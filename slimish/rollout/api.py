@@ -14,9 +14,11 @@ config, and the agent gateway, started the first time an agent asks for it).
 from __future__ import annotations
 
 import asyncio
+import copy
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from transformers import AutoTokenizer
 
@@ -27,6 +29,31 @@ from slimish.formats.tokens import ChatTokens, same_message
 from slimish.protocol import GenerateResponse, version_number
 from slimish.rollout.capture import CaptureServer
 from slimish.types import GenerateResult, Sample, SampleStatus, status_of
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def resumable(fn: F) -> F:
+    """Marks a rollout function that continues a partial sample itself: with
+    `rollout.partial_rollout`, a sample it was building when a step ended is handed back to it
+    next step, tokens and all. Without the mark only samples built by `ctx.generate_sample` alone
+    are resumed; any other sample cut off by the end of a step restarts from its prompt (a
+    conversation's state lives in the function, which is gone)."""
+    fn.__slimish_resumable__ = True  # type: ignore[attr-defined]
+    return fn
+
+
+def is_resumable(fn: Any) -> bool:
+    return getattr(fn, "__slimish_resumable__", False) is True
+
+
+def trajectory_of(sample: Sample) -> str:
+    """The sample's trajectory id, set to `group-index` where nothing set one: the samples one
+    rollout call returns share it."""
+    if sample.trajectory_id is None:
+        sample.trajectory_id = f"{sample.group_id}-{sample.index}"
+    return sample.trajectory_id
 
 
 def default_sampling_params(cfg: RolloutConfig) -> dict[str, Any]:
@@ -73,6 +100,7 @@ class RolloutRuntime:
         self.format = ModelFormat(tokenizer, cfg.model, cfg.rollout.tool_call_parser, cfg.rollout.reasoning_parser)
         self.capture: CaptureServer | None = None  # the agent gateway, started by the first session
         self._capture_lock = asyncio.Lock()
+        self.key = uuid.uuid4().hex[:8]  # this run's part of every routing key
 
     def chat_tokens(self, tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> ChatTokens:
         """The chat template in token space for a tool list; template kwargs over the run's."""
@@ -117,30 +145,59 @@ class RolloutContext:
     """One per call of the rollout function (and of a reward function) on one sample."""
 
     def __init__(self, runtime: RolloutRuntime, sample: Sample | None, sampling_params: dict[str, Any] | None = None,
-                 abort: asyncio.Event | None = None) -> None:  # fmt: skip
+                 abort: asyncio.Event | None = None, routing_key: str | None = None) -> None:  # fmt: skip
         self.runtime, self.sample = runtime, sample
         self.client, self.tokenizer, self.config = runtime.client, runtime.tokenizer, runtime.cfg
+        self.args: dict[str, Any] = runtime.cfg.rollout.args  # the plugin's own settings (`rollout.args`)
         self.sampling_params = {**runtime.sampling_params, **(sampling_params or {})}
         self._abort = abort  # set at the end of a rollout step: no new generate call is sent
         self._chat: ChatTokens | None = None
         self._messages: list[dict[str, Any]] = []  # the conversation ctx.chat has rendered so far
         self._last_token: int | None = None  # the model's last output id in the conversation
         self._session: str | None = None
+        self._hand_built = False  # tokens appended by the rollout function itself
+        self._siblings: list[RolloutContext] = []
+        self._routing_key = routing_key or (f"{runtime.key}-{sample.group_id}-{sample.index}" if sample is not None else None)
+
+    @property
+    def routing_key(self) -> str | None:
+        """Sent with every generate call of this sample (`X-SMG-Routing-Key`, as sglang-router
+        reads it): the router's `session` policy keeps a conversation on one engine's cache."""
+        return self._routing_key
 
     @property
     def resumable(self) -> bool:
-        """Whether an aborted sample can be continued by calling the rollout function again:
-        single-turn samples can; a conversation's state (ctx.chat, a gateway session) is not kept."""
-        return self._chat is None and self._session is None
+        """Whether an aborted sample can be continued by calling the rollout function again: a
+        sample built by `generate_sample` alone can; a conversation's state (ctx.chat, a gateway
+        session, turns appended by hand, siblings) lives in the function and is gone."""
+        return self._chat is None and self._session is None and not self._hand_built and not self._siblings
+
+    def new_sample(self, prompt: str | list[dict[str, Any]] | None = None) -> "RolloutContext":
+        """A sibling of this sample in the same trajectory (multi-agent fan-out: a planner and its
+        workers), with its own context: `generate_sample`, `chat`, `append_*` and the gateway as
+        here. Same group, label, metadata and trajectory id, so the trajectory counts once in its
+        group's baseline; return `[ctx.sample, sibling.sample, ...]` from the rollout function.
+        `prompt`: the sibling's own (text or messages), else this sample's."""
+        parent = self._need_sample("new_sample")
+        sibling = Sample(prompt=copy.deepcopy(parent.prompt if prompt is None else prompt), label=parent.label,
+                         group_id=parent.group_id, index=parent.index, trajectory_id=trajectory_of(parent),
+                         metadata=copy.deepcopy(parent.metadata))  # fmt: skip
+        key = f"{self._routing_key}.{len(self._siblings) + 1}"
+        ctx = RolloutContext(self.runtime, sibling, self.sampling_params, self._abort, routing_key=key)
+        self._siblings.append(ctx)
+        return ctx
 
     # ---- generation -------------------------------------------------------------------------
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None) -> GenerateResult:
-        """Native `/generate` on the router: token ids in, token ids and logprobs out."""
+        """Native `/generate` on the router: token ids in, token ids and logprobs out. The text
+        keeps a matched stop string (SGLang's `no_stop_trim`): ids are the truth, and text that
+        rollout code parses must say what the model emitted."""
         params = {**self.sampling_params, **(sampling_params or {})}
         if self._abort is not None and self._abort.is_set():
             return GenerateResult([], [], "", "abort", weight_version=-1, prompt_tokens=len(input_ids))  # nothing was asked
-        out = await self.client.generate(input_ids=list(input_ids), sampling_params=params, return_logprob=True)
+        params["no_stop_trim"] = True  # rollout code parses the text: a matched stop string stays in it
+        out = await self.client.generate(routing_key=self._routing_key, input_ids=list(input_ids), sampling_params=params, return_logprob=True)
         assert isinstance(out, GenerateResponse)
         return to_result(out)
 
@@ -157,7 +214,7 @@ class RolloutContext:
         if budget <= 0:
             sample.status = SampleStatus.TRUNCATED
             return sample
-        self.append_model(await self.generate(sample.tokens, {**params, "max_new_tokens": budget}))
+        self._record(await self.generate(sample.tokens, {**params, "max_new_tokens": budget}))
         return sample
 
     def prompt_ids(self, prompt: str | list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
@@ -199,7 +256,7 @@ class RolloutContext:
             params.setdefault("skip_special_tokens", False)
         prompt = list(sample.tokens)
         result = await self.generate(prompt, params)
-        self.append_model(result)
+        self._record(result)
         reply = fmt.reply(result.text, prompt, tools)
         self._messages = [*messages, reply.message()]
         self._last_token = result.output_ids[-1] if result.output_ids else None
@@ -209,13 +266,18 @@ class RolloutContext:
 
     def append_model(self, result: GenerateResult) -> None:
         """The engine's tokens (mask 1, its logprobs, its weight version); status from the finish reason."""
-        sample = self._need_sample("append_model")
-        sample.append_model(result.output_ids, result.logprobs, result.token_versions or result.weight_version)
-        sample.status = status_of(result.finish_reason)
+        self._hand_built = True
+        self._record(result, "append_model")
 
     def append_env(self, ids: list[int]) -> None:
         """Environment tokens (tool output, user turns): in context, mask 0."""
+        self._hand_built = True
         self._need_sample("append_env").append_env(list(ids))
+
+    def _record(self, result: GenerateResult, what: str = "generate") -> None:
+        sample = self._need_sample(what)
+        sample.append_model(result.output_ids, result.logprobs, result.token_versions or result.weight_version)
+        sample.status = status_of(result.finish_reason)
 
     # ---- agents on the gateway (OpenAI / Anthropic SDKs, black-box harnesses) ---------------
 
@@ -257,9 +319,12 @@ class RolloutContext:
         return self.runtime.capture.pop_samples(self._session, sample)
 
     def release(self) -> None:
-        """Forget a gateway session the rollout function never collected (it raised, or was cut off)."""
+        """Forget the gateway sessions (this sample's, its siblings') the rollout function never
+        collected (it raised, or was cut off)."""
         if self._session is not None and self.runtime.capture is not None and self.sample is not None:
             self.runtime.capture.pop_samples(self._session, self.sample)
+        for sibling in self._siblings:
+            sibling.release()
 
     def _need_sample(self, what: str) -> Sample:
         if self.sample is None:

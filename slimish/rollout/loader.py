@@ -1,23 +1,35 @@
-"""`--rollout-fn` / `--reward-fn` / `--filter-fn`: user functions named `module:function` or
-`path/to/file.py:function`, imported and checked before any server starts.
+"""User functions named `module:function` or `path/to/file.py:function` (the rollout, reward and
+filter functions and every hook), imported and checked before any server starts.
 
 A wrong path, a missing function, a plain `def` where `async def` is needed or a wrong number of
 parameters fails here, at start-up, with a message that says which and how to fix it, instead of
-as a failed sample an hour into a run.
+as a failed sample an hour into a run. A spec starting `slime:` names a function written in
+slime's signatures (`slimish.compat.slime` adapts it).
 
-Kinds and the shapes they must have:
-- rollout: `async def fn(ctx, sample) -> Sample | list[Sample]`
-- reward:  `async def fn(ctx, sample) -> float | dict[str, float]`, or the group form
+Kinds, the config value (or flag) that names each, and the shape it must have:
+- rollout (`--rollout-fn`): `async def fn(ctx, sample) -> Sample | list[Sample]`; marked with
+  `@resumable` (slimish.rollout.api) it continues a partial sample itself
+- reward (`--reward-fn`): `async def fn(ctx, sample) -> float | dict`, or the group form
   `@group_reward async def fn(ctx, samples) -> list[float | dict]` (the decorator, from
   `slimish.rollout.rewards`, is what marks it: a group reward sees the whole finished group)
-- filter:  `def fn(group) -> str | None` (or `async def`): None keeps the group, a string is
-  the reason it is dropped
-- credit:  `def fn(samples) -> list[float]` (`algorithm.segment_credit`): each sample's share
-  of its trajectory's advantage
+- filter (`--filter-fn`): `def fn(ctx, group) -> str | None` (or `async def`, or `fn(group)`): None
+  keeps the group, a string is the reason it is dropped
+- sample_hook (`rollout.sample_hook`): `async def fn(ctx, sample) -> None`, on every sample the
+  rollout function returned, before scoring
+- reward_post (`rollout.reward_post_fn`): `def fn(ctx, group) -> list[float | dict]` (or async):
+  a scored group's rewards replaced (e.g. a length penalty, a group-relative bonus)
+- credit (`algorithm.segment_credit`): `def fn(samples) -> list[float]`: each sample's share of its
+  trajectory's advantage
+- advantage (`algorithm.advantage`): `def fn(rewards, group) -> Tensor`: one advantage per
+  trajectory (`rewards` `[T]`, `group` `[T]` its group's index)
+- policy_loss (`algorithm.loss`): `def fn(logprobs, old_logprobs, advantages, mask) -> Tensor`:
+  the per-token policy loss `[B, T]` (reduced, clipped-ratio stats and KL as for built-in losses)
+- data (`data.source`): `def fn(cfg, split) -> Iterable[dict]`: prompt rows (`cfg` the data config)
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -25,6 +37,7 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -32,26 +45,45 @@ from typing import Any
 from slimish.config import RolloutConfig
 from slimish.rollout.rewards import is_group_reward
 
+SLIME_PREFIX = "slime:"
+
 
 class LoadError(ValueError):
     """A user function that cannot be used; the message names the flag, the spec and the fix."""
 
 
-# kind -> (flag, parameters, must be async)
-KINDS: dict[str, tuple[str, tuple[str, ...], bool]] = {
-    "rollout": ("--rollout-fn", ("ctx", "sample"), True),
-    "reward": ("--reward-fn", ("ctx", "sample"), True),
-    "group_reward": ("--reward-fn", ("ctx", "samples"), True),
-    "filter": ("--filter-fn", ("group",), False),
-    "credit": ("algorithm.segment_credit", ("samples",), False),
+@dataclass(frozen=True)
+class Kind:
+    flag: str  # the flag or config value that names it, for messages
+    shapes: tuple[tuple[str, ...], ...]  # the parameter lists it may take; the first is the one to write
+    must_be_async: bool = False
+
+
+KINDS: dict[str, Kind] = {
+    "rollout": Kind("--rollout-fn", (("ctx", "sample"),), True),
+    "reward": Kind("--reward-fn", (("ctx", "sample"),), True),
+    "group_reward": Kind("--reward-fn", (("ctx", "samples"),), True),
+    "filter": Kind("--filter-fn", (("ctx", "group"), ("group",))),
+    "sample_hook": Kind("rollout.sample_hook", (("ctx", "sample"),), True),
+    "reward_post": Kind("rollout.reward_post_fn", (("ctx", "group"),)),
+    "credit": Kind("algorithm.segment_credit", (("samples",),)),
+    "advantage": Kind("algorithm.advantage", (("rewards", "group"),)),
+    "policy_loss": Kind("algorithm.loss", (("logprobs", "old_logprobs", "advantages", "mask"),)),
+    "data": Kind("data.source", (("cfg", "split"),)),
 }
 
 
-def load_function(spec: str, kind: str) -> Callable[..., Any]:
-    """The function `spec` names, checked for `kind` ("rollout", "reward", "filter" or "credit")."""
-    if kind not in ("rollout", "reward", "filter", "credit"):
-        raise ValueError(f"kind must be rollout, reward, filter or credit, got {kind!r}")
-    flag = KINDS[kind][0]
+def load_function(spec: str, kind: str, flag: str | None = None) -> Callable[..., Any]:
+    """The function `spec` names, checked for `kind` (a key of KINDS but group_reward, which a
+    reward marked `@group_reward` is); `flag` names the config value in messages when it is not
+    the kind's usual one. A filter that takes only the group is given a `ctx` parameter."""
+    if kind not in KINDS or kind == "group_reward":
+        raise ValueError(f"kind must be one of {', '.join(k for k in KINDS if k != 'group_reward')}, got {kind!r}")
+    flag = flag or KINDS[kind].flag
+    if spec.startswith(SLIME_PREFIX):
+        from slimish.compat.slime import load_slime_function
+
+        return load_slime_function(spec[len(SLIME_PREFIX) :], kind, flag)
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name.isidentifier():
         raise LoadError(f"{flag} {spec!r}: expected `module:function` (e.g. rollout_plugins.math:rollout) or `path/to/file.py:function`")
@@ -64,7 +96,9 @@ def load_function(spec: str, kind: str) -> Callable[..., Any]:
         raise LoadError(f"{flag} {spec!r}: {name} is a {type(fn).__name__}, not a function")
     if kind == "reward" and is_group_reward(fn):
         kind = "group_reward"
-    _check_shape(flag, spec, name, fn, kind)
+    shape = check_shape(flag, spec, name, fn, KINDS[kind])
+    if kind == "filter" and shape == ("group",):
+        return _with_ctx(fn)
     return fn
 
 
@@ -75,19 +109,34 @@ def load_functions(cfg: RolloutConfig) -> tuple[Callable[..., Any], Callable[...
     return load_function(cfg.rollout_fn, "rollout"), reward, filter_fn
 
 
-def _check_shape(flag: str, spec: str, name: str, fn: Callable[..., Any], kind: str) -> None:
-    _, params, must_be_async = KINDS[kind]
-    want = f"{'async ' if must_be_async else ''}def {name}({', '.join(params)})"
-    if must_be_async and not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))):
+def load_optional(spec: str | None, kind: str) -> Callable[..., Any] | None:
+    return load_function(spec, kind) if spec else None
+
+
+def check_shape(flag: str, spec: str, name: str, fn: Callable[..., Any], kind: Kind) -> tuple[str, ...] | None:
+    """Which of the kind's parameter lists `fn` takes (None when it cannot be inspected)."""
+    want = f"{'async ' if kind.must_be_async else ''}def {name}({', '.join(kind.shapes[0])})"
+    if kind.must_be_async and not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))):
         raise LoadError(f"{flag} {spec!r}: {name} must be an async function (it is called with await); write `{want}`")
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
-        return  # builtins and C callables: nothing to check
-    try:
-        signature.bind(*params)
-    except TypeError:
-        raise LoadError(f"{flag} {spec!r}: {name}{signature} cannot be called with ({', '.join(params)}); write `{want}`") from None
+        return None  # builtins and C callables: nothing to check
+    for params in kind.shapes:
+        try:
+            signature.bind(*params)
+            return params
+        except TypeError:
+            continue
+    raise LoadError(f"{flag} {spec!r}: {name}{signature} cannot be called with ({', '.join(kind.shapes[0])}); write `{want}`") from None
+
+
+def _with_ctx(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(ctx: Any, group: Any) -> Any:
+        return fn(group)
+
+    return call
 
 
 def _import_module(flag: str, spec: str, where: str) -> ModuleType:

@@ -29,10 +29,13 @@ The end-of-step abort is engine-wide: do not run `evaluate` concurrently with th
 from __future__ import annotations
 
 import asyncio
-import logging
 import copy
 import inspect
+import logging
 import math
+import os
+import site
+import sys
 import time
 import traceback
 from collections import Counter, deque
@@ -42,9 +45,9 @@ from typing import Any
 
 from slimish.buffer import Buffer
 from slimish.client import ServerError
-from slimish.rollout.api import RolloutContext, RolloutRuntime
+from slimish.rollout.api import RolloutContext, RolloutRuntime, is_resumable, trajectory_of
 from slimish.rollout.data import PromptData
-from slimish.rollout.loader import load_functions
+from slimish.rollout.loader import load_function, load_functions
 from slimish.rollout.rewards import is_group_reward
 from slimish.types import Sample, SampleStatus
 
@@ -52,7 +55,7 @@ FINISHED = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
 COUNTERS = (
     "prompts_taken", "groups_kept", "groups_filtered", "groups_failed", "requeued",
     "completed", "truncated", "aborted", "failed", "filtered", "partial_resumed", "partial_stale",
-    "infra_failed", "forks", "realignments",
+    "infra_failed", "forks", "realignments", "groups_refilled", "retokenized_mismatch",
 )  # fmt: skip
 ABORT_RETRY_S = 1.0  # while leftovers are still running, the abort is re-sent this often (late arrivals)
 
@@ -61,6 +64,11 @@ log = logging.getLogger(__name__)
 
 class RolloutStalled(RuntimeError):
     """A step took `max_prompts_factor * rollout_batch_size` prompts and no group survived."""
+
+
+class RolloutFailing(RuntimeError):
+    """`rollout.max_consecutive_failures` groups in a row failed the same way: an error certain to
+    repeat, so the run stops instead of spending its prompts on it."""
 
 
 @dataclass
@@ -82,6 +90,9 @@ class RolloutManager:
         self.runtime, self.data, self.buffer = runtime, data, buffer
         self.cfg = runtime.cfg.rollout
         self.rollout_fn, self.reward_fn, self.filter_fn = rollout_fn, reward_fn, filter_fn
+        self.sample_hook = load_function(self.cfg.sample_hook, "sample_hook") if self.cfg.sample_hook else None
+        self.reward_post = load_function(self.cfg.reward_post_fn, "reward_post") if self.cfg.reward_post_fn else None
+        self._failing: tuple[tuple[str, ...], int] = ((), 0)  # the last failure's signature, groups in a row
         self.on_group = on_group  # called with every finished group: (group, None) kept, (group, reason) dropped
         self.semaphore = asyncio.Semaphore(self.cfg.max_concurrency)
         self.requeued: deque[_Prompt] = deque()
@@ -116,15 +127,34 @@ class RolloutManager:
                     tasks.add(asyncio.create_task(self._run_group(self._take(current_version), abort)))
                     taken += 1
                 if not tasks:  # the prompt cap is spent: train on what survived, if anything did
+                    kept += self._refill(need - kept)
                     if kept == 0:
                         raise RolloutStalled(self._stall_message(taken, kept))
-                    log.warning("rollout step: %s", self._stall_message(taken, kept))
+                    if kept < need:
+                        log.warning("rollout step: %s", self._stall_message(taken, kept))
                     break
                 done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 kept += sum(t.result() for t in done)
         finally:
             await self._stop(tasks, abort)
         return {**self._stats(self._step["kept"]), "groups_short": need - kept}
+
+    def _refill(self, n: int) -> int:
+        """`keep_when_insufficient`: the step's newest filtered groups (up to `n`) go into the
+        buffer after all (recorded again, as kept, marked `refilled`); how many did."""
+        if not self.cfg.keep_when_insufficient:
+            return 0
+        refill = self._step["filtered"][-n:] if n > 0 else []
+        for group, reason in refill:
+            self.counters["groups_filtered"] -= 1
+            self.counters["filtered"] -= len(group)
+            self.filter_reasons[reason] -= 1
+            self.counters["groups_refilled"] += 1
+            for s in group:
+                s.metadata.pop("dropped", None)
+                s.metadata["refilled"] = reason
+            self._keep(group)
+        return len(refill)
 
     # ---- async mode -------------------------------------------------------------------------
 
@@ -285,7 +315,7 @@ class RolloutManager:
                     reason = await self._filter(group)
                 except Exception as exc:
                     for s in group:
-                        _fail(s, f"filter fn: {_describe(exc)}")
+                        _fail(s, "filter fn", exc)
         except asyncio.CancelledError:
             self._requeue(_Prompt(prompt.group_id, prompt.row))
             raise
@@ -298,13 +328,17 @@ class RolloutManager:
         if reason is not None:
             self.filter_reasons[reason] += 1
             self.counters["filtered"] += len(group)
+            self._step["filtered"].append((group, reason))
             self._finish(group, "groups_filtered", reason)
             return False
+        self._keep(group)
+        return True
+
+    def _keep(self, group: list[Sample]) -> None:
         self.buffer.add(group)
         self._step["kept"].append(group)
         self._finish(group, "groups_kept", None)
         self._changed.set()
-        return True
 
     def _new_sample(self, prompt: _Prompt, index: int) -> Sample:
         row = prompt.row
@@ -333,24 +367,31 @@ class RolloutManager:
                 return [sample], True  # never started: stays pending
             ctx = RolloutContext(self.runtime, sample, sampling_params, abort)
             self._idle.enter()
+            phase = "rollout fn"
             try:
                 out = await self.rollout_fn(ctx, sample)
                 returned = [out] if isinstance(out, Sample) else out
                 if not isinstance(returned, list) or not returned or not all(isinstance(s, Sample) for s in returned):
                     raise TypeError(f"the rollout fn returned {_describe_value(out)}; expected a Sample or a non-empty list of Samples")
+                trajectory = trajectory_of(sample)
                 for s in returned:
-                    s.trajectory_id = s.trajectory_id or f"{sample.group_id}-{sample.index}"  # what one call returned
+                    s.trajectory_id = s.trajectory_id or trajectory  # what one call returned
                     if s.status == SampleStatus.PENDING:
                         raise ValueError(f"sample {s.group_id}/{s.index} came back pending: append model tokens with "
                                          "ctx.generate_sample / ctx.chat / ctx.append_model (they set the status)")  # fmt: skip
+                    s.response = self.runtime.tokenizer.decode(s.response_ids)
+                    if self.sample_hook is not None and s.status in FINISHED:
+                        phase = "sample hook"
+                        await self.sample_hook(RolloutContext(self.runtime, s, sampling_params), s)
+                        phase = "rollout fn"
                     s.check()
             except Exception as exc:
-                _fail(sample, f"rollout fn: {_describe(exc)}")
+                _fail(sample, phase, exc)
                 return [sample], False
             finally:
                 ctx.release()
                 self._idle.leave()
-            return returned, ctx.resumable
+            return returned, ctx.resumable or is_resumable(self.rollout_fn)
 
     def _leftover(self, prompt: _Prompt, results: list[tuple[list[Sample], bool]]) -> None:
         """A group cut off by the end-of-step abort: its prompt goes back to the front of the line,
@@ -385,10 +426,26 @@ class RolloutManager:
             if isinstance(capture, dict):
                 self.counters["forks"] += max(0, int(capture.get("segments", 1)) - 1)
                 self.counters["realignments"] += int(capture.get("realignments", 0))
+        self.counters["retokenized_mismatch"] += sum(int(s.metadata.get("retokenized_mismatch", 0)) for s in group)
         if outcome == "groups_failed":
             self._step["errors"].extend(f"{s.group_id}/{s.index}: {s.error}" for s in group if s.error)
         if self.on_group is not None:
             self.on_group(group, dropped)
+        self._count_failures(group if outcome == "groups_failed" else [])
+
+    def _count_failures(self, group: list[Sample]) -> None:
+        """Stop the run when `max_consecutive_failures` groups in a row failed the same way (the
+        same function, exception type and place): that error will not go away by itself."""
+        failed = next((s for s in group if s.status == SampleStatus.FAILED), None)
+        signature = _signature(failed) if failed is not None else ()
+        last, count = self._failing
+        count = count + 1 if signature and signature == last else int(bool(signature))
+        self._failing = (signature, count)
+        limit = self.cfg.max_consecutive_failures
+        if limit and count >= limit:
+            assert failed is not None
+            raise RolloutFailing(f"{count} groups in a row failed the same way (rollout.max_consecutive_failures={limit}): "
+                                 f"{failed.error}. Fix it (at {failed.metadata.get('error_at', 'unknown place')}) and resume with --resume auto")  # fmt: skip
 
     async def _score(self, group: list[Sample]) -> None:
         """Rewards for a finished group, one per trajectory: a reward fn scores each trajectory's
@@ -410,14 +467,14 @@ class RolloutManager:
                     s.reward = _reward(r)
             except Exception as exc:
                 for s in group:
-                    _fail(s, f"reward fn: {_describe(exc)}")
+                    _fail(s, "reward fn", exc)
         else:
 
             async def one(s: Sample) -> None:
                 try:
                     s.reward = _reward(await self.reward_fn(RolloutContext(self.runtime, s), s))  # type: ignore[misc]
                 except Exception as exc:
-                    _fail(s, f"reward fn: {_describe(exc)}")
+                    _fail(s, "reward fn", exc)
 
             await asyncio.gather(*(one(s) for s in lasts))
         for samples in by_trajectory.values():
@@ -426,17 +483,37 @@ class RolloutManager:
                 try:
                     last.reward_value(key)
                 except ValueError as exc:
-                    _fail(last, str(exc))
+                    _fail(last, "reward", exc)
             for s in samples[:-1]:
                 if last.status == SampleStatus.FAILED:
-                    _fail(s, last.error or "its trajectory failed")
+                    s.status, s.error = SampleStatus.FAILED, last.error
+                    s.metadata["error_at"] = last.metadata.get("error_at")
                 else:
                     s.reward = copy.deepcopy(last.reward)
+        if self.reward_post is not None and not any(s.status == SampleStatus.FAILED for s in group):
+            await self._post_process(group)
+
+    async def _post_process(self, group: list[Sample]) -> None:
+        """`rollout.reward_post_fn` over a scored group: its list replaces the rewards (each
+        sample's own is kept as `metadata["raw_reward"]`)."""
+        try:
+            rewards = self.reward_post(RolloutContext(self.runtime, None), group)  # type: ignore[misc]
+            if inspect.isawaitable(rewards):
+                rewards = await rewards
+            if not isinstance(rewards, list) or len(rewards) != len(group):
+                raise TypeError(f"the reward post-process returned {_describe_value(rewards)}; expected a list of {len(group)} rewards")
+            for s, r in zip(group, rewards):
+                s.metadata["raw_reward"] = s.reward
+                s.reward = _reward(r)
+                s.reward_value(self.cfg.reward_key)
+        except Exception as exc:
+            for s in group:
+                _fail(s, "reward post-process", exc)
 
     async def _filter(self, group: list[Sample]) -> str | None:
         if self.filter_fn is None:
             return None
-        reason = self.filter_fn(group)
+        reason = self.filter_fn(RolloutContext(self.runtime, None), group)
         if inspect.isawaitable(reason):
             reason = await reason
         if reason is not None and not isinstance(reason, str):
@@ -475,7 +552,7 @@ class RolloutManager:
     def _mark(self) -> None:
         """Start the interval the next stats describe."""
         self._since = (time.perf_counter(), Counter(self.counters), Counter(self.filter_reasons))
-        self._step: dict[str, Any] = {"kept": [], "samples": 0, "errors": []}
+        self._step: dict[str, Any] = {"kept": [], "filtered": [], "samples": 0, "errors": []}
 
     def _stats(self, kept_groups: list[list[Sample]]) -> dict[str, Any]:
         """Counts since `_mark`; reward and length over `kept_groups` (the batch)."""
@@ -577,23 +654,46 @@ def trajectories(group: list[Sample]) -> dict[str | None, list[Sample]]:
     return out
 
 
-def _fail(sample: Sample, error: str) -> None:
-    sample.status, sample.error = SampleStatus.FAILED, error
+def _fail(sample: Sample, phase: str, exc: BaseException | None = None) -> None:
+    """Mark failed: `phase: Type: message (at file:line in function)`, the place also as
+    `metadata["error_at"]` (the user's frame: see `_user_frame`); just `phase` without `exc`."""
+    sample.status = SampleStatus.FAILED
+    if exc is None:
+        sample.error = phase
+        return
+    frame = _user_frame(exc)
+    where = f"{frame.filename}:{frame.lineno}" if frame else None
+    sample.error = f"{phase}: {type(exc).__name__}: {exc}" + (f" (at {where} in {frame.name})" if frame else "")
+    sample.metadata["error_at"] = where
 
 
-def _reward(value: Any) -> float | dict[str, float]:
-    if isinstance(value, dict) and all(isinstance(v, (int, float)) for v in value.values()):
-        return {k: float(v) for k, v in value.items()}
+def _signature(sample: Sample) -> tuple[str, ...]:
+    """What makes two failures "the same": the phase and exception type (the error's first two
+    fields) and the place."""
+    phase, _, rest = (sample.error or "").partition(": ")
+    return (phase, rest.partition(":")[0], str(sample.metadata.get("error_at")))
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame in the user's code (not slimish's, not an installed library's), where
+    their function raised or called what raised; the innermost frame when there is none."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = (os.path.dirname(os.path.dirname(__file__)) + os.sep, sys.prefix, sys.base_prefix, *site.getsitepackages())
+    for frame in reversed(frames):
+        if not frame.filename.startswith(ours) and not frame.filename.startswith("<"):
+            return frame
+    return frames[-1] if frames else None
+
+
+def _reward(value: Any) -> float | dict[str, Any]:
+    """A reward as returned: a number, or a dict of named values; in a dict, numbers become
+    floats and other JSON values (a parsed answer, a flag) are kept as they are: they are
+    logged with the sample, and `rollout.reward_key` must name a numeric one."""
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for k, v in value.items()}
     if isinstance(value, (int, float)):
         return float(value)
-    raise TypeError(f"the reward fn returned {_describe_value(value)}; expected a float or a dict of floats")
-
-
-def _describe(exc: BaseException) -> str:
-    """`Type: message (at file:line in function)`: the innermost frame, where it was raised."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
-    return f"{type(exc).__name__}: {exc}{where}"
+    raise TypeError(f"the reward fn returned {_describe_value(value)}; expected a float or a dict with string keys")
 
 
 def _describe_value(value: Any) -> str:
