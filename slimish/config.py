@@ -304,8 +304,11 @@ class LaunchConfig:
 
 @dataclass
 class DataConfig:
-    """Prompts: a JSONL / Parquet file, a local `datasets` directory, or `task:NAME` (built-in)."""
+    """Prompts: a JSONL / Parquet file, a local `datasets` directory, `task:NAME` (built-in), or a function."""
 
+    # a .jsonl / .parquet file, a `datasets` directory, task:NAME, or module:function,
+    # `fn(cfg: DataConfig, split: str) -> Iterable[dict]`: rows as in a JSONL file, called once
+    # per split (train; test for eval.source); it must return the same rows every time (resume)
     source: str = MISSING
     prompt_key: str = "prompt"  # a string (text) or a list of messages (chat)
     label_key: str | None = "label"  # None: rows carry no label (e.g. a reward model scores them)
@@ -402,9 +405,16 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 class AlgorithmConfig:
     """Advantages and losses (slimish/trainer/algorithms.py has the formulas and the reasons)."""
 
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gspo (= grpo)
+    # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gspo (= grpo), or module:function,
+    # `fn(rewards: Tensor[T], group: Tensor[T]) -> Tensor[T]`: one advantage per trajectory
+    # (`rewards` per trajectory, `group` its group's index), in place of the built-in estimators
+    advantage: str = "grpo"
     advantage_eps: float = 1e-6  # added to the std in grpo / reinforce_pp (TRL uses 1e-4)
-    loss: str = "ppo"  # ppo (token ratio) | gspo (sequence ratio)
+    # ppo (token ratio) | gspo (sequence ratio), or module:function, `fn(logprobs, old_logprobs,
+    # advantages, mask) -> Tensor[B, T]`: the per-token policy loss (all inputs [B, T]), in place
+    # of the clipped surrogate; reduction, KL, entropy and TIS apply to it as to the built-ins
+    loss: str = "ppo"
+
     eps_clip: float = 0.2
     eps_clip_high: float | None = None  # DAPO clip-higher (e.g. 0.28); None: eps_clip
     dual_clip_c: float | None = None  # dual clip for negative advantages (e.g. 3.0); must be > 1
@@ -430,6 +440,10 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         choices = {"advantage": ADVANTAGES, "loss": LOSSES, "loss_reduction": LOSS_REDUCTIONS, "kl_estimator": KL_ESTIMATORS}
         for name, allowed in choices.items():
+            if name in ("advantage", "loss"):
+                if ":" in getattr(self, name):
+                    continue  # module:function, loaded and checked when the trainer starts
+                allowed = (*allowed, "module:function")
             one_of(f"algorithm.{name}", getattr(self, name), allowed)
         if self.segment_credit not in SEGMENT_CREDITS and ":" not in self.segment_credit:
             raise ValueError(f"algorithm.segment_credit must be one of {', '.join(SEGMENT_CREDITS)} or module:function, "
@@ -533,17 +547,41 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalDataset:
+    """One held-out dataset of `eval.datasets`; a field left null takes the `eval` section's value
+    (sampling: `eval.temperature`, the rest of `rollout`'s)."""
+
+    name: str = MISSING  # metrics are eval/NAME/...
+    source: str = MISSING  # as eval.source
+    rollout_fn: str | None = None  # None: rollout.rollout_fn
+    reward_fn: str | None = None  # None: rollout.reward_fn
+    n_prompts: int | None = None
+    n_samples_per_prompt: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_new_tokens: int | None = None
+
+
+@dataclass
 class EvalConfig:
-    """Evaluation on held-out prompts, all of it here."""
+    """Evaluation on held-out prompts, all of it here: `source` is one dataset (metrics eval/...),
+    `datasets` any number more (eval/NAME/...). Each reports reward, accuracy (reward >= 1),
+    pass@k for k = 1, 2, 4, ... up to n_samples_per_prompt, and mean@n (mean accuracy)."""
 
     every: int = 5  # steps; 0 = never
     source: str | None = None  # held-out prompts; `task:NAME` uses the task's held-out split
     n_prompts: int = 64
     n_samples_per_prompt: int = 1
     temperature: float = 0.0
+    datasets: list[EvalDataset] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        at_least(1, self, "eval.", "n_samples_per_prompt")
+        at_least(1, self, "eval.", "n_samples_per_prompt", "n_prompts")
+        names = [d.name for d in self.datasets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval.datasets: names must be unique, got {names}")
+        for i, d in enumerate(self.datasets):
+            at_least(1, d, f"eval.datasets[{i}].", "n_prompts", "n_samples_per_prompt", "max_new_tokens")
 
 
 @dataclass
@@ -613,7 +651,7 @@ def load_run_config(path: str | None, overrides: list[str] = (), **named: Any) -
             if value is not None:
                 OmegaConf.update(cfg, key, value, merge=True)
         return OmegaConf.to_object(cfg)  # type: ignore[return-value]
-    except (ValueError, OmegaConfBaseException, FileNotFoundError) as exc:
+    except (ValueError, TypeError, OmegaConfBaseException, FileNotFoundError) as exc:
         raise SystemExit(f"bad config{f' {path}' if path else ''}: {exc}") from None
 
 

@@ -39,8 +39,10 @@ from slimish.launch import Servers, start_servers
 from slimish.loop_thread import LoopThread
 from slimish.metrics import RunLog
 from slimish.rollout.api import RolloutRuntime
-from slimish.rollout.data import PromptData, eval_rows
-from slimish.rollout.manager import RolloutManager
+from slimish.rollout.data import PromptData
+from slimish.rollout.evaluation import eval_sets
+from slimish.rollout.loader import LoadError, load_functions
+from slimish.rollout.manager import RolloutFailing, RolloutManager, RolloutStalled
 from slimish.trainer import checkpoint, make_trainer
 from slimish.trainer.base import Trainer
 from slimish.trainer.sft import sft_batches
@@ -76,7 +78,7 @@ class Driver:
         self.runtime = self.loop.run(RolloutRuntime.create(cfg, servers.router_url))
         stack.callback(lambda: self.loop.run(self.runtime.close()))
         self.manager = RolloutManager.from_config(self.runtime, PromptData(cfg.data), Buffer(Staleness.of(cfg.buffer)))
-        self.eval_rows = eval_rows(cfg.eval, cfg.data)
+        self.eval_sets = eval_sets(cfg, self.manager.rollout_fn, self.manager.reward_fn)
         self.servers = servers
         self.sync = WeightSync(cfg.weight_sync, servers.engine_urls, cfg.launch.api_key)
         stack.callback(lambda: self.sync.close())  # the one in use then: a restart replaces it
@@ -113,10 +115,10 @@ class Driver:
         return {"time/weight_push": pushed["seconds"], "launch/engines_restarted": float(len(restarted))}
 
     def evaluate(self) -> dict[str, float]:
-        if not self.eval_rows:
-            return {}
-        results = self.loop.run(self.manager.evaluate(self.eval_rows))
-        return {f"eval/{k.removesuffix('_mean')}": v for k, v in results.items()}
+        metrics: dict[str, float] = {}
+        for eval_set in self.eval_sets:
+            metrics.update(self.loop.run(self.manager.evaluate(eval_set)))
+        return metrics
 
     def record_trained(self, step: int, groups: list[list[Sample]]) -> None:
         """Which prompts this step trained on, and the weight versions of the tokens it trained
@@ -296,15 +298,24 @@ def run(args: argparse.Namespace) -> int:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.trainer.nproc}",
                 "-m", "slimish.train", *sys.argv[2:]]  # fmt: skip
         os.execv(sys.executable, argv)
-    train(cfg)
+    return checked_train(cfg)
+
+
+def checked_train(cfg: RunConfig) -> int:
+    """`train`, with the user's functions checked before any server starts, and a run stopped by
+    them (stalled, or failing the same way again and again) ending on its reason, not a traceback."""
+    try:
+        load_functions(cfg.rollout)
+        train(cfg)
+    except (LoadError, RolloutStalled, RolloutFailing) as exc:
+        raise SystemExit(f"slimish train: {exc}") from None
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m slimish.train", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    train(config_of(parser.parse_args(argv)))
-    return 0
+    return checked_train(config_of(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -186,3 +186,11 @@ class Sample:
         d["status"] = SampleStatus(d.get("status", "pending"))
         d["weight_versions"] = [version_number(v) if isinstance(v, str) else v for v in d.get("weight_versions", [])]  # saved as strings before
         return cls(**d)
+
+
+def trajectories(group: list[Sample]) -> dict[str | None, list[Sample]]:
+    """A group's samples by trajectory, in the order they came."""
+    out: dict[str | None, list[Sample]] = {}
+    for s in group:
+        out.setdefault(s.trajectory_id, []).append(s)
+    return out

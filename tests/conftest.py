@@ -268,3 +268,36 @@ def running_engines(model_dir: Path, factory: pytest.TempPathFactory, n: int = 2
         for p in procs:
             p.stop()
 
+
+def make_cfg(model: Path, source: str, *overrides: str):
+    """A rollout-test RunConfig: in stream order, no filter, 8 new tokens, then `overrides`."""
+    from slimish.config import load_run_config
+
+    base = [f"model={model}", f"data.source={source}", "data.shuffle=false", "rollout.filter_fn=null", "rollout.max_new_tokens=8"]
+    return load_run_config(None, [*base, *overrides])
+
+
+def run_manager(cfg, router: str, rollout_fn, body, reward_fn=None, filter_fn=None, **hooks):
+    """`body(manager)` on a fresh runtime, data stream and buffer, on a fresh event loop."""
+    import asyncio
+
+    from slimish.buffer import Buffer, Staleness
+    from slimish.rollout.api import RolloutRuntime
+    from slimish.rollout.data import PromptData
+    from slimish.rollout.manager import RolloutManager
+
+    async def main():
+        runtime = await RolloutRuntime.create(cfg, router)
+        try:
+            buffer = Buffer(Staleness.of(cfg.buffer))
+            return await body(RolloutManager(runtime, PromptData(cfg.data), buffer, rollout_fn, reward_fn, filter_fn, **hooks))
+        finally:
+            await runtime.close()
+
+    return asyncio.run(main())
+
+
+def accounted(m) -> bool:
+    """Every prompt taken is kept, filtered, failed or requeued."""
+    c = m.counters
+    return c["prompts_taken"] == c["groups_kept"] + c["groups_filtered"] + c["groups_failed"] + len(m.requeued)

@@ -15,13 +15,12 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from slimish.buffer import Buffer, Staleness
+from conftest import accounted, make_cfg, run_manager
 from slimish.client import Client
-from slimish.config import LaunchConfig, RunConfig, load_run_config
+from slimish.config import LaunchConfig
 from slimish.launch.local import Servers, local_servers
-from slimish.rollout.api import RolloutRuntime
 from slimish.formats.model import ModelFormat
-from slimish.rollout.data import PromptData, eval_rows
+from slimish.rollout.evaluation import eval_sets
 from slimish.rollout.filters import nonzero_std
 from slimish.rollout.manager import RolloutManager, RolloutStalled
 from slimish.protocol import DEFAULT_WEIGHT_VERSION
@@ -41,30 +40,6 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "label": str(2 * i)}) + "\n" for i in range(10)))
     return str(path)
-
-
-def make_cfg(model: Path, source: str, *overrides: str) -> RunConfig:
-    base = [f"model={model}", f"data.source={source}", "data.shuffle=false", "rollout.filter_fn=null", "rollout.max_new_tokens=8"]
-    return load_run_config(None, [*base, *overrides])
-
-
-def run_manager(cfg: RunConfig, router: str, rollout_fn: Any, body: Any, reward_fn: Any = None, filter_fn: Any = None) -> Any:
-    """`body(manager)` on a fresh runtime, data stream and buffer, on a fresh event loop."""
-
-    async def main() -> Any:
-        runtime = await RolloutRuntime.create(cfg, router)
-        try:
-            manager = RolloutManager(runtime, PromptData(cfg.data), Buffer(Staleness.of(cfg.buffer)), rollout_fn, reward_fn, filter_fn)
-            return await body(manager)
-        finally:
-            await runtime.close()
-
-    return asyncio.run(main())
-
-
-def accounted(m: RolloutManager) -> bool:
-    c = m.counters
-    return c["prompts_taken"] == c["groups_kept"] + c["groups_filtered"] + c["groups_failed"] + len(m.requeued)
 
 
 async def greedy(url: str, ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
@@ -360,7 +335,6 @@ async def record_temperature(ctx, sample):
 
 def test_evaluate_uses_the_eval_temperature(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
     cfg = make_cfg(tiny_model_dir, "task:add", "data.task_size=20", "eval.source=task:add", "eval.n_samples_per_prompt=2", "eval.n_prompts=3")
-    rows = eval_rows(cfg.eval, cfg.data)
     seen: list[Sample] = []
 
     async def judge(ctx, sample):
@@ -368,11 +342,13 @@ def test_evaluate_uses_the_eval_temperature(servers: Servers, tiny_model_dir: Pa
         return 1.0 if sample.index == 0 else 0.0
 
     async def body(m: RolloutManager) -> Any:
-        return await m.evaluate(rows), m
+        (only,) = eval_sets(cfg, m.rollout_fn, m.reward_fn)
+        return await m.evaluate(only), m
 
     result, m = run_manager(cfg, servers.router_url, record_temperature, body, judge)
-    assert result["samples"] == 6 and result["failed"] == 0 and result["reward_mean"] == 0.5 and result["accuracy"] == 0.5
-    assert 0 < result["response_length_mean"] <= 8
+    assert result["eval/samples"] == 6 and result["eval/failed"] == 0 and result["eval/reward"] == 0.5 and result["eval/accuracy"] == 0.5
+    assert (result["eval/pass@1"], result["eval/pass@2"], result["eval/mean@2"]) == (0.5, 1.0, 0.5)  # one of two right per prompt
+    assert 0 < result["eval/response_length"] <= 8
     assert {s.metadata["temperature"] for s in seen} == {0.0} and all(s.metadata["eval"] for s in seen)
     by_row = {}
     for s in seen:  # greedy: both samples of a prompt are the same tokens

@@ -46,12 +46,12 @@ def run(args: argparse.Namespace) -> int:
     except (LoadError, ValueError) as exc:
         raise SystemExit(str(exc)) from None
     steps = cfg.steps if args.steps is None else args.steps
-    from slimish.rollout.manager import RolloutStalled  # torch and transformers: only once the checks passed
+    from slimish.rollout.manager import RolloutFailing, RolloutStalled  # torch and transformers: only once the checks passed
 
     with start_servers(cfg.launch, cfg.model, Path(cfg.run_dir) / "logs") as servers:
         try:
             asyncio.run(_rollout(cfg, servers.router_url, fns, data, steps, Path(args.out)))
-        except RolloutStalled as exc:
+        except (RolloutStalled, RolloutFailing) as exc:
             raise SystemExit(f"slimish rollout: {exc}") from None
     return 0
 

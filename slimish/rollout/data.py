@@ -1,4 +1,7 @@
-"""Prompt datasets: a JSONL or Parquet file, a local `datasets` directory, or a built-in `task:NAME`.
+"""Prompt datasets: a JSONL or Parquet file, a local `datasets` directory, a built-in `task:NAME`,
+or a function `module:function` (`def fn(cfg: DataConfig, split: str) -> Iterable[dict]`: its
+rows are read as a JSONL file's; called once per split, the list it yields is the dataset, so it
+must yield the same rows every time for a resumed run to continue where it stopped).
 
 Every row becomes `{"prompt", "label", "metadata"}`: the prompt is text, or chat messages when
 `apply_chat_template` is on (a text prompt becomes one user message, after `system_prompt`);
@@ -14,32 +17,68 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from slimish.config import DataConfig, EvalConfig
+from slimish.config import DataConfig
 
 TASK_PREFIX = "task:"
 
 
-def load_rows(source: str, cfg: DataConfig, split: str = "train") -> list[dict[str, Any]]:
-    """All rows of `source`, normalised; `split` picks a built-in task's split or a DatasetDict's."""
+def is_function_source(source: str) -> bool:
+    """A `module:function` (or `path/to/file.py:function`) source: it has a ':', is not
+    `task:NAME` and names no existing file or directory."""
+    return ":" in source and not source.startswith(TASK_PREFIX) and not Path(source).expanduser().exists()
+
+
+def load_rows(source: str, cfg: DataConfig, split: str = "train", flag: str | None = None) -> list[dict[str, Any]]:
+    """All rows of `source`, normalised; `split` picks a built-in task's split, a DatasetDict's,
+    or is passed to a function source. `flag` names the config value in a function source's
+    messages (default: eval.source for the test split, else data.source)."""
     if source.startswith(TASK_PREFIX):
         from slimish.rollout.tasks import get_task
 
         name = source[len(TASK_PREFIX) :]
         raw = get_task(name).make(split, cfg.task_size, cfg.seed)
-        return [_row(r, i, source, "prompt", "label", cfg) for i, r in enumerate(raw)]
-    raw = _read(source, split)
+        return [_row(r, i, f"data source {source}", "prompt", "label", cfg) for i, r in enumerate(raw)]
+    if is_function_source(source):
+        flag = flag or ("eval.source" if split == "test" else "data.source")
+        where = f"{flag} {source!r}"
+        raw = _call(source, cfg, split, flag, where)
+    else:
+        where = f"data source {source}"
+        raw = _read(source, split)
     if not raw:
-        raise ValueError(f"data source {source}: no rows")
-    return [_row(r, i, source, cfg.prompt_key, cfg.label_key, cfg) for i, r in enumerate(raw)]
+        raise ValueError(f"{where}: no rows")
+    return [_row(r, i, where, cfg.prompt_key, cfg.label_key, cfg) for i, r in enumerate(raw)]
+
+
+def _call(source: str, cfg: DataConfig, split: str, flag: str, where: str) -> list[Any]:
+    """The rows a function source yields for `split`, loaded (and its signature checked) now;
+    each must be what a JSONL line holds (a JSON object), since rows are saved and logged."""
+    from slimish.rollout.loader import load_function  # here: the loader imports the rollout side
+
+    out = load_function(source, "data", flag)(cfg, split)
+    if isinstance(out, (str, bytes, Mapping)) or not isinstance(out, Iterable):
+        raise ValueError(f"{where}: returned a {type(out).__name__}; it must return (or yield) rows, an iterable of dicts "
+                         "as a JSONL file's lines hold")  # fmt: skip
+    rows = list(out)
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: row {i} is a {type(row).__name__}, expected a dict")
+        try:
+            json.dumps(row)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: row {i} is not a JSON value (rows are saved and logged as JSON): {exc}") from None
+    return rows
 
 
 def _read(source: str, split: str) -> list[dict[str, Any]]:
     path = Path(source).expanduser()
     if not path.exists():
-        raise ValueError(f"data source {source}: no such file or directory (expected a .jsonl / .parquet file, a local `datasets` directory, or task:NAME)")
+        raise ValueError(f"data source {source}: no such file or directory (expected a .jsonl / .parquet file, a local `datasets` directory, "
+                         "task:NAME, or module:function)")
     if path.is_dir():
         return _read_datasets_dir(path, split)
     if path.suffix == ".jsonl":
@@ -75,14 +114,15 @@ def _read_datasets_dir(path: Path, split: str) -> list[dict[str, Any]]:
     return ds.to_list()
 
 
-def _row(raw: dict[str, Any], i: int, source: str, prompt_key: str, label_key: str | None, cfg: DataConfig) -> dict[str, Any]:
+def _row(raw: dict[str, Any], i: int, where: str, prompt_key: str, label_key: str | None, cfg: DataConfig) -> dict[str, Any]:
+    """One row normalised; `where` names its source in messages."""
     if not isinstance(raw, dict):
-        raise ValueError(f"data source {source}: row {i} is a {type(raw).__name__}, expected an object")
+        raise ValueError(f"{where}: row {i} is a {type(raw).__name__}, expected an object")
     if prompt_key not in raw:
-        raise ValueError(f"data source {source}: row {i} has no {prompt_key!r} (keys: {', '.join(raw)}); set data.prompt_key")
+        raise ValueError(f"{where}: row {i} has no {prompt_key!r} (keys: {', '.join(raw)}); set data.prompt_key")
     if label_key is not None and label_key not in raw:
-        raise ValueError(f"data source {source}: row {i} has no {label_key!r} (keys: {', '.join(raw)}); set data.label_key (null for none)")
-    prompt = _prompt(raw[prompt_key], f"data source {source}: row {i} {prompt_key!r}", cfg)
+        raise ValueError(f"{where}: row {i} has no {label_key!r} (keys: {', '.join(raw)}); set data.label_key (null for none)")
+    prompt = _prompt(raw[prompt_key], f"{where}: row {i} {prompt_key!r}", cfg)
     metadata = {k: v for k, v in raw.items() if k not in (prompt_key, label_key)}
     metadata["row_id"] = i
     return {"prompt": prompt, "label": raw[label_key] if label_key is not None else None, "metadata": metadata}
@@ -136,11 +176,3 @@ class PromptData:
                              "resume with the same data.source and data.task_size")  # fmt: skip
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._epoch_order(self.epoch)
-
-
-def eval_rows(cfg: EvalConfig, data: DataConfig) -> list[dict[str, Any]]:
-    """The first `eval.n_prompts` held-out rows (`eval.source`; a `task:NAME` gives its test
-    split), read as `data` says; none without a source."""
-    if cfg.source is None:
-        return []
-    return load_rows(cfg.source, data, "test")[: cfg.n_prompts]

@@ -21,10 +21,20 @@ Kinds, the config value (or flag) that names each, and the shape it must have:
 - credit (`algorithm.segment_credit`): `def fn(samples) -> list[float]`: each sample's share of its
   trajectory's advantage
 - advantage (`algorithm.advantage`): `def fn(rewards, group) -> Tensor`: one advantage per
-  trajectory (`rewards` `[T]`, `group` `[T]` its group's index)
+  trajectory `[T]`, in place of the built-in estimators (`rewards` `[T]` float32, a trajectory's
+  reward after any KL-in-reward; `group` `[T]` int64, its group's index 0..G-1); it gets no
+  gradient; a wrong shape or dtype, or a non-finite value, fails the step naming the key
 - policy_loss (`algorithm.loss`): `def fn(logprobs, old_logprobs, advantages, mask) -> Tensor`:
-  the per-token policy loss `[B, T]` (reduced, clipped-ratio stats and KL as for built-in losses)
-- data (`data.source`): `def fn(cfg, split) -> Iterable[dict]`: prompt rows (`cfg` the data config)
+  the per-token policy loss `[B, T]`, in place of the clipped surrogate; every input is `[B, T]`
+  (`advantages` the sample's advantage at each of its tokens, `mask` 1.0 where trained, and
+  `logprobs` equal to `old_logprobs` where it is 0). Masked, TIS-weighted, reduced by
+  `algorithm.loss_reduction`, plus the KL and entropy terms as for the built-in losses; its
+  clip_* stats are 0 and its ratio stat is the token ratio
+- data (`data.source`, `eval.source`): `def fn(cfg, split) -> Iterable[dict]`: prompt rows, each
+  as a JSONL line would hold it (read with `data.prompt_key` / `label_key`); `cfg` the data
+  config, `split` train (or test for evaluation). Called once per split: the list it yields is
+  the dataset, so it must be deterministic (a resumed run's cursor indexes into it). A value
+  with ':' that is not `task:NAME` and not an existing path is a function
 """
 
 from __future__ import annotations
@@ -102,15 +112,12 @@ def load_function(spec: str, kind: str, flag: str | None = None) -> Callable[...
     return fn
 
 
-def load_functions(cfg: RolloutConfig) -> tuple[Callable[..., Any], Callable[..., Any] | None, Callable[..., Any] | None]:
-    """The rollout, reward and filter functions `cfg` names (reward and filter may be None)."""
-    reward = load_function(cfg.reward_fn, "reward") if cfg.reward_fn else None
-    filter_fn = load_function(cfg.filter_fn, "filter") if cfg.filter_fn else None
-    return load_function(cfg.rollout_fn, "rollout"), reward, filter_fn
-
-
-def load_optional(spec: str | None, kind: str) -> Callable[..., Any] | None:
-    return load_function(spec, kind) if spec else None
+def load_functions(cfg: RolloutConfig) -> tuple[Callable[..., Any], *tuple[Callable[..., Any] | None, ...]]:
+    """The rollout function and the optional ones `cfg` names, in `RolloutManager`'s order:
+    rollout, reward, filter, sample hook, reward post-process (None where not set)."""
+    optional = (("reward_fn", "reward"), ("filter_fn", "filter"), ("sample_hook", "sample_hook"), ("reward_post_fn", "reward_post"))
+    return load_function(cfg.rollout_fn, "rollout"), *(load_function(getattr(cfg, key), kind) if getattr(cfg, key) else None
+                                                        for key, kind in optional)  # fmt: skip
 
 
 def check_shape(flag: str, spec: str, name: str, fn: Callable[..., Any], kind: Kind) -> tuple[str, ...] | None:

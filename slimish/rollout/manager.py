@@ -47,9 +47,10 @@ from slimish.buffer import Buffer
 from slimish.client import ServerError
 from slimish.rollout.api import RolloutContext, RolloutRuntime, is_resumable, trajectory_of
 from slimish.rollout.data import PromptData
-from slimish.rollout.loader import load_function, load_functions
+from slimish.rollout.evaluation import EvalSet, mean, summarize
+from slimish.rollout.loader import load_functions
 from slimish.rollout.rewards import is_group_reward
-from slimish.types import Sample, SampleStatus
+from slimish.types import Sample, SampleStatus, trajectories
 
 FINISHED = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
 COUNTERS = (
@@ -86,12 +87,12 @@ GroupCallback = Callable[[list[Sample], "str | None"], None]
 class RolloutManager:
     def __init__(self, runtime: RolloutRuntime, data: PromptData, buffer: Buffer, rollout_fn: Callable[..., Any],
                  reward_fn: Callable[..., Any] | None = None, filter_fn: Callable[..., Any] | None = None,
+                 sample_hook: Callable[..., Any] | None = None, reward_post: Callable[..., Any] | None = None,
                  on_group: GroupCallback | None = None) -> None:  # fmt: skip
         self.runtime, self.data, self.buffer = runtime, data, buffer
         self.cfg = runtime.cfg.rollout
         self.rollout_fn, self.reward_fn, self.filter_fn = rollout_fn, reward_fn, filter_fn
-        self.sample_hook = load_function(self.cfg.sample_hook, "sample_hook") if self.cfg.sample_hook else None
-        self.reward_post = load_function(self.cfg.reward_post_fn, "reward_post") if self.cfg.reward_post_fn else None
+        self.sample_hook, self.reward_post = sample_hook, reward_post
         self._failing: tuple[tuple[str, ...], int] = ((), 0)  # the last failure's signature, groups in a row
         self.on_group = on_group  # called with every finished group: (group, None) kept, (group, reason) dropped
         self.semaphore = asyncio.Semaphore(self.cfg.max_concurrency)
@@ -146,14 +147,14 @@ class RolloutManager:
             return 0
         refill = self._step["filtered"][-n:] if n > 0 else []
         for group, reason in refill:
-            self.counters["groups_filtered"] -= 1
-            self.counters["filtered"] -= len(group)
+            self.counters.subtract({"groups_filtered": 1, "filtered": len(group), "groups_kept": -1, "groups_refilled": -1})
             self.filter_reasons[reason] -= 1
-            self.counters["groups_refilled"] += 1
             for s in group:
                 s.metadata.pop("dropped", None)
                 s.metadata["refilled"] = reason
-            self._keep(group)
+            self._add(group)
+            if self.on_group is not None:
+                self.on_group(group, None)
         return len(refill)
 
     # ---- async mode -------------------------------------------------------------------------
@@ -308,7 +309,7 @@ class RolloutManager:
                 if any(s.status in (SampleStatus.ABORTED, SampleStatus.PENDING) for s in group):
                     self._leftover(prompt, results)
                     return False
-                await self._score(group)
+                await self._score(group, self.reward_fn)
             reason = None
             if not any(s.status == SampleStatus.FAILED for s in group):
                 try:
@@ -331,13 +332,13 @@ class RolloutManager:
             self._step["filtered"].append((group, reason))
             self._finish(group, "groups_filtered", reason)
             return False
-        self._keep(group)
+        self._add(group)
+        self._finish(group, "groups_kept", None)
         return True
 
-    def _keep(self, group: list[Sample]) -> None:
+    def _add(self, group: list[Sample]) -> None:
         self.buffer.add(group)
         self._step["kept"].append(group)
-        self._finish(group, "groups_kept", None)
         self._changed.set()
 
     def _new_sample(self, prompt: _Prompt, index: int) -> Sample:
@@ -357,9 +358,11 @@ class RolloutManager:
             self.on_group([s for s in group if s.trajectory_id in broken], "infra_failed")
         return [s for s in group if s.trajectory_id not in broken]
 
-    async def _run_sample(self, sample: Sample, abort: asyncio.Event | None,
-                          sampling_params: dict[str, Any] | None = None) -> tuple[list[Sample], bool]:  # fmt: skip
-        """The rollout function on one sample: (the samples it returned, whether they can be resumed)."""
+    async def _run_sample(self, sample: Sample, abort: asyncio.Event | None, sampling_params: dict[str, Any] | None = None,
+                          rollout_fn: Callable[..., Any] | None = None) -> tuple[list[Sample], bool]:  # fmt: skip
+        """The rollout function (the run's, or an eval set's) on one sample: (the samples it
+        returned, whether they can be resumed)."""
+        rollout_fn = rollout_fn or self.rollout_fn
         if sample.status in FINISHED:  # kept from an earlier step
             return [sample], False
         async with self.semaphore:
@@ -369,7 +372,7 @@ class RolloutManager:
             self._idle.enter()
             phase = "rollout fn"
             try:
-                out = await self.rollout_fn(ctx, sample)
+                out = await rollout_fn(ctx, sample)
                 returned = [out] if isinstance(out, Sample) else out
                 if not isinstance(returned, list) or not returned or not all(isinstance(s, Sample) for s in returned):
                     raise TypeError(f"the rollout fn returned {_describe_value(out)}; expected a Sample or a non-empty list of Samples")
@@ -391,7 +394,7 @@ class RolloutManager:
             finally:
                 ctx.release()
                 self._idle.leave()
-            return returned, ctx.resumable or is_resumable(self.rollout_fn)
+            return returned, ctx.resumable or is_resumable(rollout_fn)
 
     def _leftover(self, prompt: _Prompt, results: list[tuple[list[Sample], bool]]) -> None:
         """A group cut off by the end-of-step abort: its prompt goes back to the front of the line,
@@ -447,20 +450,20 @@ class RolloutManager:
             raise RolloutFailing(f"{count} groups in a row failed the same way (rollout.max_consecutive_failures={limit}): "
                                  f"{failed.error}. Fix it (at {failed.metadata.get('error_at', 'unknown place')}) and resume with --resume auto")  # fmt: skip
 
-    async def _score(self, group: list[Sample]) -> None:
+    async def _score(self, group: list[Sample], reward_fn: Callable[..., Any] | None) -> None:
         """Rewards for a finished group, one per trajectory: a reward fn scores each trajectory's
         last sample (where its answer is), or the rollout fn set it there; every sample of the
         trajectory then carries it. A reward fn that raises or returns junk fails the sample."""
         key = self.cfg.reward_key
         by_trajectory = trajectories(group)
         lasts = [samples[-1] for samples in by_trajectory.values()]
-        if self.reward_fn is None:
+        if reward_fn is None:
             for s in lasts:
                 if s.reward is None:
                     _fail(s, "no reward: the rollout fn set none and rollout.reward_fn is not set")
-        elif is_group_reward(self.reward_fn):
+        elif is_group_reward(reward_fn):
             try:
-                rewards = await self.reward_fn(RolloutContext(self.runtime, None), group)
+                rewards = await reward_fn(RolloutContext(self.runtime, None), group)
                 if not isinstance(rewards, list) or len(rewards) != len(group):
                     raise TypeError(f"the group reward fn returned {_describe_value(rewards)}; expected a list of {len(group)} rewards")
                 for s, r in zip(group, rewards):
@@ -472,7 +475,7 @@ class RolloutManager:
 
             async def one(s: Sample) -> None:
                 try:
-                    s.reward = _reward(await self.reward_fn(RolloutContext(self.runtime, s), s))  # type: ignore[misc]
+                    s.reward = _reward(await reward_fn(RolloutContext(self.runtime, s), s))
                 except Exception as exc:
                     _fail(s, "reward fn", exc)
 
@@ -522,30 +525,24 @@ class RolloutManager:
 
     # ---- evaluation -------------------------------------------------------------------------
 
-    async def evaluate(self, rows: list[dict[str, Any]]) -> dict[str, float]:
-        """Held-out prompts at `eval.temperature`, `eval.n_samples_per_prompt` each: reward mean,
-        accuracy (share of samples with reward >= 1, a verifier's "correct"), mean response length."""
-        params = {"temperature": self.runtime.cfg.eval.temperature}
+    async def evaluate(self, eval_set: EvalSet) -> dict[str, float]:
+        """One held-out set (`slimish.rollout.evaluation`): every prompt, n samples each, with the
+        set's functions and sampling params; its metrics named `eval/...`. Nothing is trained
+        or counted in the run's rollout counters."""
 
         async def group_of(i: int, row: dict[str, Any]) -> list[Sample]:
             prompt = _Prompt(i, {**row, "metadata": {**row["metadata"], "eval": True}})
-            todo = [self._new_sample(prompt, j) for j in range(self.runtime.cfg.eval.n_samples_per_prompt)]
-            group = [s for out, _ in await asyncio.gather(*(self._run_sample(s, None, params) for s in todo)) for s in out]
+            todo = [self._new_sample(prompt, j) for j in range(eval_set.n_samples_per_prompt)]
+            runs = (self._run_sample(s, None, eval_set.sampling_params, eval_set.rollout_fn) for s in todo)
+            group = [s for out, _ in await asyncio.gather(*runs) for s in out]
             scored = [s for s in group if s.status != SampleStatus.FAILED]
             if scored:
-                await self._score(scored)
+                await self._score(scored, eval_set.reward_fn)
             return group
 
-        samples = [s for g in await asyncio.gather(*(group_of(i, r) for i, r in enumerate(rows))) for s in g]
-        ok = [s for s in samples if s.status != SampleStatus.FAILED]
-        rewards = [s.reward_value(self.cfg.reward_key) for s in ok]
-        return {
-            "reward_mean": _mean(rewards),
-            "accuracy": _mean([float(r >= 1.0) for r in rewards]),
-            "response_length_mean": _mean([float(s.response_length) for s in ok]),
-            "samples": float(len(samples)),
-            "failed": float(len(samples) - len(ok)),
-        }
+        groups = await asyncio.gather(*(group_of(i, r) for i, r in enumerate(eval_set.rows)))
+        metrics = summarize(list(groups), eval_set.n_samples_per_prompt, self.cfg.reward_key)
+        return {eval_set.prefix() + k: v for k, v in metrics.items()}
 
     # ---- stats and state --------------------------------------------------------------------
 
@@ -567,9 +564,9 @@ class RolloutManager:
             errors=self._step["errors"][:10],
             seconds=seconds,
             samples_per_s=self._step["samples"] / seconds if seconds > 0 else 0.0,
-            reward_mean=_mean([s.reward_value(self.cfg.reward_key) for s in kept]),
-            response_length_mean=_mean([float(s.response_length) for s in kept]),
-            truncated_fraction=_mean([float(s.status == SampleStatus.TRUNCATED) for s in kept]),
+            reward_mean=mean([s.reward_value(self.cfg.reward_key) for s in kept]),
+            response_length_mean=mean([float(s.response_length) for s in kept]),
+            truncated_fraction=mean([float(s.status == SampleStatus.TRUNCATED) for s in kept]),
             segments_per_trajectory=len(kept) / max(1, sum(len(trajectories(g)) for g in kept_groups)),
             engine_idle_fraction=self._idle.fraction_since_last(now),
         )
@@ -646,14 +643,6 @@ class _IdleClock:
         return self.idle + (time.perf_counter() - self.since if self.busy == 0 else 0.0)
 
 
-def trajectories(group: list[Sample]) -> dict[str | None, list[Sample]]:
-    """A group's samples by trajectory, in the order they came."""
-    out: dict[str | None, list[Sample]] = {}
-    for s in group:
-        out.setdefault(s.trajectory_id, []).append(s)
-    return out
-
-
 def _fail(sample: Sample, phase: str, exc: BaseException | None = None) -> None:
     """Mark failed: `phase: Type: message (at file:line in function)`, the place also as
     `metadata["error_at"]` (the user's frame: see `_user_frame`); just `phase` without `exc`."""
@@ -699,7 +688,3 @@ def _reward(value: Any) -> float | dict[str, Any]:
 def _describe_value(value: Any) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0

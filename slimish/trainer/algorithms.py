@@ -17,10 +17,17 @@ gradients over ranks, so under DDP multiply each rank's share by the world size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from slimish.config import ADVANTAGES, KL_ESTIMATORS, LOSS_REDUCTIONS, AlgorithmConfig
+
+# A user's `algorithm.advantage`: (rewards [T], group [T]) -> advantages [T], one per trajectory.
+AdvantageFn = Callable[[Tensor, Tensor], Tensor]
+# A user's `algorithm.loss`: (logprobs, old_logprobs, advantages, mask), all [B, T] -> per-token loss [B, T].
+PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 # --- Advantages ----------------------------------------------------------------------------------
 # Input: rewards `[n_groups, group_size]` (or flat `[N]` with `group_size`), one reward per sample;
@@ -109,22 +116,46 @@ def ragged_advantages(name: str, rewards: list[Tensor], eps: float = 1e-6) -> li
     return [compute_advantages(name, r.view(1, -1), eps=eps).view(-1) for r in rewards]
 
 
-def trajectory_advantages(name: str, rewards: Tensor, trajectory: Tensor, group: Tensor, weights: Tensor, eps: float = 1e-6) -> Tensor:
+def trajectory_advantages(name: str | AdvantageFn, rewards: Tensor, trajectory: Tensor, group: Tensor, weights: Tensor,
+                          eps: float = 1e-6) -> Tensor:  # fmt: skip
     """One advantage per sample `[N]`, computed over trajectories so that each counts once in its
     group's baseline whatever its number of samples (a conversation split into segments, fan-out
     siblings). `trajectory` `[N]` maps samples to trajectories 0..T-1; `group` `[T]` maps
     trajectories to groups; a trajectory's reward is the mean of its samples' (they carry the
     same one). Each sample gets its trajectory's advantage times its `weights` entry (the credit
-    rule: 1 to broadcast, 1/n to split, ...). One sample per trajectory is `compute_advantages`."""
+    rule: 1 to broadcast, 1/n to split, ...). One sample per trajectory is `compute_advantages`.
+
+    `name` may be a user's function (`algorithm.advantage: module:function`, loaded by the
+    caller): it takes the trajectories' rewards `[T]` and their group indices `[T]` (0..G-1,
+    int64) and returns one advantage per trajectory `[T]`, in place of the built-in estimators."""
     n_traj = int(trajectory.max()) + 1
     count = torch.zeros(n_traj).index_add_(0, trajectory, torch.ones_like(rewards))
     reward = torch.zeros(n_traj, dtype=rewards.dtype).index_add_(0, trajectory, rewards) / count
+    if callable(name):
+        return custom_advantages(name, reward, group)[trajectory] * weights
     order = torch.argsort(group, stable=True)
     sizes = torch.bincount(group).tolist()
     per_group = ragged_advantages(name, list(reward[order].split(sizes)), eps)
     advantage = torch.empty(n_traj, dtype=rewards.dtype)
     advantage[order] = torch.cat(per_group)
     return advantage[trajectory] * weights
+
+
+def custom_advantages(fn: AdvantageFn, rewards: Tensor, group: Tensor) -> Tensor:
+    """A user's advantage function on one reward per trajectory, its output checked: a finite
+    floating-point tensor of the rewards' shape (cast to their dtype)."""
+    out = fn(rewards.clone(), group.clone())  # clones: a function that edits its inputs in place changes nothing
+    where = f"algorithm.advantage {getattr(fn, '__qualname__', fn)!r}"
+    if not torch.is_tensor(out):
+        raise ValueError(f"{where}: returned a {type(out).__name__}; it must return a tensor of one advantage per trajectory, shape {tuple(rewards.shape)}")
+    if tuple(out.shape) != tuple(rewards.shape):
+        raise ValueError(f"{where}: returned shape {tuple(out.shape)}; it must return one advantage per trajectory, shape {tuple(rewards.shape)} "
+                         f"(the shape of `rewards`)")  # fmt: skip
+    if not out.is_floating_point():
+        raise ValueError(f"{where}: returned dtype {out.dtype}; it must return a floating-point tensor")
+    if not torch.isfinite(out).all():
+        raise ValueError(f"{where}: returned non-finite advantages {out.tolist()}")
+    return out.detach().to(device=rewards.device, dtype=rewards.dtype)
 
 
 def credit_weights(rule: str, trajectory: list[int]) -> list[float]:
@@ -303,6 +334,29 @@ def ppo_clip_loss(
     return loss, stats
 
 
+def custom_policy_loss(fn: PolicyLossFn, spec: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
+    """A user's per-token policy loss `[B, T]`, called with every input `[B, T]`: `advantages`
+    broadcast over each sample's tokens when given per sample, `mask` as floats (1 = trained),
+    and, where the mask is 0 (environment tokens, padding), `logprobs` equal to `old_logprobs`, so
+    the ratio there is exactly 1 and no padding value can overflow. Its output is checked (a
+    floating-point tensor of shape `[B, T]` that depends on `logprobs`) and zeroed where the
+    mask is 0; the caller applies TIS and the reduction."""
+    keep = mask.bool()
+    adv = advantages.unsqueeze(-1) if advantages.dim() == logprobs.dim() - 1 else advantages
+    out = fn(torch.where(keep, logprobs, old_logprobs), old_logprobs, adv.expand_as(logprobs), mask.to(logprobs.dtype))
+    where = f"algorithm.loss {spec!r}"
+    if not torch.is_tensor(out):
+        raise ValueError(f"{where}: returned a {type(out).__name__}; it must return the per-token loss, a tensor of shape {tuple(logprobs.shape)} [B, T]")
+    if tuple(out.shape) != tuple(logprobs.shape):
+        raise ValueError(f"{where}: returned shape {tuple(out.shape)}; it must return the per-token loss of shape {tuple(logprobs.shape)} "
+                         "[B, T], the shape of `logprobs` (not a reduced loss: the trainer reduces it)")  # fmt: skip
+    if not out.is_floating_point():
+        raise ValueError(f"{where}: returned dtype {out.dtype}; it must return a floating-point tensor")
+    if logprobs.requires_grad and not out.requires_grad:
+        raise ValueError(f"{where}: its loss does not depend on `logprobs` (no gradient would reach the policy); do not detach it")
+    return torch.where(keep, out.to(logprobs.dtype), 0.0)
+
+
 # --- KL to a reference policy, truncated importance sampling -------------------------------------
 
 
@@ -372,6 +426,7 @@ def rl_loss(
     rollout_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
     trajectory_tokens: Tensor | None = None,
+    policy_loss_fn: PolicyLossFn | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy loss (x TIS weights) + kl_coef * KL (x pi/pi_old with kl_importance_weight)
     - entropy_coef * entropy, reduced as `cfg.loss_reduction` with `normalizer` (see
@@ -383,13 +438,25 @@ def rl_loss(
     Stats (detached scalars, all additive over micro-batches and ranks): `loss/policy`,
     `loss/kl`, `loss/entropy` are shares of the loss like the loss itself; `tokens` is the
     trained-token count and `clip_low`, `clip_high`, `dual_clip`, `ratio`, `tis`, `kl`, `entropy`
-    are sums over trained tokens (divide by `tokens` for means)."""
-    level = {"ppo": "token", "gspo": "sequence"}.get(cfg.loss)
-    if level is None:
-        raise ValueError(f"loss: expected 'ppo' or 'gspo', got {cfg.loss!r}")
+    are sums over trained tokens (divide by `tokens` for means).
+
+    `policy_loss_fn` is the user's policy loss when `cfg.loss` is `module:function` (see
+    `custom_policy_loss`); it replaces the clipped surrogate only. Its `clip_*` stats are 0 and
+    `ratio` (and the KL importance weight) is the token-level pi / pi_old."""
     m = mask.to(logprobs.dtype)
-    ratio = importance_ratio(logprobs, old_logprobs, mask, level)
-    per_token, token_stats = ppo_clip_loss(ratio, advantages, cfg.eps_clip, cfg.eps_clip_high, cfg.dual_clip_c)
+    if ":" in cfg.loss:
+        if policy_loss_fn is None:
+            raise ValueError(f"algorithm.loss {cfg.loss!r}: pass the loaded function as policy_loss_fn "
+                             "(slimish.rollout.loader.load_function(spec, 'policy_loss'))")  # fmt: skip
+        ratio = importance_ratio(logprobs, old_logprobs, mask, "token")
+        per_token = custom_policy_loss(policy_loss_fn, cfg.loss, logprobs, old_logprobs, advantages, mask)
+        token_stats = {k: torch.zeros_like(ratio) for k in ("clip_low", "clip_high", "dual_clip")}
+    else:
+        level = {"ppo": "token", "gspo": "sequence"}.get(cfg.loss)
+        if level is None:
+            raise ValueError(f"loss: expected 'ppo', 'gspo' or module:function, got {cfg.loss!r}")
+        ratio = importance_ratio(logprobs, old_logprobs, mask, level)
+        per_token, token_stats = ppo_clip_loss(ratio, advantages, cfg.eps_clip, cfg.eps_clip_high, cfg.dual_clip_c)
     token_stats["ratio"] = ratio.detach()
     if cfg.tis_cap is not None or cfg.mis_cap is not None:
         if rollout_logprobs is None:

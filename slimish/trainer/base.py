@@ -151,6 +151,8 @@ class Trainer(ABC):
     temperature: float
     cpu_threads: int
     credit_fn: Callable[..., list[float]] | None  # algorithm.segment_credit as a function
+    advantage_fn: Callable[[Tensor, Tensor], Tensor] | None  # algorithm.advantage as a function
+    policy_loss_fn: Callable[..., Tensor] | None  # algorithm.loss as a function
     ref: Any  # the frozen reference model, None until needed
     optimizer: Any
     sft_optimizer: Any
@@ -166,6 +168,9 @@ class Trainer(ABC):
         self.cpu_threads = cfg.trainer.cpu_threads or cores
         credit = cfg.algorithm.segment_credit
         self.credit_fn = load_function(credit, "credit") if ":" in credit else None  # checked now, not at the first step
+        advantage, loss = cfg.algorithm.advantage, cfg.algorithm.loss
+        self.advantage_fn = load_function(advantage, "advantage") if ":" in advantage else None
+        self.policy_loss_fn = load_function(loss, "policy_loss") if ":" in loss else None
 
     @contextmanager
     def _threads(self) -> Iterator[None]:
@@ -237,10 +242,12 @@ class Trainer(ABC):
         if algo.kl_in_reward and ref is not None:
             kl = torch.zeros(len(samples))
             for i in mine:
-                kl[i] = sequence_kl(old[i], ref[i], self._mask(samples[i]), algo.kl_estimator)
+                # the full loss mask even when excluded from the loss: the reward it adds to its
+                # group's baseline is the one it would have if trained on
+                kl[i] = sequence_kl(old[i], ref[i], self._mask(samples[i], trained=False), algo.kl_estimator)
             rewards = rewards - algo.kl_coef * self._all_reduce(kl.to(self.device)).cpu()
         trajectory, group = trajectory_index(groups)
-        advantages = trajectory_advantages(algo.advantage, rewards, torch.tensor(trajectory), torch.tensor(group),
+        advantages = trajectory_advantages(self.advantage_fn or algo.advantage, rewards, torch.tensor(trajectory), torch.tensor(group),
                                            torch.tensor(self._credit(samples, trajectory)), algo.advantage_eps)  # fmt: skip
         return _Batch(samples, minis, shares, trajectory, fresh, old, ref, advantages, raw_rewards, stats)
 
@@ -251,7 +258,7 @@ class Trainer(ABC):
         grad_norms: list[float] = []
         lrs: list[float] = []
         for u, (mini, share) in enumerate(zip(b.minis, b.shares)):
-            n_tokens = sum(sum(samples[i].loss_mask) for i in mini)
+            n_tokens = sum(sum(samples[i].train_mask) for i in mini)
             lrs.append(self._lr())
             if not n_tokens:  # nothing to learn from: no step (Adam would still apply momentum)
                 self._scheduler_step()
@@ -260,7 +267,7 @@ class Trainer(ABC):
                                          n_trajectories=len({trajectory[i] for i in mini}))  # fmt: skip
             pooled: dict[int, int] = {}  # a trajectory's trained tokens in this update, for the trajectory reduction
             for i in mini:
-                pooled[trajectory[i]] = pooled.get(trajectory[i], 0) + sum(samples[i].loss_mask)
+                pooled[trajectory[i]] = pooled.get(trajectory[i], 0) + sum(samples[i].train_mask)
             measure = u == 0 and not algo.recompute_old_logprobs  # weights still the rollout's
 
             def loss_fn(idx: list[int], logprobs: Tensor, entropy: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
@@ -272,6 +279,7 @@ class Trainer(ABC):
                     normalizer, ref_logprobs=self._pad([b.ref[i] for i in idx]) if b.ref is not None else None,
                     rollout_logprobs=rollout, entropy=entropy,
                     trajectory_tokens=torch.tensor([pooled[trajectory[i]] for i in idx], device=self.device),
+                    policy_loss_fn=self.policy_loss_fn,
                 )  # fmt: skip
                 if measure:
                     st.update(mismatch(logprobs.detach(), rollout, mask, [b.fresh[i] for i in idx]))
@@ -346,7 +354,7 @@ class Trainer(ABC):
         check_samples(samples)
         if self.sft_optimizer is None:
             self.sft_optimizer = self._new_optimizer(self.cfg.sft.lr)
-        n_tokens = sum(sum(s.loss_mask) for s in samples)
+        n_tokens = sum(sum(s.train_mask) for s in samples)
         if not n_tokens:
             raise ValueError("sft_step: the batch has no loss-mask-1 token to train on")
         normalizer = float(n_tokens)
@@ -382,8 +390,10 @@ class Trainer(ABC):
     def _rollout_logprobs(self, s: Sample) -> Tensor:
         return torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
 
-    def _mask(self, s: Sample) -> Tensor:
-        return torch.tensor(s.loss_mask, dtype=torch.float32, device=self.device)
+    def _mask(self, s: Sample, trained: bool = True) -> Tensor:
+        """The tokens trained on (`Sample.train_mask`: none when `exclude_from_loss`), or with
+        `trained=False` the tokens the policy made (`loss_mask`)."""
+        return torch.tensor(s.train_mask if trained else s.loss_mask, dtype=torch.float32, device=self.device)
 
     def _pad(self, rows: list[Tensor]) -> Tensor:
         return pad_sequence(rows, batch_first=True)

@@ -37,7 +37,7 @@ def demonstrations(cfg: RunConfig) -> list[Demonstration]:
         raw = task.make("train", cfg.data.task_size, cfg.data.seed)
         rows = load_rows(source, cfg.data, "train")  # the same problems, in the same order
         return [Demonstration(row["prompt"], task.demonstration(r, rng)) for r, row in zip(raw, rows)]
-    rows = load_rows(source, dataclasses.replace(cfg.data, label_key=None))
+    rows = load_rows(source, dataclasses.replace(cfg.data, label_key=None), flag="sft.source" if cfg.sft.source else "data.source")
     out = []
     for row in rows:
         meta, where = row["metadata"], f"sft.source {source}: row {row['metadata']['row_id']}"
