@@ -301,3 +301,21 @@ def accounted(m) -> bool:
     """Every prompt taken is kept, filtered, failed or requeued."""
     c = m.counters
     return c["prompts_taken"] == c["groups_kept"] + c["groups_filtered"] + c["groups_failed"] + len(m.requeued)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Two built-in engines behind the router, started as a run starts them, one pair per module."""
+    from slimish.config import LaunchConfig
+    from slimish.launch.local import local_servers
+
+    with local_servers(LaunchConfig(engines=2), tiny_model_dir, tmp_path_factory.mktemp("logs")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Ten "What is i + i?" prompts labelled 2i, as JSONL: their path."""
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "label": str(2 * i)}) + "\n" for i in range(10)))
+    return str(path)

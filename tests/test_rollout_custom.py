@@ -19,26 +19,13 @@ import pytest
 from fastapi import FastAPI, Request
 
 from conftest import accounted, make_cfg, run_manager, serving
-from slimish.config import EvalDataset, LaunchConfig
-from slimish.launch.local import Servers, local_servers
+from slimish.config import EvalDataset
+from slimish.launch.local import Servers
 from slimish.protocol import ROUTING_KEY_HEADER
 from slimish.rollout.api import resumable
 from slimish.rollout.evaluation import eval_sets, pass_at_k
-from slimish.rollout.manager import RolloutFailing, RolloutManager, RolloutStalled
+from slimish.rollout.manager import RolloutManager, RolloutStalled
 from slimish.types import Sample, SampleStatus
-
-
-@pytest.fixture(scope="module")
-def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    with local_servers(LaunchConfig(engines=2), tiny_model_dir, tmp_path_factory.mktemp("logs")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "label": str(2 * i)}) + "\n" for i in range(40)))
-    return str(path)
 
 
 # ---- hand-built multi-turn samples under partial rollout -----------------------------------

@@ -8,7 +8,6 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,7 @@ from transformers import AutoTokenizer
 
 from conftest import accounted, make_cfg, run_manager
 from slimish.client import Client
-from slimish.config import LaunchConfig
-from slimish.launch.local import Servers, local_servers
+from slimish.launch.local import Servers
 from slimish.formats.model import ModelFormat
 from slimish.rollout.evaluation import eval_sets
 from slimish.rollout.filters import nonzero_std
@@ -27,19 +25,6 @@ from slimish.protocol import DEFAULT_WEIGHT_VERSION
 from slimish.rollout.rewards import group_reward, math_reward
 from slimish.types import Sample, SampleStatus
 from rollout_plugins import math as math_plugin
-
-
-@pytest.fixture(scope="module")
-def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    with local_servers(LaunchConfig(engines=2), tiny_model_dir, tmp_path_factory.mktemp("logs")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "label": str(2 * i)}) + "\n" for i in range(10)))
-    return str(path)
 
 
 async def greedy(url: str, ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
