@@ -94,7 +94,7 @@ class Client:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None,
+    async def request(self, method: str, path: str, body: Any = None, timeout: float | None = None,
                        headers: dict[str, str] | None = None) -> Any:  # fmt: skip
         """The reply's JSON (None for an empty body)."""
         url = self.base_url + path
@@ -109,7 +109,7 @@ class Client:
         return json.loads(raw) if raw else None
 
     async def _control(self, path: str, body: Any = None) -> ControlResult:
-        return ControlResult.model_validate(await self._request("POST", path, body or {}))
+        return ControlResult.model_validate(await self.request("POST", path, body or {}))
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -117,7 +117,7 @@ class Client:
         """POST /generate with the PROTOCOL.md 1.1 fields as keywords (`input_ids=`, `sampling_params=`...);
         `routing_key` goes in the header sglang-router's `session` policy pins a conversation by."""
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
-        data = await self._request("POST", "/generate", {**body, "stream": False}, headers=headers)
+        data = await self.request("POST", "/generate", {**body, "stream": False}, headers=headers)
         if isinstance(data, list):
             return [GenerateResponse.model_validate(d) for d in data]
         return GenerateResponse.model_validate(data)
@@ -142,26 +142,26 @@ class Client:
 
     async def chat(self, **body: Any) -> dict[str, Any]:
         """POST /v1/chat/completions (OpenAI body as keywords)."""
-        return await self._request("POST", "/v1/chat/completions", body)
+        return await self.request("POST", "/v1/chat/completions", body)
 
     async def completions(self, **body: Any) -> dict[str, Any]:
-        return await self._request("POST", "/v1/completions", body)
+        return await self.request("POST", "/v1/completions", body)
 
     async def models(self) -> dict[str, Any]:
         """GET /v1/models."""
-        return await self._request("GET", "/v1/models")
+        return await self.request("GET", "/v1/models")
 
     async def abort(self, rid: str = "", abort_all: bool = False) -> None:
-        await self._request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+        await self.request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
 
     async def pause(self, mode: str = "abort") -> None:
-        await self._request("POST", "/pause_generation", {"mode": mode})
+        await self.request("POST", "/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
-        await self._request("POST", "/continue_generation", {})
+        await self.request("POST", "/continue_generation", {})
 
     async def flush_cache(self) -> None:
-        await self._request("POST", "/flush_cache")
+        await self.request("POST", "/flush_cache")
 
     # ---- weights ----------------------------------------------------------------------------
 
@@ -194,19 +194,19 @@ class Client:
         return await self._control("/update_weight_version", {"new_version": new_version, "abort_all_requests": abort_all_requests})
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
-        return await self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+        return await self.request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 
     # ---- info -------------------------------------------------------------------------------
 
     async def health(self) -> bool:
         try:
-            await self._request("GET", "/health", timeout=5.0)
+            await self.request("GET", "/health", timeout=5.0)
         except ServerError:
             return False
         return True
 
     async def model_info(self) -> dict[str, Any]:
-        return await self._request("GET", "/model_info")
+        return await self.request("GET", "/model_info")
 
     async def server_info(self) -> dict[str, Any]:
-        return await self._request("GET", "/server_info")
+        return await self.request("GET", "/server_info")

@@ -156,6 +156,7 @@ class RolloutContext:
         self._last_token: int | None = None  # the model's last output id in the conversation
         self._session: str | None = None
         self._hand_built = False  # tokens appended by the rollout function itself
+        self._resumable = True
         self._siblings: list[RolloutContext] = []
         self._routing_key = routing_key or (f"{runtime.key}-{sample.group_id}-{sample.index}" if sample is not None else None)
 
@@ -170,7 +171,17 @@ class RolloutContext:
         """Whether an aborted sample can be continued by calling the rollout function again: a
         sample built by `generate_sample` alone can; a conversation's state (ctx.chat, a gateway
         session, turns appended by hand, siblings) lives in the function and is gone."""
-        return self._chat is None and self._session is None and not self._hand_built and not self._siblings
+        return self._resumable and self._chat is None and self._session is None and not self._hand_built and not self._siblings
+
+    @resumable.setter
+    def resumable(self, value: bool) -> None:
+        """`ctx.resumable = False`: this sample restarts from its prompt if cut off, whatever built it."""
+        self._resumable = value
+
+    @property
+    def aborting(self) -> bool:
+        """The step is ending: generate calls return at once, aborted (for code that talks to the router itself)."""
+        return self._abort is not None and self._abort.is_set()
 
     def new_sample(self, prompt: str | list[dict[str, Any]] | None = None) -> "RolloutContext":
         """A sibling of this sample in the same trajectory (multi-agent fan-out: a planner and its
@@ -194,7 +205,7 @@ class RolloutContext:
         keeps a matched stop string (SGLang's `no_stop_trim`): ids are the truth, and text that
         rollout code parses must say what the model emitted."""
         params = {**self.sampling_params, **(sampling_params or {})}
-        if self._abort is not None and self._abort.is_set():
+        if self.aborting:
             return GenerateResult([], [], "", "abort", weight_version=-1, prompt_tokens=len(input_ids))  # nothing was asked
         params["no_stop_trim"] = True  # rollout code parses the text: a matched stop string stays in it
         out = await self.client.generate(routing_key=self._routing_key, input_ids=list(input_ids), sampling_params=params, return_logprob=True)

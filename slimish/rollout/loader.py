@@ -94,22 +94,30 @@ def load_function(spec: str, kind: str, flag: str | None = None) -> Callable[...
         from slimish.compat.slime import load_slime_function
 
         return load_slime_function(spec[len(SLIME_PREFIX) :], kind, flag)
-    where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name.isidentifier():
-        raise LoadError(f"{flag} {spec!r}: expected `module:function` (e.g. rollout_plugins.math:rollout) or `path/to/file.py:function`")
-    module = _import_file(flag, spec, where) if where.endswith(".py") or "/" in where or os.sep in where else _import_module(flag, spec, where)
-    fn = getattr(module, name, None)
-    if fn is None:
-        defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_") and v.__module__ == module.__name__)
-        raise LoadError(f"{flag} {spec!r}: {where} has no function {name!r}; it defines: {', '.join(defined) or 'no public functions'}")
-    if not callable(fn):
-        raise LoadError(f"{flag} {spec!r}: {name} is a {type(fn).__name__}, not a function")
+    fn, name = find_function(spec, flag)
     if kind == "reward" and is_group_reward(fn):
         kind = "group_reward"
     shape = check_shape(flag, spec, name, fn, KINDS[kind])
     if kind == "filter" and shape == ("group",):
         return _with_ctx(fn)
     return fn
+
+
+def find_function(spec: str, flag: str, shown: str | None = None) -> tuple[Callable[..., Any], str]:
+    """The callable `spec` (`module:function` or `path/to/file.py:function`) names, and its
+    name; `shown` is the spec as the user wrote it, for messages."""
+    shown = shown or spec
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise LoadError(f"{flag} {shown!r}: expected `module:function` (e.g. rollout_plugins.math:rollout) or `path/to/file.py:function`")
+    module = _import_file(flag, shown, where) if where.endswith(".py") or "/" in where or os.sep in where else _import_module(flag, shown, where)
+    fn = getattr(module, name, None)
+    if fn is None:
+        defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_") and v.__module__ == module.__name__)
+        raise LoadError(f"{flag} {shown!r}: {where} has no function {name!r}; it defines: {', '.join(defined) or 'no public functions'}")
+    if not callable(fn):
+        raise LoadError(f"{flag} {shown!r}: {name} is a {type(fn).__name__}, not a function")
+    return fn, name
 
 
 def load_functions(cfg: RolloutConfig) -> tuple[Callable[..., Any], *tuple[Callable[..., Any] | None, ...]]:

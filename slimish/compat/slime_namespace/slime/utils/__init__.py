@@ -1,0 +1,1 @@
+"""slime.utils as slimish provides it: `types` (Sample), `http_utils` (post, get), `misc` (load_function)."""

@@ -1,0 +1,123 @@
+"""slime.utils.types.Sample as slime code uses it, for slimish's adapter (slimish.compat.slime).
+
+Field names, defaults and `Sample.Status` values are slime's; the per-token arrays cover the
+response, as in slime (and slimish). Multimodal, routed-expert and top-p replay fields are
+accepted and carried but not used by slimish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any
+
+
+@dataclass
+class Sample:
+    group_index: int | None = None
+    index: int | None = None
+    rollout_id: int | None = None
+    prompt: str | list[dict[str, Any]] = ""
+    tokens: list[int] = field(default_factory=list)
+    multimodal_inputs: dict[str, Any] | None = None
+    multimodal_train_inputs: dict[str, Any] | None = None
+    apply_chat_template_kwargs: dict = field(default_factory=dict)
+    response: str = ""
+    response_length: int = 0
+    label: Any = None
+    reward: float | dict[str, Any] | None = None
+    loss_mask: list[int] | None = None  # None: every response token is trained on
+    weight_versions: list[str] = field(default_factory=list)  # the engine's, as strings
+    rollout_log_probs: list[float] | None = None
+    rollout_top_p_token_ids: list[int] | None = None
+    rollout_top_p_token_offsets: list[int] | None = None
+    rollout_routed_experts: list[list[int]] | None = None
+    remove_sample: bool = False  # slimish: the sample counts in its group's baseline, not in the loss
+    teacher_log_probs: list[float] | None = None
+
+    class Status(Enum):
+        PENDING = "pending"
+        COMPLETED = "completed"
+        TRUNCATED = "truncated"
+        ABORTED = "aborted"
+        FAILED = "failed"
+
+    status: Status = Status.PENDING
+    metadata: dict = field(default_factory=dict)
+    generate_function_path: str | None = None
+    custom_rm_path: str | None = None
+    train_metadata: dict | None = None
+    session_id: str | None = None  # sent as the routing key by slime; slimish sends its own
+    non_generation_time: float = 0.0
+
+    # ---- what slime code calls -----------------------------------------------------------
+
+    def get_reward_value(self, args: Any) -> Any:
+        """The reward, or `reward[args.reward_key]` when a reward key is set."""
+        key = getattr(args, "reward_key", None)
+        return self.reward[key] if key else self.reward
+
+    @property
+    def effective_response_length(self) -> int:
+        return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
+
+    def append_response_tokens(self, args: Any = None, *, tokens: Any = None, log_probs: Any = None, trainable: bool = True,
+                               meta_info: dict | None = None, text: str | None = None, update_terminal_info: bool = True) -> None:  # fmt: skip
+        """Response tokens at the end: the model's (`trainable`, with their logprobs and the
+        reply's `meta_info`) or the environment's (loss mask 0, logprob 0.0)."""
+        new = [int(t) for t in (tokens if tokens is not None else [])]
+        lps = None if log_probs is None else [float(x) for x in log_probs]
+        if lps is not None and len(lps) != len(new):
+            raise ValueError(f"append_response_tokens: {len(new)} tokens but {len(lps)} log_probs")
+        if new and trainable and lps is None:
+            raise ValueError("append_response_tokens: trainable tokens need their rollout log_probs")
+        if new and not trainable:
+            if lps is not None:
+                raise ValueError("append_response_tokens: environment tokens (trainable=False) take no log_probs")
+            lps = [0.0] * len(new)
+        if text is not None:
+            self.response += text
+        before = self.response_length
+        if new:
+            self.tokens = list(self.tokens) + new
+            self.response_length += len(new)
+            self.loss_mask = (list(self.loss_mask) if self.loss_mask is not None else [1] * before) + [int(trainable)] * len(new)
+        if lps is not None:
+            if self.rollout_log_probs is None:
+                if trainable and before:
+                    raise ValueError("append_response_tokens: the sample has response tokens without rollout_log_probs")
+                self.rollout_log_probs = [0.0] * before
+            self.rollout_log_probs = list(self.rollout_log_probs) + lps
+        if meta_info:
+            if update_terminal_info:
+                self.update_from_meta_info(args, meta_info)
+            elif "weight_version" in meta_info:
+                self.weight_versions.append(meta_info["weight_version"])
+
+    def update_from_meta_info(self, args: Any, meta_info: dict) -> None:
+        """The reply's weight version, and the status its finish reason implies."""
+        if "weight_version" in meta_info:
+            self.weight_versions.append(meta_info["weight_version"])
+        finish = (meta_info.get("finish_reason") or {}).get("type")
+        status = {"length": Sample.Status.TRUNCATED, "abort": Sample.Status.ABORTED, "stop": Sample.Status.COMPLETED}.get(finish)
+        if status is not None:
+            self.status = status
+
+    def to_dict(self) -> dict[str, Any]:
+        value = dict(self.__dict__)
+        value["status"] = self.status.value
+        return value
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> "Sample":
+        data = dict(data)
+        data["status"] = Sample.Status(data.get("status", "pending"))
+        names = {f.name for f in fields(Sample)}
+        sample = Sample(**{k: v for k, v in data.items() if k in names})
+        for key, value in data.items():
+            if key not in names:
+                setattr(sample, key, value)
+        return sample
+
+
+__all__ = ["Sample"]
