@@ -207,7 +207,7 @@ class RolloutContext:
         params = {**self.sampling_params, **(sampling_params or {})}
         if self.aborting:
             return GenerateResult([], [], "", "abort", weight_version=-1, prompt_tokens=len(input_ids))  # nothing was asked
-        params["no_stop_trim"] = True  # rollout code parses the text: a matched stop string stays in it
+        params.setdefault("no_stop_trim", True)  # rollout code parses the text: a matched stop string stays in it
         out = await self.client.generate(routing_key=self._routing_key, input_ids=list(input_ids), sampling_params=params, return_logprob=True)
         assert isinstance(out, GenerateResponse)
         return to_result(out)
@@ -242,6 +242,8 @@ class RolloutContext:
         ids the model saw, also where the template would re-render history differently (Qwen3
         and GLM drop earlier reasoning). Template kwargs (`enable_thinking`, `thinking`...) go
         over the run's `rollout.chat_template_kwargs` and must stay the same for a conversation.
+        The reply is parsed as an OpenAI server returns it: without its end token or a matched stop
+        string (`turn.result.output_ids` has every id).
         """
         sample = self._need_sample("chat")
         chat = self.runtime.chat_tokens(tools, chat_template_kwargs)
@@ -265,6 +267,7 @@ class RolloutContext:
         fmt = self.runtime.format
         if fmt.parses(tools):
             params.setdefault("skip_special_tokens", False)
+        params.setdefault("no_stop_trim", False)  # the reply is parsed as a server returns it: without its end token
         prompt = list(sample.tokens)
         result = await self.generate(prompt, params)
         self._record(result)
