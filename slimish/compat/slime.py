@@ -57,7 +57,7 @@ from urllib.parse import urlsplit
 from slimish.protocol import ROUTING_KEY_HEADER, version_number
 from slimish.rollout.loader import Kind, LoadError, check_shape, find_function
 from slimish.rollout.rewards import group_reward
-from slimish.types import Sample, SampleStatus
+from slimish.types import Sample, SampleStatus, status_of
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +71,6 @@ SLIME_KINDS: dict[str, Kind] = {
     "group_reward": Kind("--reward-fn", (("args", "samples"),), True),
     "filter": Kind("--filter-fn", (("args", "samples"),)),
 }
-
-_STATUS_TO_SLIMISH = {
-    "completed": SampleStatus.COMPLETED,
-    "truncated": SampleStatus.TRUNCATED,
-    "aborted": SampleStatus.ABORTED,
-    "failed": SampleStatus.FAILED,
-    "pending": SampleStatus.PENDING,
-}
-_FINISH_TO_SLIMISH = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -656,15 +647,15 @@ def _find(response: list[int], mask: list[int], ids: list[int], start: int) -> i
 
 
 def _status(where: str, done: Any, replies: list[_Reply]) -> SampleStatus:
-    value = getattr(done.status, "value", done.status)
-    status = _STATUS_TO_SLIMISH.get(str(value).lower())
-    if status is None:
+    """slime's status values are slimish's (its `PENDING`: the last reply's finish reason)."""
+    value = str(getattr(done.status, "value", done.status)).lower()
+    if value not in {s.value for s in SampleStatus}:
         raise ValueError(f"{where}: unknown status {done.status!r}")
-    if status == SampleStatus.PENDING:
-        if not replies:
-            raise ValueError(f"{where}: returned a PENDING sample and made no /generate call; set sample.status")
-        status = _FINISH_TO_SLIMISH.get(replies[-1].finish_reason, SampleStatus.ABORTED)
-    return status
+    if value != SampleStatus.PENDING.value:
+        return SampleStatus(value)
+    if not replies:
+        raise ValueError(f"{where}: returned a PENDING sample and made no /generate call; set sample.status")
+    return status_of(replies[-1].finish_reason) if replies[-1].finish_reason in ("stop", "length", "abort") else SampleStatus.ABORTED
 
 
 def _is_json(value: Any) -> bool:
