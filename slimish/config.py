@@ -487,6 +487,10 @@ class TrainerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping (the norm is still reported)
     micro_batch_tokens: int = 8192  # padded tokens (rows x longest sample) of one micro-batch
+    # Torch backend: log-probs and entropies from the LM head this many scored (response) tokens at
+    # a time, each chunk checkpointed, so full-vocabulary fp32 logits never exist for the whole
+    # micro-batch (the long-context OOM); 0: the whole micro-batch's logits at once.
+    logprob_chunk_tokens: int = 1024
     updates_per_step: int = 1  # optimiser steps per rollout batch: the batch split into this many mini-batches
     dtype: str | None = None  # None: float32 on CPU (bf16 is 12-18x slower there), bfloat16 on GPU
     # CPU intra-op threads while training (train and SFT steps); 0: this machine's cores / local
@@ -505,7 +509,7 @@ class TrainerConfig:
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"trainer.betas must be two numbers in [0, 1), got {list(self.betas)}")
         at_least(1, self, "trainer.", "nproc", "tp", "pp", "micro_batch_tokens", "updates_per_step")
-        at_least(0, self, "trainer.", "lr", "warmup_steps", "weight_decay", "grad_clip", "cpu_threads")
+        at_least(0, self, "trainer.", "lr", "warmup_steps", "weight_decay", "grad_clip", "cpu_threads", "logprob_chunk_tokens")
         one_of("trainer.dtype", self.dtype, (None, "float32", "bfloat16", "float16"))
 
 
@@ -592,6 +596,44 @@ class SFTConfig:
     lr: float = 1e-4
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases: one more sink beside metrics.jsonl and TensorBoard (slimish/metrics.py),
+    the same keys at the same steps; `pip install 'slimish[wandb]'`, imported only when enabled."""
+
+    enabled: bool = False  # log to W&B too (pip install -e '.[wandb]')
+    project: str = "slimish"  # the W&B project
+    name: str | None = None  # the run's display name; None: run_dir's last folder
+    entity: str | None = None  # team or user; None: the logged-in user's default
+    # online | offline | disabled (off, as enabled=false). None: $WANDB_MODE when set, else online
+    # with WANDB_API_KEY set, offline without (`wandb sync DIR` uploads an offline run later).
+    mode: str | None = None
+    dir: str | None = None  # where wandb/ goes; None: $WANDB_DIR when set, else run_dir
+    # Groups per step added to the `samples` table (prompt, response, reward, status, one row per
+    # sample; an incremental table: each step uploads only its new rows); 0 = no table.
+    sample_groups: int = 2
+
+    def __post_init__(self) -> None:
+        one_of("metrics.wandb.mode", self.mode, (None, *WANDB_MODES))
+        at_least(0, self, "metrics.wandb.", "sample_groups")
+
+
+@dataclass
+class MetricsConfig:
+    """Where per-step metrics go besides the console, metrics.jsonl and TensorBoard (always on)."""
+
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    # Trained groups per step whose samples (every token) go to RUN_DIR/view/samples.jsonl for
+    # `slimish view` (slimish/view.py); 0 = none (view/timeline.jsonl is always written).
+    view_groups: int = 4
+
+    def __post_init__(self) -> None:
+        at_least(0, self, "metrics.", "view_groups")
+
+
 @dataclass
 class RunConfig:
     model: str = MISSING  # HF model directory (policy initial weights and tokenizer)
@@ -611,6 +653,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         one_of("mode", self.mode, ("sync", "async"))

@@ -1,19 +1,27 @@
-"""Per-step metrics of a run: one live console line, `metrics.jsonl`, and TensorBoard.
+"""Per-step metrics of a run: one live console line, `metrics.jsonl`, TensorBoard, and Weights &
+Biases when `metrics.wandb.enabled` (with a table of sample rows per step).
 
-Keys are slash-grouped (`reward/mean`, `time/rollout`), the same names in all three sinks, so
-`slimish plot RUN_DIR` and TensorBoard draw the same curves the console showed.
+Keys are slash-grouped (`reward/mean`, `time/rollout`), the same names in every sink, so
+`slimish plot RUN_DIR`, TensorBoard and W&B draw the same curves the console showed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import time
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+if TYPE_CHECKING:
+    from slimish.config import WandbConfig
+    from slimish.types import Sample
 
 # What the console line shows, in order, when present: (key, label, format). Short enough that
 # a step is one line in an 80-column terminal or CI log.
@@ -28,14 +36,80 @@ CONSOLE_KEYS = (
 )
 
 
+class WandbSink:
+    """A W&B run fed the rows RunLog writes to metrics.jsonl, at the same steps, and an incremental
+    `samples` table (one row per sample of `cfg.sample_groups` groups a step)."""
+
+    COLUMNS = ["step", "group", "index", "prompt", "response", "reward", "status"]
+
+    def __init__(self, cfg: WandbConfig, run_dir: Path, config: Any = None) -> None:
+        import wandb  # imported only when enabled: the optional extra `slimish[wandb]`
+
+        self.cfg = cfg
+        id_file = run_dir / "wandb_run_id"  # a resumed run (same run_dir) continues the same W&B run
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+        id_file.write_text(run_id + "\n")
+        directory = cfg.dir or (None if os.environ.get("WANDB_DIR") else str(run_dir))
+        if directory:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=cfg.project, entity=cfg.entity, name=cfg.name or run_dir.resolve().name, id=run_id, resume="allow",
+            mode=wandb_mode(cfg), dir=directory, config=_plain(config), reinit="create_new",
+        )  # fmt: skip
+        self.table = wandb.Table(columns=self.COLUMNS, log_mode="INCREMENTAL") if cfg.sample_groups else None
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}
+        self.run.log(row, step=step)  # several rows of one step merge, as read_metrics merges them
+
+    def log_samples(self, step: int, groups: list[list[Sample]], reward_key: str | None) -> None:
+        if self.table is None or not groups:
+            return
+        for group in groups[: self.cfg.sample_groups]:
+            for s in group:
+                self.table.add_data(step, s.group_id, s.index, _prompt_text(s.prompt), s.response,
+                                    _reward(s, reward_key), str(getattr(s.status, "value", s.status)))  # fmt: skip
+        self.run.log({"samples": self.table}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def wandb_mode(cfg: WandbConfig) -> str:
+    """`metrics.wandb.mode`, else $WANDB_MODE, else online with an API key and offline without."""
+    return cfg.mode or os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+
+
+def _plain(config: Any) -> dict[str, Any] | None:
+    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
+
+
+def _prompt_text(prompt: Any) -> str:
+    if isinstance(prompt, list):  # chat messages
+        return "\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" for m in prompt if isinstance(m, dict))
+    return str(prompt)
+
+
+def _reward(sample: Sample, key: str | None) -> float | None:
+    try:
+        return None if sample.reward is None else float(sample.reward_value(key))
+    except (ValueError, TypeError):
+        return None
+
+
 class RunLog:
-    def __init__(self, run_dir: str | Path, total_steps: int, start_step: int = 0, console: bool = True) -> None:
+    def __init__(self, run_dir: str | Path, total_steps: int, start_step: int = 0, console: bool = True,
+                 wandb: WandbConfig | None = None, config: Any = None) -> None:  # fmt: skip
+        """`wandb` (`metrics.wandb`) adds a W&B sink when enabled and not mode `disabled`;
+        `config` (the RunConfig) is recorded as the W&B run's config."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.dir / "metrics.jsonl", "a")
         from torch.utils.tensorboard import SummaryWriter  # imported late: it pulls in tensorboard
 
         self.tb = SummaryWriter(str(self.dir / "tb"))
+        on = wandb is not None and wandb.enabled and wandb_mode(wandb) != "disabled"
+        self.wandb = WandbSink(wandb, self.dir, config) if on else None
         self.console = Console(stderr=True) if console else None
         self.progress = Progress(
             TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
@@ -53,6 +127,8 @@ class RunLog:
         for key, value in metrics.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(step, metrics)
         self.last_eval.update({k: v for k, v in metrics.items() if k.startswith("eval/")})
         shown = {**self.last_eval, **metrics}
         line = " ".join(f"{label} {fmt.format(shown[key])}" for key, label, fmt in CONSOLE_KEYS if key in shown)
@@ -68,6 +144,11 @@ class RunLog:
         return ", ".join(f"{label} {fmt.format(self.seen[key][0])} -> {fmt.format(self.seen[key][1])}"
                          for key, label, fmt in CONSOLE_KEYS[:3] if key in self.seen)  # fmt: skip
 
+    def log_samples(self, step: int, groups: list[list[Sample]], reward_key: str | None = None) -> None:
+        """A few of the step's groups as rows of the W&B `samples` table (nothing without W&B)."""
+        if self.wandb is not None:
+            self.wandb.log_samples(step, groups, reward_key)
+
     def message(self, text: str) -> None:
         if self.console is not None:
             self.console.print(text, highlight=False)
@@ -76,6 +157,8 @@ class RunLog:
         self.progress.stop()
         self.tb.close()
         self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,6 +48,7 @@ from slimish.trainer.base import Trainer
 from slimish.trainer.sft import sft_batches
 from slimish.trainer.weight_sync import WeightSync
 from slimish.types import Sample
+from slimish.view import ViewWriter
 
 T = TypeVar("T")
 
@@ -82,10 +83,16 @@ class Driver:
         self.servers = servers
         self.sync = WeightSync(cfg.weight_sync, servers.engine_urls, cfg.launch.api_key)
         stack.callback(lambda: self.sync.close())  # the one in use then: a restart replaces it
-        self.run_log = RunLog(cfg.run_dir, cfg.steps, start_step)
+        self.run_log = RunLog(cfg.run_dir, cfg.steps, start_step, wandb=cfg.metrics.wandb, config=cfg)
         stack.callback(self.run_log.close)
         self.trained = open(Path(cfg.run_dir) / "trained_prompts.jsonl", "a")
         stack.callback(self.trained.close)
+        self.view = ViewWriter(cfg.run_dir, cfg.metrics.view_groups, cfg.model)  # RUN_DIR/view/: `slimish view`
+        stack.callback(self.view.close)
+
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        """Times a phase of the step for view/timeline.jsonl (rollout, train, push, eval, checkpoint)."""
+        return self.view.phase(name)
 
     def start_producing(self, version: int, stack: ExitStack) -> None:
         """Async mode: the rollout runs from now on, beside training; stopped (its leftovers
@@ -95,7 +102,8 @@ class Driver:
 
     def rollout(self, version: int) -> tuple[list[list[Sample]], dict[str, float]]:
         """The step's batch and its metrics (`time/rollout`: how long the trainer waited)."""
-        return self.loop.run(self.manager.next_batch(version))
+        with self.phase("rollout"):
+            return self.loop.run(self.manager.next_batch(version))
 
     def connect(self) -> None:
         self.sync.connect()
@@ -110,14 +118,16 @@ class Driver:
             self.sync.close()
             self.sync = WeightSync(self.cfg.weight_sync, self.servers.engine_urls, self.cfg.launch.api_key)
             self.sync.connect()
-        pushed = self.sync.push(trainer.hf_tensors(), str(version))  # every rank takes part (Megatron gathers)
+        with self.phase("push"):
+            pushed = self.sync.push(trainer.hf_tensors(), str(version))  # every rank takes part (Megatron gathers)
         self.loop.run(self.manager.weights_pushed(version))
         return {"time/weight_push": pushed["seconds"], "launch/engines_restarted": float(len(restarted))}
 
     def evaluate(self) -> dict[str, float]:
         metrics: dict[str, float] = {}
-        for eval_set in self.eval_sets:
-            metrics.update(self.loop.run(self.manager.evaluate(eval_set)))
+        with self.phase("eval"):
+            for eval_set in self.eval_sets:
+                metrics.update(self.loop.run(self.manager.evaluate(eval_set)))
         return metrics
 
     def record_trained(self, step: int, groups: list[list[Sample]]) -> None:
@@ -127,6 +137,8 @@ class Driver:
         versions = [sorted(set().union(*(s.trained_versions() for s in g))) for g in groups]
         self.trained.write(json.dumps({"step": step, "group_ids": ids, "versions": versions}) + "\n")
         self.trained.flush()
+        self.view.write_samples(step, groups)
+        self.run_log.log_samples(step, groups, self.cfg.rollout.reward_key)  # W&B's table of sample rows
 
     def save(self, step: int, trainer: Trainer) -> dict[str, float]:
         """A checkpoint of every component: the trainer (every rank takes part), the RNG, and the
@@ -136,10 +148,11 @@ class Driver:
         async def rollout_state() -> dict[str, Any]:
             return self.manager.state_dict()
 
-        state = {"step": step, "trainer": trainer.state_dict(), "rng": checkpoint.rng_state(), "rollout": self.loop.run(rollout_state())}
-        checkpoint.save(self.cfg.run_dir, step, state, keep=self.cfg.checkpoint.keep)
-        if self.world > 1:
-            dist.barrier()  # the followers wait for the write
+        with self.phase("checkpoint"):
+            state = {"step": step, "trainer": trainer.state_dict(), "rng": checkpoint.rng_state(), "rollout": self.loop.run(rollout_state())}
+            checkpoint.save(self.cfg.run_dir, step, state, keep=self.cfg.checkpoint.keep)
+            if self.world > 1:
+                dist.barrier()  # the followers wait for the write
         return {"time/checkpoint": time.perf_counter() - saved}
 
     def load_state(self, state: dict[str, Any], source: str) -> None:
@@ -151,6 +164,7 @@ class Driver:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run_log.log(step, metrics)
+        self.view.end_step(step, metrics)
 
     def end_step(self, step: int, metrics: dict[str, float], started: float) -> None:
         metrics["time/step"] = time.perf_counter() - started
@@ -168,6 +182,9 @@ class Follower:
 
     def connect(self) -> None:
         pass
+
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        return nullcontext()
 
     def start_producing(self, version: int, stack: ExitStack) -> None:
         pass
@@ -277,7 +294,8 @@ def train(cfg: RunConfig) -> None:
             started = time.perf_counter()
             groups, metrics = side.rollout(step - 1)
             groups = broadcast(groups, world)
-            metrics.update(trainer.train_step(groups, step))
+            with side.phase("train"):
+                metrics.update(trainer.train_step(groups, step))
             metrics.update(side.push(trainer, step))
             side.record_trained(step, groups)
             if due(step, cfg.eval.every, cfg.steps):

@@ -22,9 +22,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slimish.config import RunConfig
-from slimish.trainer.algorithms import entropy_from_logits, logprobs_from_logits
+from slimish.trainer.algorithms import chunked_logprobs, entropy_from_logits, logprobs_from_logits
 from slimish.trainer.base import LossFn, Trainer, lr_factor, micro_batches, response_index
 from slimish.types import Sample
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model inside a DDP wrapper."""
+    return model.module if isinstance(model, DDP) else model
 
 
 class TorchTrainer(Trainer):
@@ -92,20 +97,62 @@ class TorchTrainer(Trainer):
 
     def _forward(self, model: torch.nn.Module, batch: list[Sample], entropy: bool | None) -> tuple[Tensor, Tensor | None]:
         """Response-token logprobs `[B, R]` (right-padded) and, unless `entropy` is False, their
-        entropies (with gradient only when `entropy` is True)."""
+        entropies (with gradient only when `entropy` is True). `trainer.logprob_chunk_tokens` > 0:
+        from the final hidden states of the response positions only, chunk by chunk
+        (`chunked_logprobs`), padding 0; 0: from the whole micro-batch's logits."""
         ids = self._input_ids(batch)
         length = ids.shape[1]
         # Logits only from the first response position on: position p predicts token p + 1.
         keep = length - min(s.prompt_length for s in batch) + 1
         first = length - keep
+        index = response_index(batch, first).to(self.device)
+        chunk = self.cfg.trainer.logprob_chunk_tokens
+        if chunk and not getattr(_unwrap(model).config, "final_logit_softcapping", None):
+            return self._chunked_forward(model, batch, ids, keep, index, entropy, chunk)
         logits = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
         labels = torch.nn.functional.pad(ids[:, first + 1 :], (0, 1), value=self.pad_id)
-        index = response_index(batch, first).to(self.device)
         logprobs = logprobs_from_logits(logits, labels, self.temperature).gather(1, index)
         ent = None
         if entropy is not False:
             with nullcontext() if entropy else torch.no_grad():
                 ent = entropy_from_logits(logits, self.temperature).gather(1, index)
+        return logprobs, ent
+
+    def _chunked_forward(self, model: torch.nn.Module, batch: list[Sample], ids: Tensor, keep: int, index: Tensor,
+                         entropy: bool | None, chunk: int) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        """`_forward` without the micro-batch's logits: the model runs (through DDP, whose
+        gradient hooks need its forward) with a pre-hook on the LM head that keeps the final
+        hidden states and hands the head none of them; the head is then applied to the response
+        positions alone, `chunk` at a time."""
+        head = _unwrap(model).get_output_embeddings()
+        captured: list[Tensor] = []
+
+        def take_hidden(_: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            captured.append(args[0])
+            return (args[0][..., :0, :], *args[1:])  # [B, 0, H]: the head computes no logits
+
+        handle = head.register_forward_pre_hook(take_hidden)
+        try:
+            model(input_ids=ids, logits_to_keep=keep, use_cache=False)
+        finally:
+            handle.remove()
+        if not captured:
+            raise RuntimeError(f"trainer.logprob_chunk_tokens: {type(_unwrap(model)).__name__} did not call its LM head with the "
+                               "hidden states as first argument; set trainer.logprob_chunk_tokens=0")  # fmt: skip
+        hidden = captured[-1]  # [B, keep, H]: positions `first` on, as the logits of the full path
+        # (row, response token) of every scored token, row-major: chunks run sample by sample and
+        # a chunk may split one; padding is never scored.
+        lengths = torch.tensor([s.response_length for s in batch])
+        rows, cols = (torch.arange(index.shape[1]) < lengths[:, None]).nonzero(as_tuple=True)
+        rows, cols = rows.to(self.device), cols.to(self.device)
+        positions = index[rows, cols]
+        labels = ids[rows, ids.shape[1] - keep + 1 + positions]  # position p predicts token p + 1
+        logprobs, ent = chunked_logprobs(hidden[rows, positions], head.weight, labels, self.temperature, chunk, entropy,
+                                         getattr(head, "bias", None))  # fmt: skip
+        shape = tuple(index.shape)
+        logprobs = logprobs.new_zeros(shape).index_put((rows, cols), logprobs)
+        if ent is not None:
+            ent = ent.new_zeros(shape).index_put((rows, cols), ent)
         return logprobs, ent
 
     def _accumulate(self, batch: list[Sample], idx: list[int], loss_fn: LossFn, entropy: bool | None) -> dict[str, float]:
