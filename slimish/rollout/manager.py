@@ -147,7 +147,10 @@ class RolloutManager:
             return 0
         refill = self._step["filtered"][-n:] if n > 0 else []
         for group, reason in refill:
-            self.counters.subtract({"groups_filtered": 1, "filtered": len(group), "groups_kept": -1, "groups_refilled": -1})
+            self.counters["groups_filtered"] -= 1
+            self.counters["filtered"] -= len(group)
+            self.counters["groups_kept"] += 1
+            self.counters["groups_refilled"] += 1
             self.filter_reasons[reason] -= 1
             for s in group:
                 s.metadata.pop("dropped", None)
