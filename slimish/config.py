@@ -351,6 +351,14 @@ class RolloutConfig:
     abort_timeout: float = 60.0  # seconds leftovers get to return after the end-of-step abort; then cancelled
     # Default sampling params for ctx.generate / ctx.chat.
     max_new_tokens: int = 64
+    # Overlong handling (DAPO). overlong_buffer > 0: each trajectory's reward gets a penalty
+    # falling linearly from 0 to -overlong_penalty over the last overlong_buffer tokens before
+    # overlong_max_tokens (None: max_new_tokens), counting every token the model wrote in the
+    # trajectory; overlong_filter: truncated samples stay in their group's baseline, out of the loss.
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    overlong_max_tokens: int | None = None
+    overlong_filter: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -378,7 +386,11 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         at_least(1, self, "rollout.", "n_samples_per_prompt", "rollout_batch_size", "max_concurrency", "max_new_tokens",
                  "over_sampling", "max_prompts_factor")  # fmt: skip
-        at_least(0, self, "rollout.", "max_consecutive_failures")
+        at_least(0, self, "rollout.", "max_consecutive_failures", "overlong_buffer", "overlong_penalty")
+        limit = self.overlong_max_tokens or self.max_new_tokens
+        if self.overlong_buffer > limit:
+            raise ValueError(f"rollout.overlong_buffer ({self.overlong_buffer}) must be at most the length it ends at "
+                             f"(rollout.overlong_max_tokens or max_new_tokens: {limit})")  # fmt: skip
         one_of("rollout.history", self.history, ("exact", "template"))
         check_parsers("rollout.", self.tool_call_parser, self.reasoning_parser)
 

@@ -285,6 +285,50 @@ def test_keep_when_insufficient_fills_the_batch_with_filtered_groups(servers: Se
     run_manager(cfg, servers.router_url, answer, stalls, judged, drop_all)
 
 
+# ---- overlong handling (DAPO) -------------------------------------------------------------
+
+
+async def lengths_by_index(ctx, sample: Sample) -> Sample:
+    """Responses of exactly 3, 5, 7 and 8 (= rollout.max_new_tokens) tokens; the shorter ones
+    stand for responses that ended by themselves. Every one is right (reward 1)."""
+    n = (3, 5, 7, 8)[sample.index]
+    sample.set_prompt(ctx.prompt_ids(sample.prompt))
+    ctx.append_model(await ctx.generate(sample.tokens, {"max_new_tokens": n, "ignore_eos": True}))
+    if n < 8:
+        sample.status = SampleStatus.COMPLETED
+    sample.reward = 1.0
+    return sample
+
+
+def test_overlong_penalty_and_filter_shape_a_group_before_its_filter(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
+    """Soft penalty over the last 4 of 8 tokens: 0, -0.25, -0.75, -1; the truncated sample is out
+    of the loss but in the baseline; the group, uniform in raw reward, survives `nonzero_std`."""
+    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=4", "rollout.rollout_batch_size=1",
+                   "rollout.overlong_buffer=4", "rollout.overlong_filter=true")  # fmt: skip
+
+    async def body(m: RolloutManager) -> Any:
+        stats = await m.run_step(0)
+        return stats, m.buffer.get_batch(1)[0]
+
+    from slimish.rollout.filters import nonzero_std
+
+    stats, group = run_manager(cfg, servers.router_url, lengths_by_index, body, filter_fn=nonzero_std)
+    assert [s.response_length for s in group] == [3, 5, 7, 8] and stats["groups_filtered"] == 0
+    assert [s.reward for s in group] == [1.0, 0.75, 0.25, 0.0]
+    assert [s.metadata["overlong_penalty"] for s in group] == [0.0, -0.25, -0.75, -1.0]
+    assert [s.exclude_from_loss for s in group] == [False, False, False, True] and sum(group[3].train_mask) == 0
+    assert stats["truncated_fraction"] == 0.25
+
+
+def test_overlong_penalty_falls_linearly_over_the_buffer() -> None:
+    from slimish.rollout.rewards import overlong_penalty
+
+    assert [overlong_penalty(n, 8, 4) for n in (1, 4, 5, 6, 7, 8, 20)] == [0.0, 0.0, -0.25, -0.5, -0.75, -1.0, -1.0]
+    assert overlong_penalty(7, 8, 4, penalty=0.5) == -0.375 and overlong_penalty(8, 8, 0) == 0.0
+    with pytest.raises(SystemExit, match=r"rollout.overlong_buffer \(9\) must be at most .* 8"):
+        make_cfg(Path("m"), "task:max_digit", "rollout.overlong_buffer=9")
+
+
 BROKEN = '''
 async def reward(ctx, sample):
     scores = {"a": 1.0}

@@ -49,7 +49,7 @@ from slimish.rollout.api import RolloutContext, RolloutRuntime, is_resumable, tr
 from slimish.rollout.data import PromptData
 from slimish.rollout.evaluation import EvalSet, mean, summarize
 from slimish.rollout.loader import load_functions
-from slimish.rollout.rewards import is_group_reward
+from slimish.rollout.rewards import is_group_reward, overlong_penalty
 from slimish.types import Sample, SampleStatus, trajectories
 
 FINISHED = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
@@ -313,6 +313,7 @@ class RolloutManager:
                     self._leftover(prompt, results)
                     return False
                 await self._score(group, self.reward_fn)
+                self._overlong(group)
             reason = None
             if not any(s.status == SampleStatus.FAILED for s in group):
                 try:
@@ -498,6 +499,28 @@ class RolloutManager:
                     s.reward = copy.deepcopy(last.reward)
         if self.reward_post is not None and not any(s.status == SampleStatus.FAILED for s in group):
             await self._post_process(group)
+
+    def _overlong(self, group: list[Sample]) -> None:
+        """`rollout.overlong_*` on a scored training group: the soft length penalty on each
+        trajectory's reward (kept as `metadata["overlong_penalty"]`), truncated samples out of the
+        loss. Before the filter, so a group that differs only in length is not dropped as uniform."""
+        cfg = self.cfg
+        if any(s.status == SampleStatus.FAILED for s in group):
+            return
+        if cfg.overlong_filter:
+            for s in group:
+                s.exclude_from_loss = s.exclude_from_loss or s.status == SampleStatus.TRUNCATED
+        if not cfg.overlong_buffer:
+            return
+        limit = cfg.overlong_max_tokens or cfg.max_new_tokens
+        for samples in trajectories(group).values():
+            penalty = overlong_penalty(sum(sum(s.loss_mask) for s in samples), limit, cfg.overlong_buffer, cfg.overlong_penalty)
+            for s in samples:
+                s.metadata["overlong_penalty"] = penalty
+                if isinstance(s.reward, dict):
+                    s.reward = {**s.reward, cfg.reward_key: s.reward_value(cfg.reward_key) + penalty}
+                else:
+                    s.reward = s.reward_value() + penalty
 
     async def _post_process(self, group: list[Sample]) -> None:
         """`rollout.reward_post_fn` over a scored group: its list replaces the rewards (each

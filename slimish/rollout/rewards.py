@@ -12,7 +12,7 @@ from typing import Any
 from slimish.rollout.tasks import extract_boxed, get_task
 from slimish.types import Sample
 
-__all__ = ["extract_boxed", "final_turn_text", "group_reward", "is_group_reward", "math_reward"]
+__all__ = ["extract_boxed", "final_turn_text", "group_reward", "is_group_reward", "math_reward", "overlong_penalty"]
 
 def group_reward(fn: Callable[..., Awaitable[list[Any]]]) -> Callable[..., Awaitable[list[Any]]]:
     """Marks `async def fn(ctx, samples) -> list[float | dict]` as a reward over a whole finished
@@ -52,3 +52,13 @@ async def math_reward(ctx: Any, sample: Sample) -> float:
 
 def _normalise(answer: str) -> str:
     return " ".join(answer.split())
+
+
+def overlong_penalty(length: int, limit: int, buffer: int, penalty: float = 1.0) -> float:
+    """DAPO's soft overlong punishment: 0 up to `limit - buffer` tokens, then falling linearly to
+    `-penalty` at `limit` (and beyond). The signal starts before the cut does, so a policy learns
+    to finish in time; a truncated response alone carries no such signal (its reward is its
+    answer's, and nothing in the loss sees that it never ended)."""
+    if buffer <= 0 or length <= limit - buffer:
+        return 0.0
+    return -penalty * min(length - (limit - buffer), buffer) / buffer
