@@ -271,7 +271,8 @@ class TeacherConfig:
     # router: the slimish router does not route by model name, and weight pushes reach every
     # engine behind the policy's router.
     router_url: str | None = None
-    engines: int = 1
+
+    engines: int = 1  # teacher engines started for `model`
     engine_kind: str = "builtin"  # builtin | sglang (`launch.sglang_args` do not apply: use teacher.sglang_args)
     engine_flag: list[str] = field(default_factory=list)  # NAME=VALUE passed to every teacher engine (builtin)
     sglang_args: list[str] = field(default_factory=list)  # passed to every teacher SGLang server

@@ -176,6 +176,27 @@ def test_weight_sync_never_targets_the_teacher() -> None:
 
 # -- end to end ----------------------------------------------------------------------------------
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", [["mode=sync"], ["mode=async", "buffer.max_staleness=1"]], ids=["sync", "async"])
+def test_a_teacher_equal_to_the_start_has_zero_kl_until_the_policy_moves(tmp_path: Path, mode: list[str]) -> None:
+    """The teacher is the policy's own starting model, served by engines of its own: the first
+    step's samples (version 0) have teacher_kl 0 up to engine numerics; once the policy has
+    moved it is not 0, and no sample failed, so the teacher was never pushed to (its pinned
+    weight version would have failed its samples)."""
+    from slimish.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", arch="llama", size="tiny", seed=0)
+    rows = run_quickstart(tmp_path, "steps=3", "sft.steps=0", "eval.every=0", "rollout.rollout_batch_size=4",
+                          "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8", "rollout.filter_fn=null",
+                          "algorithm.opd.coef=1.0", f"launch.teacher.model={model}", *mode, model=model)  # fmt: skip
+    kl = [r["train/teacher_kl"] for r in rows[1:]]
+    assert abs(kl[0]) < 1e-5, kl
+    assert max(abs(k) for k in kl[1:]) > 1e-4, kl
+    assert all(r["rollout/groups_failed"] == 0 for r in rows[1:])
+    assert (tmp_path / "run" / "logs" / "teacher" / "engine0.log").exists()  # its own engine
+
 TEACHER_STEPS, STUDENT_STEPS = 30, 10
 
 
