@@ -5,7 +5,6 @@ student distils a teacher trained by GRPO in the same test, with no task reward.
 from __future__ import annotations
 
 import asyncio
-import math
 from pathlib import Path
 
 import pytest
@@ -197,11 +196,14 @@ def test_a_teacher_equal_to_the_start_has_zero_kl_until_the_policy_moves(tmp_pat
     assert all(r["rollout/groups_failed"] == 0 for r in rows[1:])
     assert (tmp_path / "run" / "logs" / "teacher" / "engine0.log").exists()  # its own engine
 
-TEACHER_STEPS, STUDENT_STEPS = 30, 10
+# Measured (2026-12-04, 512 held-out prompts, greedy): after the 200-step SFT 0.14; a GRPO teacher
+# of 40 steps 0.65 (30 steps: 0.52 on 64 prompts); students at lr 1e-3 plateau near 0.44 by step
+# 10, at 4e-3 they reach 0.54-0.59 by steps 10-15 (the eval moves by about 0.05 between them).
+TEACHER_STEPS, STUDENT_STEPS, EVAL_PROMPTS = 40, 15, 512
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)
+@pytest.mark.timeout(3000)
 def test_student_distils_a_grpo_teacher_without_task_reward(tmp_path: Path) -> None:
     """One SFT warm start (held-out accuracy near chance); a teacher trained from it by GRPO on
     the quickstart task; a student from the same warm start trained by the teacher's per-token
@@ -211,18 +213,18 @@ def test_student_distils_a_grpo_teacher_without_task_reward(tmp_path: Path) -> N
     sft = tmp_path / "sft"
     run_quickstart(sft, "steps=0", "eval.every=0")
     teacher = tmp_path / "teacher"
-    rows = run_quickstart(teacher, f"steps={TEACHER_STEPS}", f"eval.every={TEACHER_STEPS}", "sft.steps=0", model=sft / "run" / "hf")
+    rows = run_quickstart(teacher, f"steps={TEACHER_STEPS}", f"eval.every={TEACHER_STEPS}", f"eval.n_prompts={EVAL_PROMPTS}",
+                          "sft.steps=0", model=sft / "run" / "hf")  # fmt: skip
     teacher_acc = rows[-1]["eval/accuracy"]
     assert teacher_acc >= 0.5, f"the teacher reached only {teacher_acc}"
 
     student = tmp_path / "student"
-    rows = run_quickstart(student, f"steps={STUDENT_STEPS}", f"eval.every={STUDENT_STEPS}", "sft.steps=0",
-                          "algorithm.opd.coef=1.0", "algorithm.opd.task_reward=false", "rollout.filter_fn=null",
-                          f"launch.teacher.model={teacher / 'run' / 'hf'}", model=sft / "run" / "hf")  # fmt: skip
+    rows = run_quickstart(student, f"steps={STUDENT_STEPS}", f"eval.every={STUDENT_STEPS}", f"eval.n_prompts={EVAL_PROMPTS}",
+                          "sft.steps=0", "trainer.lr=4e-3", "algorithm.opd.coef=1.0", "algorithm.opd.task_reward=false",
+                          "rollout.filter_fn=null", f"launch.teacher.model={teacher / 'run' / 'hf'}", model=sft / "run" / "hf")  # fmt: skip
     before, after = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
     kl = [r["train/teacher_kl"] for r in rows[1:]]
-    print(f"teacher {teacher_acc}; student {before} -> {after}; teacher_kl {kl}")
-    assert after >= before + 0.3, f"student accuracy {before} -> {after} (teacher {teacher_acc})"
-    assert kl[-1] < kl[0] / 2, kl
+    print(f"teacher {teacher_acc}; student {before} -> {after}; teacher_kl {[round(k, 3) for k in kl]}")
+    assert before < 0.3 and after >= before + 0.3, f"student accuracy {before} -> {after} (teacher {teacher_acc})"
+    assert sum(kl[-3:]) < sum(kl[:3]) / 2, kl
     assert all(r["rollout/groups_failed"] == 0 for r in rows[1:])  # every sample scored by the teacher
-    assert all(math.isfinite(r["train/loss"]) for r in rows[1:])
