@@ -259,6 +259,36 @@ def _scalar(hint: Any) -> type:
 
 
 @dataclass
+class TeacherConfig:
+    """On-policy distillation's teacher (`algorithm.opd`): engines of its own, never pushed to (weight
+    sync targets the policy's engines only). Only started when `algorithm.opd.coef` > 0. It must
+    share the policy's tokenizer: it scores the policy's token ids as they are."""
+
+    # HF model directory: `engines` engines of `engine_kind` are started on rank 0's machine
+    # (child processes, also under launch.mode=ray), with a router of their own in front.
+    model: str | None = None
+    # An existing router or engine that serves the teacher (nothing started). Not the policy's
+    # router: the slimish router does not route by model name, and weight pushes reach every
+    # engine behind the policy's router.
+    router_url: str | None = None
+
+    engines: int = 1  # teacher engines started for `model`
+    engine_kind: str = "builtin"  # builtin | sglang (`launch.sglang_args` do not apply: use teacher.sglang_args)
+    engine_flag: list[str] = field(default_factory=list)  # NAME=VALUE passed to every teacher engine (builtin)
+    sglang_args: list[str] = field(default_factory=list)  # passed to every teacher SGLang server
+
+    def __post_init__(self) -> None:
+        one_of("launch.teacher.engine_kind", self.engine_kind, ("builtin", "sglang"))
+        at_least(1, self, "launch.teacher.", "engines")
+        if self.model and self.router_url:
+            raise ValueError("launch.teacher: set model (engines started by the run) or router_url (an existing server), not both")
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.model or self.router_url)
+
+
+@dataclass
 class LaunchConfig:
     """Where the engines and the router come from."""
 
@@ -284,6 +314,7 @@ class LaunchConfig:
     engine_cpus: float = 1.0  # mode=ray: CPUs of each engine's bundle
     engine_gpus: float = 0.0  # mode=ray: GPUs of each engine's bundle (SGLang: its tp size)
     placement_strategy: str = "PACK"  # mode=ray: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)  # on-policy distillation's teacher
 
     def __post_init__(self) -> None:
         one_of("launch.mode", self.mode, ("local", "ray"))
@@ -297,6 +328,9 @@ class LaunchConfig:
         if self.engines < 1 or self.engine_cpus < 0 or self.engine_gpus < 0:
             raise ValueError(f"launch.engines must be >= 1 and engine_cpus/engine_gpus >= 0, got "
                              f"{self.engines}, {self.engine_cpus}, {self.engine_gpus}")  # fmt: skip
+        if self.router_url and self.teacher.router_url and self.router_url.rstrip("/") == self.teacher.router_url.rstrip("/"):
+            raise ValueError(f"launch.teacher.router_url is the policy's launch.router_url ({self.router_url}): weight pushes would "
+                             "reach the teacher; serve the teacher from its own router or engine")  # fmt: skip
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise ValueError(f"launch.placement_strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, "
                              f"got {self.placement_strategy!r}")  # fmt: skip
@@ -319,11 +353,14 @@ class DataConfig:
     task_size: int = 2000  # prompts per split for `task:NAME` sources
 
 
+ZERO_VARIANCE_FILTER = "slimish.rollout.filters:nonzero_std"  # drops groups whose rewards are all equal
+
+
 @dataclass
 class RolloutConfig:
     rollout_fn: str = "rollout_plugins.math:rollout"  # module:function or path/to/file.py:function
     reward_fn: str | None = None  # async (ctx, sample) -> float, or a group form; None: the plugin sets rewards
-    filter_fn: str | None = "slimish.rollout.filters:nonzero_std"  # over a finished group; None: keep all
+    filter_fn: str | None = ZERO_VARIANCE_FILTER  # over a finished group; None: keep all
     reward_key: str | None = None  # for dict rewards: the numeric key advantages use (others are kept as metadata)
     # Hooks, each module:function (slimish/rollout/loader.py has their shapes): on every sample the
     # rollout fn returned, before scoring; and over a scored group, replacing its rewards.
@@ -414,6 +451,25 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 @dataclass
+class OPDConfig:
+    """On-policy distillation: each trained token's advantage is the task advantage minus
+    coef * (log pi_old - log pi_teacher), a per-token reverse-KL penalty toward the teacher
+    (`launch.teacher`), whose log-probs of the sampled tokens the rollout side fetches."""
+
+    coef: float = 0.0  # weight of the teacher's per-token signal; 0 = off (no teacher is started)
+    # false: pure distillation: the task advantage is 0 and only the teacher trains the policy.
+    # Rewards are still computed and logged where the rollout / reward fn gives them (a sample
+    # without one scores 0.0 instead of failing); the zero-reward-variance filter is refused
+    # (it would drop groups by a reward that is not trained on): set rollout.filter_fn=null.
+    task_reward: bool = True
+
+    def __post_init__(self) -> None:
+        at_least(0, self, "algorithm.opd.", "coef")
+        if not self.task_reward and self.coef == 0:
+            raise ValueError("algorithm.opd.task_reward=false (pure distillation) needs algorithm.opd.coef > 0: nothing would train the policy")
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantages and losses (slimish/trainer/algorithms.py has the formulas and the reasons)."""
 
@@ -448,6 +504,7 @@ class AlgorithmConfig:
     tis_cap: float | None = None  # truncated importance sampling against rollout logprobs
     mis_cap: float | None = None  # masked importance sampling: tokens whose weight exceeds it are dropped
     recompute_old_logprobs: bool = False  # else the rollout's logprobs are the old policy
+    opd: OPDConfig = field(default_factory=OPDConfig)  # on-policy distillation (teacher: launch.teacher)
 
     def __post_init__(self) -> None:
         choices = {"advantage": ADVANTAGES, "loss": LOSSES, "loss_reduction": LOSS_REDUCTIONS, "kl_estimator": KL_ESTIMATORS}
@@ -669,6 +726,13 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         one_of("mode", self.mode, ("sync", "async"))
+        opd = self.algorithm.opd
+        if opd.coef > 0 and not self.launch.teacher.configured:
+            raise ValueError("algorithm.opd.coef > 0 needs a teacher: set launch.teacher.model (an HF directory; the run starts "
+                             "its engines) or launch.teacher.router_url (a running teacher server)")  # fmt: skip
+        if not opd.task_reward and self.rollout.filter_fn == ZERO_VARIANCE_FILTER:
+            raise ValueError(f"algorithm.opd.task_reward=false (pure distillation) trains every group whatever its rewards: "
+                             f"set rollout.filter_fn=null (or a filter that does not judge by reward), not {ZERO_VARIANCE_FILTER}")  # fmt: skip
         for section in (self.data, self.trainer):
             if section.seed is None:
                 section.seed = self.seed

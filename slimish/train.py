@@ -35,7 +35,7 @@ import transformers
 
 from slimish.buffer import Buffer, Staleness
 from slimish.config import RunConfig, document_run_config, load_run_config
-from slimish.launch import Servers, start_servers
+from slimish.launch import Servers, check_push_targets, start_servers, teacher_servers
 from slimish.loop_thread import LoopThread
 from slimish.metrics import RunLog
 from slimish.rollout.api import RolloutRuntime
@@ -74,14 +74,18 @@ class Driver:
 
     def __init__(self, cfg: RunConfig, servers: Servers, stack: ExitStack, start_step: int, world: int) -> None:
         self.cfg, self.world = cfg, world
+        self.teacher: Servers | None = None  # on-policy distillation's teacher: never pushed to
+        if cfg.algorithm.opd.coef > 0:
+            self.teacher = stack.enter_context(teacher_servers(cfg.launch, Path(cfg.run_dir) / "logs" / "teacher"))
         self.loop = LoopThread("rollout")
         stack.callback(self.loop.close)
-        self.runtime = self.loop.run(RolloutRuntime.create(cfg, servers.router_url))
+        teacher_url = self.teacher.router_url if self.teacher else None
+        self.runtime = self.loop.run(RolloutRuntime.create(cfg, servers.router_url, teacher_url))
         stack.callback(lambda: self.loop.run(self.runtime.close()))
         self.manager = RolloutManager.from_config(self.runtime, PromptData(cfg.data), Buffer(Staleness.of(cfg.buffer)))
         self.eval_sets = eval_sets(cfg, self.manager.rollout_fn, self.manager.reward_fn)
         self.servers = servers
-        self.sync = WeightSync(cfg.weight_sync, servers.engine_urls, cfg.launch.api_key)
+        self.sync = self._weight_sync()
         stack.callback(lambda: self.sync.close())  # the one in use then: a restart replaces it
         self.run_log = RunLog(cfg.run_dir, cfg.steps, start_step, wandb=cfg.metrics.wandb, config=cfg)
         stack.callback(self.run_log.close)
@@ -89,6 +93,11 @@ class Driver:
         stack.callback(self.trained.close)
         self.view = ViewWriter(cfg.run_dir, cfg.metrics.view_groups, cfg.model)  # RUN_DIR/view/: `slimish view`
         stack.callback(self.view.close)
+
+    def _weight_sync(self) -> WeightSync:
+        """The push into the policy's engines, and only theirs (never the teacher's)."""
+        check_push_targets(self.servers.engine_urls, self.teacher.engine_urls if self.teacher else [])
+        return WeightSync(self.cfg.weight_sync, self.servers.engine_urls, self.cfg.launch.api_key)
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """Times a phase of the step for view/timeline.jsonl (rollout, train, push, eval, checkpoint)."""
@@ -116,7 +125,7 @@ class Driver:
         if restarted:
             self.run_log.message(f"engines {', '.join(restarted)} had exited: restarted, they serve from version {version} on")
             self.sync.close()
-            self.sync = WeightSync(self.cfg.weight_sync, self.servers.engine_urls, self.cfg.launch.api_key)
+            self.sync = self._weight_sync()
             self.sync.connect()
         with self.phase("push"):
             pushed = self.sync.push(trainer.hf_tensors(), str(version))  # every rank takes part (Megatron gathers)

@@ -56,6 +56,9 @@ class Sample:
     response_length: int = 0
     loss_mask: list[int] = field(default_factory=list)  # one per response token
     rollout_logprobs: list[float] = field(default_factory=list)  # one per response token (0.0 where mask 0)
+    # On-policy distillation (algorithm.opd): the teacher's log-probs of the response tokens, one
+    # per token as `rollout_logprobs` and at the same temperature; None until the teacher scored it.
+    teacher_logprobs: list[float] | None = None
     reward: float | dict[str, Any] | None = None  # a dict: named values, `rollout.reward_key` the numeric one trained on
     status: SampleStatus = SampleStatus.PENDING
     weight_versions: list[int] = field(default_factory=list)  # versions that produced its tokens, in order
@@ -118,6 +121,7 @@ class Sample:
         self.rollout_logprobs.extend(logprobs)
         self.token_versions.extend(versions)
         self.response_length += len(ids)
+        self.teacher_logprobs = None  # scored again once the response is final
 
     @property
     def train_mask(self) -> list[int]:
@@ -162,7 +166,8 @@ class Sample:
         where = f"sample {self.group_id}/{self.index}"
         if not 0 <= self.response_length <= len(self.tokens):
             raise ValueError(f"{where}: response_length {self.response_length} outside 0..{len(self.tokens)} tokens")
-        for name in ("loss_mask", "rollout_logprobs", *(("token_versions",) if self.token_versions else ())):
+        optional = (("token_versions",) if self.token_versions else ()) + (("teacher_logprobs",) if self.teacher_logprobs is not None else ())
+        for name in ("loss_mask", "rollout_logprobs", *optional):
             if len(getattr(self, name)) != self.response_length:
                 raise ValueError(f"{where}: {name} has {len(getattr(self, name))} entries, response_length is {self.response_length}")
         if any(m not in (0, 1) for m in self.loss_mask):

@@ -3,7 +3,8 @@ actors across a cluster (`launch.mode: ray`); built-in, SGLang or external engin
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,3 +21,26 @@ def start_servers(launch: "LaunchConfig", model: str | Path, log_dir: str | Path
 
         return ray_servers(launch, model, log_dir)
     return local_servers(launch, model, log_dir)
+
+
+@contextmanager
+def teacher_servers(launch: "LaunchConfig", log_dir: str | Path) -> Iterator[Servers]:
+    """On-policy distillation's teacher (`launch.teacher`): its own engines and router, started
+    on this machine like the policy's local ones (logs in `log_dir`), or the server at
+    `teacher.router_url`. Never part of the policy's `Servers`, so weight sync never reaches it."""
+    from slimish.config import LaunchConfig
+
+    t = launch.teacher
+    own = LaunchConfig(router_url=t.router_url, engines=t.engines, engine_kind=t.engine_kind, engine_flag=list(t.engine_flag),
+                       sglang_args=list(t.sglang_args), policy=launch.policy, api_key=launch.api_key,
+                       start_timeout=launch.start_timeout)  # fmt: skip
+    with local_servers(own, t.model or "", log_dir) as servers:
+        yield servers
+
+
+def check_push_targets(policy_urls: list[str], teacher_urls: list[str]) -> None:
+    """Weight sync targets the policy's engines only: fail if one of them is also the teacher's."""
+    shared = {u.rstrip("/") for u in policy_urls} & {u.rstrip("/") for u in teacher_urls}
+    if shared:
+        raise ValueError(f"launch.teacher: engines {sorted(shared)} serve both the policy and the teacher; weight pushes would "
+                         "change the teacher. Give the teacher engines of its own")  # fmt: skip

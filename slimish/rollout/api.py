@@ -28,6 +28,7 @@ from slimish.formats.model import ModelFormat
 from slimish.formats.tokens import ChatTokens, same_message
 from slimish.protocol import GenerateResponse, version_number
 from slimish.rollout.capture import CaptureServer
+from slimish.rollout.teacher import Teacher
 from slimish.types import GenerateResult, Sample, SampleStatus, status_of
 
 
@@ -93,8 +94,9 @@ def sample_from_reply(prompt_ids: list[int], reply: dict[str, Any], **fields: An
 class RolloutRuntime:
     """Shared by every sample of a run."""
 
-    def __init__(self, cfg: RunConfig, client: Client, tokenizer: Any) -> None:
+    def __init__(self, cfg: RunConfig, client: Client, tokenizer: Any, teacher: Teacher | None = None) -> None:
         self.cfg, self.client, self.tokenizer = cfg, client, tokenizer
+        self.teacher = teacher  # on-policy distillation: scores every finished training sample
         self.sampling_params = default_sampling_params(cfg.rollout)
         # The model's chat format (template, end tokens, parsers): the same object the engine builds.
         self.format = ModelFormat(tokenizer, cfg.model, cfg.rollout.tool_call_parser, cfg.rollout.reasoning_parser)
@@ -107,9 +109,10 @@ class RolloutRuntime:
         return self.format.chat(tools, **{**self.cfg.rollout.chat_template_kwargs, **(chat_template_kwargs or {})})
 
     @classmethod
-    async def create(cls, cfg: RunConfig, router_url: str) -> "RolloutRuntime":
+    async def create(cls, cfg: RunConfig, router_url: str, teacher_url: str | None = None) -> "RolloutRuntime":
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.model)
-        return cls(cfg, Client(router_url, api_key=cfg.launch.api_key), tokenizer)
+        teacher = Teacher(Client(teacher_url, api_key=cfg.launch.api_key), cfg.rollout.temperature) if teacher_url else None
+        return cls(cfg, Client(router_url, api_key=cfg.launch.api_key), tokenizer, teacher)
 
     async def get_capture(self) -> CaptureServer:
         async with self._capture_lock:
@@ -125,6 +128,8 @@ class RolloutRuntime:
         if self.capture is not None:
             await self.capture.stop()
             self.capture = None
+        if self.teacher is not None:
+            await self.teacher.close()
         await self.client.close()
 
 

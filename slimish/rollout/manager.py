@@ -314,6 +314,7 @@ class RolloutManager:
                     return False
                 await self._score(group, self.reward_fn)
                 self._overlong(group)
+                await self._score_teacher(group)
             reason = None
             if not any(s.status == SampleStatus.FAILED for s in group):
                 try:
@@ -463,7 +464,9 @@ class RolloutManager:
         lasts = [samples[-1] for samples in by_trajectory.values()]
         if reward_fn is None:
             for s in lasts:
-                if s.reward is None:
+                if s.reward is None and not self.runtime.cfg.algorithm.opd.task_reward:
+                    s.reward = 0.0  # pure distillation: the teacher trains, no task reward is needed
+                elif s.reward is None:
                     _fail(s, "no reward: the rollout fn set none and rollout.reward_fn is not set")
         elif is_group_reward(reward_fn):
             try:
@@ -521,6 +524,21 @@ class RolloutManager:
                     s.reward = {**s.reward, cfg.reward_key: s.reward_value(cfg.reward_key) + penalty}
                 else:
                     s.reward = s.reward_value() + penalty
+
+    async def _score_teacher(self, group: list[Sample]) -> None:
+        """On-policy distillation: the teacher's log-probs of every finished sample's response
+        (`Sample.teacher_logprobs`), once per final response; a failed call fails the sample."""
+        teacher = self.runtime.teacher
+        if teacher is None or any(s.status == SampleStatus.FAILED for s in group):
+            return
+
+        async def one(s: Sample) -> None:
+            try:
+                await teacher.score(s)
+            except Exception as exc:
+                _fail(s, "teacher", exc)
+
+        await asyncio.gather(*(one(s) for s in group if s.teacher_logprobs is None))
 
     async def _post_process(self, group: list[Sample]) -> None:
         """`rollout.reward_post_fn` over a scored group: its list replaces the rewards (each

@@ -454,6 +454,34 @@ def mis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, ca
     return torch.where(w <= cap, w, 0.0)
 
 
+# --- On-policy distillation ---------------------------------------------------------------------
+
+
+def teacher_log_ratio(old_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """log pi_old - log pi_teacher per token `[B, T]`, 0 where the mask is 0, detached: on tokens
+    sampled from pi_old, the single-sample estimate of the reverse KL(pi_old || pi_teacher) at
+    that position (what on-policy distillation minimises; its mean is `train/teacher_kl`)."""
+    return torch.where(mask.bool(), old_logprobs - teacher_logprobs, 0.0).detach()
+
+
+def opd_advantages(advantages: Tensor, log_ratio: Tensor, coef: float) -> Tensor:
+    """Per-token advantages `[B, T]`: the task advantage (`[B]`, one per sample, broadcast over
+    its tokens, or already `[B, T]`) minus `coef` x `teacher_log_ratio`. A token the teacher finds
+    likelier than the policy did is pushed up, one it finds unlikelier pushed down: a dense,
+    per-token reward of -reverse KL, added to whatever the task reward says."""
+    return token_advantages(advantages, log_ratio) - coef * log_ratio
+
+
+def token_advantages(advantages: Tensor, like: Tensor) -> Tensor:
+    """Advantages as `[B, T]` (the shape of `like`): `[B]` (one per sample) broadcast over each
+    sample's tokens, `[B, T]` as given; any other shape is refused."""
+    if advantages.dim() == like.dim() - 1:
+        advantages = advantages.unsqueeze(-1)
+    if advantages.dim() != like.dim() or advantages.shape[0] != like.shape[0] or advantages.shape[-1] not in (1, like.shape[-1]):
+        raise ValueError(f"advantages: expected [B] or [B, T] for logprobs of shape {tuple(like.shape)}, got {tuple(advantages.shape)}")
+    return advantages.expand_as(like)
+
+
 # --- The whole RL loss for one micro-batch -------------------------------------------------------
 
 
@@ -484,8 +512,11 @@ def rl_loss(
 
     `policy_loss_fn` is the user's policy loss when `cfg.loss` is `module:function` (see
     `custom_policy_loss`); it replaces the clipped surrogate only. Its `clip_*` stats are 0 and
-    `ratio` (and the KL importance weight) is the token-level pi / pi_old."""
+    `ratio` (and the KL importance weight) is the token-level pi / pi_old.
+
+    `advantages` is `[B]` (one per sample) or `[B, T]` (per token: on-policy distillation)."""
     m = mask.to(logprobs.dtype)
+    advantages = token_advantages(advantages, logprobs)
     if ":" in cfg.loss:
         if policy_loss_fn is None:
             raise ValueError(f"algorithm.loss {cfg.loss!r}: pass the loaded function as policy_loss_fn "

@@ -32,12 +32,14 @@ from torch.nn.utils.rnn import pad_sequence
 from slimish.buffer import group_version
 from slimish.config import RunConfig
 from slimish.rollout.loader import load_function
-from slimish.trainer.algorithms import credit_weights, loss_normalizer, rl_loss, sequence_kl, sft_loss, trajectory_advantages
+from slimish.trainer.algorithms import (credit_weights, loss_normalizer, opd_advantages, rl_loss, sequence_kl, sft_loss,
+                                        teacher_log_ratio, trajectory_advantages)  # fmt: skip
 from slimish.types import Sample
 
 # Additive statistics summed over micro-batches, updates and ranks (rl_loss's, plus ours).
 STAT_KEYS = ("loss/policy", "loss/kl", "loss/entropy", "tokens", "clip_low", "clip_high", "dual_clip",
-             "ratio", "tis", "kl", "entropy", "mismatch", "mismatch_tokens", "mismatch_fresh", "mismatch_fresh_tokens")  # fmt: skip
+             "ratio", "tis", "kl", "entropy", "mismatch", "mismatch_tokens", "mismatch_fresh", "mismatch_fresh_tokens",
+             "teacher_kl")  # fmt: skip
 
 # (sample indices, response logprobs [B, R], entropies [B, R] or None) -> (loss share, stats)
 LossFn = Callable[[list[int], Tensor, Tensor | None], tuple[Tensor, dict[str, Tensor]]]
@@ -129,7 +131,8 @@ class _Batch:
     fresh: list[float]  # 1 where made by the weights this step starts from
     old: dict[int, Tensor]  # this rank's samples: the log-probs the ratio is taken against
     ref: dict[int, Tensor] | None  # and the reference policy's, with KL on
-    advantages: Tensor
+    teacher: dict[int, Tensor] | None  # and the teacher's, with on-policy distillation on
+    advantages: Tensor  # the task advantage, one per sample
     raw_rewards: Tensor  # before KL in the reward, for the metrics
     stats: dict[str, float]  # summed loss statistics, this rank's
 
@@ -249,7 +252,12 @@ class Trainer(ABC):
         trajectory, group = trajectory_index(groups)
         advantages = trajectory_advantages(self.advantage_fn or algo.advantage, rewards, torch.tensor(trajectory), torch.tensor(group),
                                            torch.tensor(self._credit(samples, trajectory)), algo.advantage_eps)  # fmt: skip
-        return _Batch(samples, minis, shares, trajectory, fresh, old, ref, advantages, raw_rewards, stats)
+        teacher = None
+        if algo.opd.coef > 0:
+            teacher = {i: self._teacher_logprobs(samples[i]) for i in mine}
+            if not algo.opd.task_reward:  # pure distillation: the teacher's signal alone
+                advantages = torch.zeros_like(advantages)
+        return _Batch(samples, minis, shares, trajectory, fresh, old, ref, teacher, advantages, raw_rewards, stats)
 
     def _update(self, b: "_Batch") -> tuple[list[float], list[float]]:
         """The optimiser steps, one per minibatch; the grad norms and learning rates they used.
@@ -274,8 +282,13 @@ class Trainer(ABC):
                 batch = [samples[i] for i in idx]
                 rollout = self._pad([self._rollout_logprobs(s) for s in batch])
                 mask = self._pad([self._mask(s) for s in batch])
+                old = self._pad([b.old[i] for i in idx])
+                advantages = b.advantages[idx].to(self.device)
+                if b.teacher is not None:  # on-policy distillation: per-token advantages
+                    log_ratio = teacher_log_ratio(old, self._pad([b.teacher[i] for i in idx]), mask)
+                    advantages = opd_advantages(advantages, log_ratio, algo.opd.coef)
                 loss, st = rl_loss(
-                    algo, logprobs, self._pad([b.old[i] for i in idx]), b.advantages[idx].to(self.device), mask,
+                    algo, logprobs, old, advantages, mask,
                     normalizer, ref_logprobs=self._pad([b.ref[i] for i in idx]) if b.ref is not None else None,
                     rollout_logprobs=rollout, entropy=entropy,
                     trajectory_tokens=torch.tensor([pooled[trajectory[i]] for i in idx], device=self.device),
@@ -283,6 +296,8 @@ class Trainer(ABC):
                 )  # fmt: skip
                 if measure:
                     st.update(mismatch(logprobs.detach(), rollout, mask, [b.fresh[i] for i in idx]))
+                if b.teacher is not None:
+                    st["teacher_kl"] = (log_ratio * mask).sum()
                 return loss, st
 
             entropy = True if algo.entropy_coef > 0 else None  # else measured without gradient
@@ -336,6 +351,8 @@ class Trainer(ABC):
             out["train/mismatch_stale"] = (t["mismatch"] - t["mismatch_fresh"]) / stale_tokens
         if with_ref:
             out["train/kl"] = t["kl"] / tokens
+        if self.cfg.algorithm.opd.coef > 0:  # mean over trained tokens of log pi_old - log pi_teacher
+            out["train/teacher_kl"] = t["teacher_kl"] / tokens
         if self.cfg.algorithm.dual_clip_c is not None:
             out["train/dual_clip_frac"] = t["dual_clip"] / tokens
         if self.cfg.algorithm.tis_cap is not None:
@@ -389,6 +406,12 @@ class Trainer(ABC):
 
     def _rollout_logprobs(self, s: Sample) -> Tensor:
         return torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
+
+    def _teacher_logprobs(self, s: Sample) -> Tensor:
+        if s.teacher_logprobs is None:
+            raise ValueError(f"sample {s.group_id}/{s.index}: no teacher_logprobs; algorithm.opd.coef > 0 needs every trained sample "
+                             "scored by the teacher (launch.teacher), which the rollout manager does")  # fmt: skip
+        return torch.tensor(s.teacher_logprobs, dtype=torch.float32, device=self.device)
 
     def _mask(self, s: Sample, trained: bool = True) -> Tensor:
         """The tokens trained on (`Sample.train_mask`: none when `exclude_from_loss`), or with
