@@ -156,6 +156,15 @@ def run_quickstart(tmp_path: Path, *overrides: str, model: Path | None = None, t
     return read_metrics(tmp_path / "run")
 
 
+@pytest.fixture(scope="session")
+def quickstart_sft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The quickstart's SFT warm start (held-out accuracy near chance), run once per session: an
+    HF export that quickstart-task tests start RL from with `sft.steps=0`."""
+    sft = tmp_path_factory.mktemp("quickstart-sft")
+    run_quickstart(sft, "steps=0", "eval.every=0")
+    return sft / "run" / "hf"
+
+
 def torchrun_ranks(worker: Path, args: list[str], out: Path, timeout: float = 300) -> dict[int, dict]:
     """`worker args...` on 2 torchrun ranks; each writes `out/rank{r}.json` (an `error` key when
     it failed). Own session, so a hung run is killed with all its ranks."""

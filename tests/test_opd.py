@@ -204,24 +204,22 @@ TEACHER_STEPS, STUDENT_STEPS, EVAL_PROMPTS = 40, 15, 512
 
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
-def test_student_distils_a_grpo_teacher_without_task_reward(tmp_path: Path) -> None:
+def test_student_distils_a_grpo_teacher_without_task_reward(tmp_path: Path, quickstart_sft: Path) -> None:
     """One SFT warm start (held-out accuracy near chance); a teacher trained from it by GRPO on
     the quickstart task; a student from the same warm start trained by the teacher's per-token
     signal alone (no task advantage, no reward filter): its held-out accuracy rises by 0.3 and
     its reverse KL to the teacher falls. Its teacher is served by engines of its own, never pushed
     to: the run would fail its samples if the teacher's weight version moved."""
-    sft = tmp_path / "sft"
-    run_quickstart(sft, "steps=0", "eval.every=0")
     teacher = tmp_path / "teacher"
     rows = run_quickstart(teacher, f"steps={TEACHER_STEPS}", f"eval.every={TEACHER_STEPS}", f"eval.n_prompts={EVAL_PROMPTS}",
-                          "sft.steps=0", model=sft / "run" / "hf")  # fmt: skip
+                          "sft.steps=0", model=quickstart_sft)  # fmt: skip
     teacher_acc = rows[-1]["eval/accuracy"]
     assert teacher_acc >= 0.5, f"the teacher reached only {teacher_acc}"
 
     student = tmp_path / "student"
     rows = run_quickstart(student, f"steps={STUDENT_STEPS}", f"eval.every={STUDENT_STEPS}", f"eval.n_prompts={EVAL_PROMPTS}",
                           "sft.steps=0", "trainer.lr=4e-3", "algorithm.opd.coef=1.0", "algorithm.opd.task_reward=false",
-                          "rollout.filter_fn=null", f"launch.teacher.model={teacher / 'run' / 'hf'}", model=sft / "run" / "hf")  # fmt: skip
+                          "rollout.filter_fn=null", f"launch.teacher.model={teacher / 'run' / 'hf'}", model=quickstart_sft)  # fmt: skip
     before, after = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
     kl = [r["train/teacher_kl"] for r in rows[1:]]
     print(f"teacher {teacher_acc}; student {before} -> {after}; teacher_kl {[round(k, 3) for k in kl]}")

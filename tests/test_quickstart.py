@@ -14,8 +14,8 @@ from conftest import run_quickstart
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # minutes on a loaded machine
 
 
-def test_short_quickstart_raises_accuracy_and_keeps_ending_turns(tmp_path: Path) -> None:
-    rows = run_quickstart(tmp_path, "steps=30", "eval.every=30")
+def test_short_quickstart_raises_accuracy_and_keeps_ending_turns(tmp_path: Path, quickstart_sft: Path) -> None:
+    rows = run_quickstart(tmp_path, "steps=30", "eval.every=30", "sft.steps=0", model=quickstart_sft)
     before, after = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
     assert before < 0.3, f"SFT alone should leave accuracy near chance, got {before}"
     assert after >= before + 0.2, f"held-out accuracy {before} -> {after} after 30 RL steps"

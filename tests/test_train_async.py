@@ -31,15 +31,13 @@ MODES = {  # name -> overrides; bound 1 retracts requests at a push, bound 2 abo
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict], Path]]:
+def runs(tmp_path_factory: pytest.TempPathFactory, quickstart_sft: Path) -> dict[str, tuple[list[dict], Path]]:
     """Each mode's metrics rows and run directory, all from one SFT warm start."""
-    sft = tmp_path_factory.mktemp("sft")
-    run_quickstart(sft, "steps=0", "eval.every=0")
     out = {}
     for name, overrides in MODES.items():
         tmp = tmp_path_factory.mktemp(name)
         rows = run_quickstart(tmp, f"steps={STEPS}", f"eval.every={STEPS}", f"eval.n_prompts={EVAL_PROMPTS}",
-                              "sft.steps=0", *overrides, model=sft / "run" / "hf")  # fmt: skip
+                              "sft.steps=0", *overrides, model=quickstart_sft)  # fmt: skip
         out[name] = rows, tmp / "run"
     return out
 
