@@ -186,7 +186,8 @@ def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path, extra):
     two = torch.load(out)
     assert moved(before, two["params"]) > 5e-5
     assert_close(params(single), two["params"], atol=1e-5)
-    assert_close(params(single, critic=True), two["critic"], atol=1e-5)
+    if extra:
+        assert_close(params(single, critic=True), two["critic"], atol=1e-5)
     for mine, theirs in zip([m1, m2], two["metrics"]):
         critic = sorted(k for k in mine if k.startswith("critic/"))
         assert len(critic) == (6 if extra else 0) and critic == sorted(k for k in theirs if k.startswith("critic/"))

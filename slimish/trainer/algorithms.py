@@ -245,7 +245,8 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
         if clip <= 0:
             raise ValueError(f"value_clip: must be > 0, got {clip}")
         bounded = (old_values + (values - old_values).clamp(-clip, clip) - returns).square()
-        clipped = (bounded > loss).to(values.dtype)
+        # where the clip is active: inside it the two errors are equal up to rounding
+        clipped = (((values - old_values).abs() > clip) & (bounded > loss)).to(values.dtype)
         loss = torch.maximum(loss, bounded)
     total = 0.5 * reduce_loss(loss, mask, "token", normalizer)
     return total, {"loss/value": total.detach(), "value_clip": (clipped * m).sum()}
@@ -253,12 +254,13 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
     """1 - Var(returns - values) / Var(returns) over mask-1 tokens: 1 for a perfect critic, 0
-    for one no better than the mean return, negative for worse; 0 when the returns are constant."""
+    for one no better than the mean return, negative for worse; 0 when the returns are constant
+    (up to float rounding of advantage + value: variance below 1e-8), where it means nothing."""
     m = mask.bool()
-    var = returns[m].var(unbiased=False) if m.any() else values.new_zeros(())
-    if var <= 0:
+    var = returns[m].double().var(unbiased=False) if m.any() else values.new_zeros((), dtype=torch.float64)
+    if var < 1e-8:
         return 0.0
-    return float(1 - (returns[m] - values[m]).var(unbiased=False) / var)
+    return float(1 - (returns[m] - values[m]).double().var(unbiased=False) / var)
 
 
 # --- Logprobs, entropy, SFT ----------------------------------------------------------------------
