@@ -443,7 +443,7 @@ class BufferConfig:
         at_least(0, self, "buffer.", "max_staleness")
 
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "gae")
 LOSSES = ("ppo", "gspo")
 LOSS_REDUCTIONS = ("token", "sample", "trajectory", "dr_grpo")
 SEGMENT_CREDITS = ("broadcast", "split", "last")  # or module:function
@@ -473,7 +473,8 @@ class OPDConfig:
 class AlgorithmConfig:
     """Advantages and losses (slimish/trainer/algorithms.py has the formulas and the reasons)."""
 
-    # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gspo (= grpo), or module:function,
+    # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gspo (= grpo) | gae (PPO with a
+    # critic: per-token GAE over a value model, the `critic` section; torch backend), or module:function,
     # `fn(rewards: Tensor[T], group: Tensor[T]) -> Tensor[T]`: one advantage per trajectory
     # (`rewards` per trajectory, `group` its group's index), in place of the built-in estimators
     advantage: str = "grpo"
@@ -505,6 +506,11 @@ class AlgorithmConfig:
     mis_cap: float | None = None  # masked importance sampling: tokens whose weight exceeds it are dropped
     recompute_old_logprobs: bool = False  # else the rollout's logprobs are the old policy
     opd: OPDConfig = field(default_factory=OPDConfig)  # on-policy distillation (teacher: launch.teacher)
+    # GAE (advantage=gae): discount and trace decay over a response's trained tokens. 1 and 1 (as
+    # verl): the advantage is then the return minus the critic's value, unbiased whatever the
+    # critic (which starts untrained); lam < 1 trades that bias for variance.
+    gamma: float = 1.0
+    lam: float = 1.0
 
     def __post_init__(self) -> None:
         choices = {"advantage": ADVANTAGES, "loss": LOSSES, "loss_reduction": LOSS_REDUCTIONS, "kl_estimator": KL_ESTIMATORS}
@@ -529,6 +535,9 @@ class AlgorithmConfig:
         if self.tis_cap is not None and self.mis_cap is not None:
             raise ValueError("algorithm.tis_cap and algorithm.mis_cap: set one importance-sampling correction, not both")
         at_least(0, self, "algorithm.", "advantage_eps", "kl_coef")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"algorithm.{name} must be in [0, 1], got {getattr(self, name)}")
 
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -580,6 +589,27 @@ class TrainerConfig:
         at_least(1, self, "trainer.", "nproc", "tp", "pp", "micro_batch_tokens", "updates_per_step")
         at_least(0, self, "trainer.", "lr", "warmup_steps", "weight_decay", "grad_clip", "cpu_threads", "logprob_chunk_tokens")
         one_of("trainer.dtype", self.dtype, (None, "float32", "bfloat16", "float16"))
+
+
+@dataclass
+class CriticConfig:
+    """The value model of PPO with a critic (algorithm.advantage=gae; slimish/trainer/torch_backend.py):
+    an HF model with a scalar head on every token, its own AdamW."""
+
+    model: str | None = None  # HF model directory its backbone starts from; None: the run's `model`
+    lr: float | None = None  # constant learning rate; None: trainer.lr
+    # RL steps at the start where only the critic trains (the policy's schedule still advances),
+    # so that the first policy updates see values fitted to the rewards
+    warmup_steps: int = 0
+    # PPO value clipping: a value moves at most this far from its old value per batch before its
+    # loss stops pulling it (the larger of clipped and unclipped squared errors); None: no clip
+    value_clip: float | None = 0.5
+
+    def __post_init__(self) -> None:
+        at_least(0, self, "critic.", "warmup_steps")
+        for name in ("lr", "value_clip"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"critic.{name} must be > 0 (or null), got {getattr(self, name)}")
 
 
 @dataclass
@@ -718,6 +748,7 @@ class RunConfig:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)  # used with algorithm.advantage=gae
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -733,6 +764,9 @@ class RunConfig:
         if not opd.task_reward and self.rollout.filter_fn == ZERO_VARIANCE_FILTER:
             raise ValueError(f"algorithm.opd.task_reward=false (pure distillation) trains every group whatever its rewards: "
                              f"set rollout.filter_fn=null (or a filter that does not judge by reward), not {ZERO_VARIANCE_FILTER}")  # fmt: skip
+        if self.algorithm.advantage == "gae" and self.trainer.backend != "torch":
+            raise ValueError(f"algorithm.advantage=gae (PPO with a critic) needs trainer.backend=torch, got {self.trainer.backend!r}: "
+                             "the Megatron backend has no value model")  # fmt: skip
         for section in (self.data, self.trainer):
             if section.seed is None:
                 section.seed = self.seed

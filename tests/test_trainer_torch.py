@@ -64,8 +64,10 @@ def with_rollout_logprobs(trainer: TorchTrainer, groups: list[list[Sample]], noi
     return groups
 
 
-def params(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+def params(trainer: TorchTrainer, critic: bool = False) -> dict[str, torch.Tensor]:
+    """The policy's parameters, or the critic's (none without one)."""
+    model = trainer.critic if critic else trainer.model
+    return {n: p.detach().clone() for n, p in model.named_parameters()} if model is not None else {}
 
 
 def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
@@ -136,16 +138,17 @@ def test_micro_batch_split_gives_the_full_batch_gradient(tiny_model_dir):
     assert results[0][1]["train/clip_frac"] > 0  # the noise made some ratios clip
 
 
-def _rank_main(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, model_dir: str, out: str, extra: tuple[str, ...]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        trainer = TorchTrainer(config(model_dir, "trainer.micro_batch_tokens=40", *FEATURES))
+        torch.manual_seed(0)  # a critic's fresh value head: the same as the single rank's
+        trainer = TorchTrainer(config(model_dir, "trainer.micro_batch_tokens=40", *FEATURES, *extra))
         batches = two_steps_batches(trainer)
         m1, m2 = trainer.train_step(batches[0], 1), trainer.train_step(batches[1], 2)
         if rank == 0:
-            torch.save({"params": params(trainer), "metrics": [m1, m2]}, out)
+            torch.save({"params": params(trainer), "metrics": [m1, m2], "critic": params(trainer, critic=True)}, out)
         torch.distributed.barrier()  # tear down together: a rank leaving while its peer's gloo pairs are live can abort
     finally:
         torch.distributed.destroy_process_group()
@@ -161,13 +164,15 @@ def two_steps_batches(trainer: TorchTrainer) -> list[list[list[Sample]]]:
 
 
 @pytest.mark.slow
-def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("algorithm.advantage=gae", "critic.lr=1e-3")], ids=["grpo", "ppo_critic"])
+def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path, extra):
     out = tmp_path / "rank0.pt"
     ctx = torch.multiprocessing.start_processes(
-        _rank_main, args=(2, free_port(), str(tiny_model_dir), str(out)), nprocs=2, join=False, start_method="spawn"
+        _rank_main, args=(2, free_port(), str(tiny_model_dir), str(out), extra), nprocs=2, join=False, start_method="spawn"
     )
     try:
-        single = TorchTrainer(config(tiny_model_dir, "trainer.micro_batch_tokens=40", *FEATURES))
+        torch.manual_seed(0)
+        single = TorchTrainer(config(tiny_model_dir, "trainer.micro_batch_tokens=40", *FEATURES, *extra))
         before = params(single)
         batches = two_steps_batches(single)
         m1, m2 = single.train_step(batches[0], 1), single.train_step(batches[1], 2)
@@ -181,8 +186,12 @@ def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
     two = torch.load(out)
     assert moved(before, two["params"]) > 5e-5
     assert_close(params(single), two["params"], atol=1e-5)
+    if extra:
+        assert_close(params(single, critic=True), two["critic"], atol=1e-5)
     for mine, theirs in zip([m1, m2], two["metrics"]):
-        for key in ("train/loss", "train/grad_norm", "train/kl", "train/entropy", "train/mismatch", "reward/mean"):
+        critic = sorted(k for k in mine if k.startswith("critic/"))
+        assert len(critic) == (6 if extra else 0) and critic == sorted(k for k in theirs if k.startswith("critic/"))
+        for key in ("train/loss", "train/grad_norm", "train/kl", "train/entropy", "train/mismatch", "reward/mean", *critic):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
 
 

@@ -194,6 +194,75 @@ def compute_advantages(name: str, rewards: Tensor, group_size: int | None = None
     return out.view_as(rewards)
 
 
+# --- PPO with a critic: GAE and the value loss ---------------------------------------------------
+# Per-token `[B, T]` over response tokens, as the losses below.
+
+
+def gae_advantages(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation: per-token advantages and returns (advantage + value),
+    0 where `mask` is 0. delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next.
+
+    Only mask-1 tokens are steps: environment / tool tokens (and padding) are skipped as if the
+    trained tokens were contiguous, so `next` is the next mask-1 token, and after the last one
+    V = 0 (the episode ends). Rewards on mask-0 tokens are ignored: put the outcome reward on
+    the last trained token. gamma = lam = 1 gives A_t = (sum of later rewards) - V_t."""
+    m = mask.bool()
+    advantages = torch.zeros_like(values)
+    running = values.new_zeros(values.shape[0])
+    next_value = values.new_zeros(values.shape[0])
+    for t in reversed(range(values.shape[1])):
+        on = m[:, t]
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        step = delta + gamma * lam * running
+        advantages[:, t] = torch.where(on, step, 0.0)
+        running = torch.where(on, step, running)
+        next_value = torch.where(on, values[:, t], next_value)
+    return advantages, torch.where(m, advantages + values, 0.0)
+
+
+def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-6) -> Tensor:
+    """(x - mean) / (std + eps) over the mask-1 entries (sample std, as `_std`), 0 elsewhere:
+    the batch-level advantage normalisation of PPO (verl, OpenRLHF)."""
+    m = mask.bool()
+    if not m.any():
+        return torch.zeros_like(x)
+    centred, same = _centred(x[m])
+    out = torch.where(same, 0.0, centred / (_std(x[m]) + eps))
+    return torch.zeros_like(x).masked_scatter(m, out)
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None,
+               normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+    """PPO's clipped value loss: 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2) per
+    token, summed over mask-1 tokens / `normalizer` (default: their count; pass the global
+    batch's under accumulation). The clip keeps one batch from dragging a value far from what
+    the advantages were computed with. Stats: `loss/value` (this share) and `value_clip`, the
+    tokens where the clipped error was the larger (a sum, as `rl_loss`'s)."""
+    m = mask.to(values.dtype)
+    loss = (values - returns).square()
+    clipped = torch.zeros_like(loss)
+    if clip is not None:
+        if clip <= 0:
+            raise ValueError(f"value_clip: must be > 0, got {clip}")
+        bounded = (old_values + (values - old_values).clamp(-clip, clip) - returns).square()
+        # where the clip is active: inside it the two errors are equal up to rounding
+        clipped = (((values - old_values).abs() > clip) & (bounded > loss)).to(values.dtype)
+        loss = torch.maximum(loss, bounded)
+    total = 0.5 * reduce_loss(loss, mask, "token", normalizer)
+    return total, {"loss/value": total.detach(), "value_clip": (clipped * m).sum()}
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over mask-1 tokens: 1 for a perfect critic, 0
+    for one no better than the mean return, negative for worse; 0 when the returns are constant
+    (up to float rounding of advantage + value: variance below 1e-8), where it means nothing."""
+    m = mask.bool()
+    var = returns[m].double().var(unbiased=False) if m.any() else values.new_zeros((), dtype=torch.float64)
+    if var < 1e-8:
+        return 0.0
+    return float(1 - (returns[m] - values[m]).double().var(unbiased=False) / var)
+
+
 # --- Logprobs, entropy, SFT ----------------------------------------------------------------------
 
 

@@ -22,7 +22,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,14 +32,15 @@ from torch.nn.utils.rnn import pad_sequence
 from slimish.buffer import group_version
 from slimish.config import RunConfig
 from slimish.rollout.loader import load_function
-from slimish.trainer.algorithms import (credit_weights, loss_normalizer, opd_advantages, rl_loss, sequence_kl, sft_loss,
-                                        teacher_log_ratio, trajectory_advantages)  # fmt: skip
+from slimish.trainer.algorithms import (credit_weights, explained_variance, gae_advantages, kl_penalty, loss_normalizer, masked_whiten,
+                                        opd_advantages, rl_loss, sequence_kl, sft_loss, teacher_log_ratio, trajectory_advantages,
+                                        value_loss)  # fmt: skip
 from slimish.types import Sample
 
 # Additive statistics summed over micro-batches, updates and ranks (rl_loss's, plus ours).
 STAT_KEYS = ("loss/policy", "loss/kl", "loss/entropy", "tokens", "clip_low", "clip_high", "dual_clip",
              "ratio", "tis", "kl", "entropy", "mismatch", "mismatch_tokens", "mismatch_fresh", "mismatch_fresh_tokens",
-             "teacher_kl")  # fmt: skip
+             "teacher_kl", "loss/value", "value_clip")  # fmt: skip
 
 # (sample indices, response logprobs [B, R], entropies [B, R] or None) -> (loss share, stats)
 LossFn = Callable[[list[int], Tensor, Tensor | None], tuple[Tensor, dict[str, Tensor]]]
@@ -132,9 +133,13 @@ class _Batch:
     old: dict[int, Tensor]  # this rank's samples: the log-probs the ratio is taken against
     ref: dict[int, Tensor] | None  # and the reference policy's, with KL on
     teacher: dict[int, Tensor] | None  # and the teacher's, with on-policy distillation on
-    advantages: Tensor  # the task advantage, one per sample
+    advantages: Tensor  # the task advantage: [B], or [B, R] per token (gae)
     raw_rewards: Tensor  # before KL in the reward, for the metrics
     stats: dict[str, float]  # summed loss statistics, this rank's
+    values: Tensor | None = None  # gae: the critic's values [B, R] before the updates
+    returns: Tensor | None = None  # gae: what the critic is trained towards [B, R]
+    critic_only: bool = False  # critic.warmup_steps: this step trains the critic alone
+    critic_metrics: dict[str, float] = field(default_factory=dict)
 
 
 class Trainer(ABC):
@@ -157,6 +162,7 @@ class Trainer(ABC):
     advantage_fn: Callable[[Tensor, Tensor], Tensor] | None  # algorithm.advantage as a function
     policy_loss_fn: Callable[..., Tensor] | None  # algorithm.loss as a function
     ref: Any  # the frozen reference model, None until needed
+    critic: Any = None  # the value model (algorithm.advantage=gae), None without
     optimizer: Any
     sft_optimizer: Any
 
@@ -209,6 +215,10 @@ class Trainer(ABC):
                                                                     device=self.device)).tolist()))  # fmt: skip
         metrics = self._metrics(totals, batch.samples, batch.raw_rewards, grad_norms, time.perf_counter() - started, batch.ref is not None)
         metrics["train/lr"] = lrs[-1]
+        if batch.values is not None:
+            updates = max(len(batch.minis), 1)
+            metrics.update(batch.critic_metrics, **{"critic/value_loss": totals["loss/value"] / updates,
+                                                    "critic/clip_frac": totals["value_clip"] / max(totals["tokens"], 1.0)})  # fmt: skip
         return metrics
 
     def _prepare(self, groups: list[list[Sample]], step: int) -> "_Batch":
@@ -242,33 +252,75 @@ class Trainer(ABC):
                 self.ref = self._frozen_copy()
             ref = dict(zip(mine, self.logprobs([samples[i] for i in mine], self.ref)))
         raw_rewards = rewards
-        if algo.kl_in_reward and ref is not None:
-            kl = torch.zeros(len(samples))
-            for i in mine:
-                # the full loss mask even when excluded from the loss: the reward it adds to its
-                # group's baseline is the one it would have if trained on
-                kl[i] = sequence_kl(old[i], ref[i], self._mask(samples[i], trained=False), algo.kl_estimator)
-            rewards = rewards - algo.kl_coef * self._all_reduce(kl.to(self.device)).cpu()
-        trajectory, group = trajectory_index(groups)
-        advantages = trajectory_advantages(self.advantage_fn or algo.advantage, rewards, torch.tensor(trajectory), torch.tensor(group),
-                                           torch.tensor(self._credit(samples, trajectory)), algo.advantage_eps)  # fmt: skip
+        critic: dict[str, Any] = {}
+        if algo.advantage == "gae":
+            advantages, critic = self._gae(samples, mine, old, ref, rewards, step)
+            trajectory = list(range(len(samples)))
+        else:
+            if algo.kl_in_reward and ref is not None:
+                kl = torch.zeros(len(samples))
+                for i in mine:
+                    # the full loss mask even when excluded from the loss: the reward it adds to its
+                    # group's baseline is the one it would have if trained on
+                    kl[i] = sequence_kl(old[i], ref[i], self._mask(samples[i], trained=False), algo.kl_estimator)
+                rewards = rewards - algo.kl_coef * self._all_reduce(kl.to(self.device)).cpu()
+            trajectory, group = trajectory_index(groups)
+            advantages = trajectory_advantages(self.advantage_fn or algo.advantage, rewards, torch.tensor(trajectory), torch.tensor(group),
+                                               torch.tensor(self._credit(samples, trajectory)), algo.advantage_eps)  # fmt: skip
         teacher = None
         if algo.opd.coef > 0:
             teacher = {i: self._teacher_logprobs(samples[i]) for i in mine}
             if not algo.opd.task_reward:  # pure distillation: the teacher's signal alone
                 advantages = torch.zeros_like(advantages)
-        return _Batch(samples, minis, shares, trajectory, fresh, old, ref, teacher, advantages, raw_rewards, stats)
+        return _Batch(samples, minis, shares, trajectory, fresh, old, ref, teacher, advantages, raw_rewards, stats, **critic)
+
+    def _gae(self, samples: list[Sample], mine: list[int], old: dict[int, Tensor], ref: dict[int, Tensor] | None,
+             rewards: Tensor, step: int) -> tuple[Tensor, dict[str, Any]]:  # fmt: skip
+        """PPO with a critic: the critic's values of every sample (each rank computes its own
+        and an all-reduce gathers them), the outcome reward on each sample's last trained token
+        (minus kl_coef x per-token KL with kl_in_reward), GAE, and advantages whitened over the
+        batch's trained tokens; with the `_Batch` fields the critic's update needs. Trajectories
+        and segment credit do not apply: each sample is its own episode."""
+        algo = self.cfg.algorithm
+        width = max(s.response_length for s in samples)
+        values = torch.zeros(len(samples), width, device=self.device)
+        token_rewards = torch.zeros(len(samples), width, device=self.device)
+        for i, v in zip(mine, self._values([samples[i] for i in mine])):
+            values[i, : len(v)] = v
+            if algo.kl_in_reward and ref is not None:
+                kl = kl_penalty(old[i], ref[i], algo.kl_estimator) * self._mask(samples[i], trained=False)
+                token_rewards[i, : len(kl)] = -algo.kl_coef * kl
+        values, token_rewards = self._all_reduce(values), self._all_reduce(token_rewards)
+        mask = torch.zeros(len(samples), width, device=self.device)
+        for i, s in enumerate(samples):
+            mask[i, : s.response_length] = self._mask(s)
+            trained = mask[i].nonzero()
+            if len(trained):
+                token_rewards[i, int(trained[-1])] += float(rewards[i])
+        advantages, returns = gae_advantages(token_rewards, values, mask, algo.gamma, algo.lam)
+        advantages = masked_whiten(advantages, mask, algo.advantage_eps)
+        n = mask.sum().clamp(min=1)
+        metrics = {"critic/values": float((values * mask).sum() / n), "critic/returns": float((returns * mask).sum() / n),
+                                "critic/explained_variance": explained_variance(values, returns, mask)}  # fmt: skip
+        return advantages.cpu(), {"values": values.cpu(), "returns": returns.cpu(), "critic_only": step <= self.cfg.critic.warmup_steps,
+                                  "critic_metrics": metrics}  # fmt: skip
 
     def _update(self, b: "_Batch") -> tuple[list[float], list[float]]:
         """The optimiser steps, one per minibatch; the grad norms and learning rates they used.
-        Loss statistics accumulate into `b.stats`."""
+        Loss statistics accumulate into `b.stats`. With a critic, it takes a step on each
+        minibatch too (its grad norms go to `b.critic_metrics`); during `critic.warmup_steps` only
+        it does, and the policy's schedule advances as if it had stepped, so that the optimiser
+        step count stays (RL step - 1) x updates_per_step, which `_train_step` checks."""
         algo, samples, trajectory = self.cfg.algorithm, b.samples, b.trajectory
         grad_norms: list[float] = []
         lrs: list[float] = []
+        critic_norms: list[float] = []
         for u, (mini, share) in enumerate(zip(b.minis, b.shares)):
             n_tokens = sum(sum(samples[i].train_mask) for i in mini)
             lrs.append(self._lr())
-            if not n_tokens:  # nothing to learn from: no step (Adam would still apply momentum)
+            if n_tokens and b.values is not None:
+                critic_norms.append(self._critic_update(b, share, n_tokens))
+            if not n_tokens or b.critic_only:  # nothing to learn from: no step (Adam would still apply momentum)
                 self._scheduler_step()
                 continue
             normalizer = loss_normalizer(algo.loss_reduction, n_tokens=n_tokens, n_samples=len(mini), max_response_len=self.cfg.rollout.max_new_tokens,
@@ -280,10 +332,13 @@ class Trainer(ABC):
 
             def loss_fn(idx: list[int], logprobs: Tensor, entropy: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
                 batch = [samples[i] for i in idx]
+                advantages = b.advantages[idx]
+                if advantages.dim() == 2:  # per token: the batch's width to this micro-batch's
+                    advantages = advantages[:, : logprobs.shape[1]]
+                advantages = advantages.to(self.device)
                 rollout = self._pad([self._rollout_logprobs(s) for s in batch])
                 mask = self._pad([self._mask(s) for s in batch])
                 old = self._pad([b.old[i] for i in idx])
-                advantages = b.advantages[idx].to(self.device)
                 if b.teacher is not None:  # on-policy distillation: per-token advantages
                     log_ratio = teacher_log_ratio(old, self._pad([b.teacher[i] for i in idx]), mask)
                     advantages = opd_advantages(advantages, log_ratio, algo.opd.coef)
@@ -305,7 +360,24 @@ class Trainer(ABC):
                 b.stats[key] += value
             grad_norms.append(self._optimizer_step(self.optimizer))
             self._scheduler_step()
+        if critic_norms:
+            b.critic_metrics["critic/grad_norm"] = sum(critic_norms) / len(critic_norms)
         return grad_norms, lrs
+
+    def _critic_update(self, b: "_Batch", share: list[int], n_tokens: int) -> float:
+        """One critic optimiser step on a minibatch (this rank's `share`, `n_tokens` trained tokens
+        in all): the clipped value loss against `b.returns`; its grad norm."""
+        assert b.values is not None and b.returns is not None
+
+        def loss_fn(idx: list[int], values: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+            mask = self._pad([self._mask(b.samples[i]) for i in idx])
+            width = values.shape[1]
+            return value_loss(values, b.values[idx, :width].to(self.device), b.returns[idx, :width].to(self.device), mask,
+                              self.cfg.critic.value_clip, float(n_tokens))  # fmt: skip
+
+        for key, value in self._accumulate_values([b.samples[i] for i in share], share, loss_fn).items():
+            b.stats[key] += value
+        return self._critic_step()
 
     def _credit(self, samples: list[Sample], trajectory: list[int]) -> list[float]:
         """Each sample's share of its trajectory's advantage (`algorithm.segment_credit`)."""
@@ -434,6 +506,18 @@ class Trainer(ABC):
         `loss_fn` takes) in `_micro_groups`; the summed stats. Afterwards every rank holds the
         gradient of the whole batch's loss: each data-parallel rank must take part, even with
         nothing to train on. `entropy`: with gradient (True), measured (None) or not (False)."""
+
+    def _values(self, samples: list[Sample]) -> list[Tensor]:
+        """Per-sample critic values `[R]` of the states before each response token (no gradient)."""
+        raise NotImplementedError(f"algorithm.advantage=gae: {type(self).__name__} has no critic")
+
+    def _accumulate_values(self, batch: list[Sample], idx: list[int], loss_fn: Callable[[list[int], Tensor], tuple[Tensor, dict[str, Tensor]]]) -> dict[str, float]:
+        """`_accumulate` for the critic: `loss_fn` takes the batch indices and values `[B, R]`."""
+        raise NotImplementedError(f"algorithm.advantage=gae: {type(self).__name__} has no critic")
+
+    def _critic_step(self) -> float:
+        """The critic's optimiser step (clipped to `trainer.grad_clip`); its grad norm."""
+        raise NotImplementedError(f"algorithm.advantage=gae: {type(self).__name__} has no critic")
 
     @abstractmethod
     def _optimizer_step(self, optimizer: Any) -> float:

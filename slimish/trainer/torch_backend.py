@@ -11,7 +11,7 @@ the policy the engines sample from.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from typing import Any
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from slimish.config import RunConfig
 from slimish.trainer.algorithms import chunked_logprobs, entropy_from_logits, logprobs_from_logits
@@ -55,6 +55,19 @@ class TorchTrainer(Trainer):
             self.optimizer, lambda step: lr_factor(tc.lr_schedule, tc.warmup_steps, total, step)
         )
         self.ref: torch.nn.Module | None = self._load(tc.ref_model, frozen=True) if tc.ref_model else None
+        if cfg.algorithm.advantage == "gae":
+            self.critic = self._load_critic(cfg.critic.model or cfg.model)
+            self.critic_ddp = DDP(self.critic, forward_sync_buffers=False) if self.world > 1 else None
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr or tc.lr, betas=tuple(tc.betas),
+                                                      weight_decay=tc.weight_decay)  # fmt: skip
+
+    def _load_critic(self, path: str) -> torch.nn.Module:
+        """The value model: the HF checkpoint's backbone under a fresh scalar head on every token
+        (`AutoModelForTokenClassification`, num_labels=1; the head starts near 0). The library's own
+        class rather than a hand-made head: its weights save, load and shard as any HF model's."""
+        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=self.dtype).to(self.device)
+        model.eval()  # no dropout, as the policy
+        return model
 
     def _load(self, path: str, frozen: bool = False) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device)
@@ -156,21 +169,26 @@ class TorchTrainer(Trainer):
         return logprobs, ent
 
     def _accumulate(self, batch: list[Sample], idx: list[int], loss_fn: LossFn, entropy: bool | None) -> dict[str, float]:
-        """DDP all-reduces on the last micro-batch only. A rank with nothing to train still runs
-        one zero-loss backward: DDP needs every rank."""
+        return self._backward(self.model, self.ddp, batch, idx, lambda net, rows: self._forward(net, rows, entropy), loss_fn)
+
+    def _backward(self, model: torch.nn.Module, ddp: DDP | None, batch: list[Sample], idx: list[int], forward: Callable[..., tuple[Tensor, ...]],
+                  loss_fn: Callable[..., tuple[Tensor, dict[str, Tensor]]]) -> dict[str, float]:  # fmt: skip
+        """Backward of `loss_fn(batch indices, *forward(model, rows))` over the micro-batches, for
+        the policy or the critic (`ddp`: `model`'s wrapper, None on one rank); the summed stats. DDP
+        all-reduces on the last micro-batch only. A rank with nothing to train still runs one
+        zero-loss backward: DDP needs every rank."""
         groups = self._micro_groups(batch)
-        model = self.ddp or self.model
         stats: dict[str, float] = {}
         if not groups:
-            if self.ddp is not None:
+            if ddp is not None:
                 dummy = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
-                (model(input_ids=dummy, use_cache=False).logits.sum() * 0.0).backward()
+                (ddp(input_ids=dummy, use_cache=False).logits.sum() * 0.0).backward()
             return stats
         for n, group in enumerate(groups):
-            sync = self.ddp is None or n == len(groups) - 1
-            with nullcontext() if sync else self.ddp.no_sync():
-                logprobs, ent = self._forward(model, [batch[k] for k in group], entropy)
-                loss, st = loss_fn([idx[k] for k in group], logprobs, ent)
+            sync = ddp is None or n == len(groups) - 1
+            with nullcontext() if sync else ddp.no_sync():
+                rows = [batch[k] for k in group]
+                loss, st = loss_fn([idx[k] for k in group], *forward(ddp or model, rows))
                 (loss * self.world).backward()
             for key, value in st.items():
                 stats[key] = stats.get(key, 0.0) + float(value)
@@ -178,10 +196,35 @@ class TorchTrainer(Trainer):
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> float:
         clip = self.cfg.trainer.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        params = [p for group in optimizer.param_groups for p in group["params"]]  # the policy's or the critic's
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(norm)
+
+    # -- the critic (algorithm.advantage=gae) ------------------------------------------------------
+
+    def _critic_forward(self, net: torch.nn.Module, batch: list[Sample]) -> tuple[Tensor]:
+        """Values `[B, R]` of the positions whose logits predict each response token: the state
+        before the token, as verl takes them."""
+        ids = self._input_ids(batch)
+        values = net(input_ids=ids, use_cache=False).logits[..., 0].float()
+        return (values.gather(1, response_index(batch, 0).to(self.device)),)
+
+    @torch.no_grad()
+    def _values(self, samples: list[Sample]) -> list[Tensor]:
+        out: list[Tensor] = [torch.zeros(0, device=self.device)] * len(samples)
+        for idx in self._micro_groups(samples):
+            (values,) = self._critic_forward(self.critic, [samples[i] for i in idx])
+            for i, row in zip(idx, values):
+                out[i] = row[: samples[i].response_length].clone()
+        return out
+
+    def _accumulate_values(self, batch: list[Sample], idx: list[int], loss_fn: Callable[..., tuple[Tensor, dict[str, Tensor]]]) -> dict[str, float]:
+        return self._backward(self.critic, self.critic_ddp, batch, idx, self._critic_forward, loss_fn)
+
+    def _critic_step(self) -> float:
+        return self._optimizer_step(self.critic_optimizer)
 
     # -- data parallelism ------------------------------------------------------------------------
 
@@ -202,6 +245,8 @@ class TorchTrainer(Trainer):
                  "scheduler": self.scheduler.state_dict()}  # fmt: skip
         if self.ref is not None and not self.cfg.trainer.ref_model:  # a copy of the policy: not on disk
             state["ref"] = self.ref.state_dict()
+        if self.critic is not None:
+            state["critic"] = {"model": self.critic.state_dict(), "optimizer": self.critic_optimizer.state_dict()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -210,6 +255,11 @@ class TorchTrainer(Trainer):
         self.scheduler.load_state_dict(state["scheduler"])
         if "ref" in state:
             self.ref = self._frozen_copy(state["ref"])
+        if self.critic is not None:
+            if "critic" not in state:
+                raise ValueError("algorithm.advantage=gae: the checkpoint has no critic (saved by a run without one); start afresh")
+            self.critic.load_state_dict(state["critic"]["model"])
+            self.critic_optimizer.load_state_dict(state["critic"]["optimizer"])
 
     def save_hf(self, path: str) -> None:
         if self.rank == 0:
