@@ -485,7 +485,10 @@ class AlgorithmConfig:
     loss: str = "ppo"
 
     eps_clip: float = 0.2
-    eps_clip_high: float | None = None  # DAPO clip-higher (e.g. 0.28); None: eps_clip
+    # DAPO clip-higher (e.g. 0.28); None: eps_clip. Clipping (either side) binds only where the
+    # policy has moved from the old log-probs: updates_per_step > 1, or async (stale samples);
+    # with one update per step on fresh samples the ratio is 1 and it does nothing.
+    eps_clip_high: float | None = None
     dual_clip_c: float | None = None  # dual clip for negative advantages (e.g. 3.0); must be > 1
     # token: sum / trained tokens of the batch | sample: mean of per-sample means |
     # trajectory: mean of per-trajectory means (its segments and fan-out siblings pooled) |
