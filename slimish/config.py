@@ -388,6 +388,10 @@ class RolloutConfig:
     abort_timeout: float = 60.0  # seconds leftovers get to return after the end-of-step abort; then cancelled
     # Default sampling params for ctx.generate / ctx.chat.
     max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
     # Overlong handling (DAPO). overlong_buffer > 0: each trajectory's reward gets a penalty
     # falling linearly from 0 to -overlong_penalty over the last overlong_buffer tokens before
     # overlong_max_tokens (None: max_new_tokens), counting every token the model wrote in the
@@ -396,10 +400,6 @@ class RolloutConfig:
     overlong_penalty: float = 1.0
     overlong_max_tokens: int | None = None
     overlong_filter: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: list[str] = field(default_factory=list)
     # The model's chat format (slimish/formats). Template variables for every prompt the run
     # renders (e.g. {enable_thinking: false} for Qwen3, {thinking: true} for DeepSeek-V3.1):
     # rollouts, the capture endpoint, SFT and evaluation alike.
@@ -443,7 +443,8 @@ class BufferConfig:
         at_least(0, self, "buffer.", "max_staleness")
 
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "gae")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")  # from rewards alone
+CRITIC_ADVANTAGES = ("gae",)  # per token, from a value model (the critic section)
 LOSSES = ("ppo", "gspo")
 LOSS_REDUCTIONS = ("token", "sample", "trajectory", "dr_grpo")
 SEGMENT_CREDITS = ("broadcast", "split", "last")  # or module:function
@@ -516,7 +517,7 @@ class AlgorithmConfig:
     lam: float = 1.0
 
     def __post_init__(self) -> None:
-        choices = {"advantage": ADVANTAGES, "loss": LOSSES, "loss_reduction": LOSS_REDUCTIONS, "kl_estimator": KL_ESTIMATORS}
+        choices = {"advantage": ADVANTAGES + CRITIC_ADVANTAGES, "loss": LOSSES, "loss_reduction": LOSS_REDUCTIONS, "kl_estimator": KL_ESTIMATORS}
         for name, allowed in choices.items():
             if name in ("advantage", "loss"):
                 if ":" in getattr(self, name):
