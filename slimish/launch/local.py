@@ -24,11 +24,12 @@ if TYPE_CHECKING:
 def engine_process(
     model: str | Path, port: int | None = None, log_path: str | Path | None = None, host: str = "127.0.0.1", **flags: object
 ) -> ServerProcess:
-    """A built-in engine child bound to `host`; `flags` become `--flag value` (`max_running_requests=8`)."""
+    """A built-in engine child bound to `host`; `flags` become `--flag value` (`max_running_requests=8`),
+    a list `--flag v1 v2 ...` (`lora_paths=[...]`)."""
     port = port or free_port(host)
     argv = ["engine", "--model", str(model), "--host", host, "--port", str(port)]
     for key, value in flags.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
+        argv += [f"--{key.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
     return ServerProcess(argv, port=port, host=connect_host(host), log_path=log_path)
 
 
