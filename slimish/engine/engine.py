@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 from slimish.config import EngineConfig
 from slimish.engine.grammar import GrammarError, Grammars, matcher
 from slimish.engine.metrics import Metrics
+from slimish.engine.prefix_cache import PrefixCache
 from slimish.engine.profiler import Profiler
 from slimish.engine.runner import Runner, engine_device, load_model, use_device
 from slimish.engine.scheduler import LogprobWish, Request, Scheduler
@@ -82,10 +83,12 @@ class Engine:
         if cfg.await_weights:
             self.weights.await_full_push()
         self.profiler = Profiler()
+        prefix_cache = None if cfg.disable_radix_cache else PrefixCache(cfg.page_size, cfg.radix_cache_max_tokens)
         self.scheduler = Scheduler(
-            Runner(self.model),
+            Runner(self.model, cfg.page_size, prefix_cache),
             max_running_requests=cfg.max_running_requests,
             max_prefill_tokens=cfg.max_prefill_tokens,
+            share_prefills=not cfg.disable_radix_cache,
             on_step=self.profiler.step,
         )
         self.metrics = Metrics(self.served_model_name)
@@ -305,7 +308,7 @@ class Engine:
             "finish_reason": req.finish_reason if finished else None,
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": n,
-            "cached_tokens": 0,
+            "cached_tokens": req.cached_tokens,
             "reasoning_tokens": 0,
             "weight_version": self.scheduler.weight_version,
             "weight_versions": _version_spans(req.versions[:n]),
