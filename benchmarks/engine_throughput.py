@@ -12,6 +12,9 @@ ratios engine/serial and engine/static against the targets (>= 4x serial at 32 c
 >= 0.8x static), the same per CPU-second (CPU time of the engine process, of this process for
 HF), which contention distorts far less than wall time, and CPU/wall per path (well under 100%:
 that path was starved of a core). Load averages at start and end say how busy the machine was.
+Last, the physical limit: each path's decode FLOP rate (2 x parameters x tokens per CPU-second)
+against this process's fp32 GEMM rate at the decode shape [B, hidden] x [hidden, intermediate]
+(one thread), and the share of it each path reaches.
 
     .venv/bin/python benchmarks/engine_throughput.py                  # small (~30M), the real run
     .venv/bin/python benchmarks/engine_throughput.py --model-size tiny --sizes 1,4 --new-tokens 16
@@ -175,6 +178,7 @@ def main() -> None:
                   f"static {median(row.static, lambda s: s.rate):.1f} tok/s", flush=True)  # fmt: skip
 
     report(rows)
+    flop_report(rows, n_params, model.config.hidden_size, model.config.intermediate_size)
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
@@ -205,6 +209,28 @@ def report(rows: list[Row]) -> None:
     print()
     for v in verdicts:
         print(v)
+
+
+def gemm_rate(rows: int, k: int, n: int, seconds: float = 1.0) -> float:
+    """fp32 GFLOP/s of `[rows, k] @ [k, n]` on this thread: the most a decode step's linear
+    layers at batch `rows` can get here."""
+    x, w = torch.randn(rows, k), torch.randn(k, n)
+    for _ in range(10):
+        torch.mm(x, w)
+    calls, start = 0, time.process_time()  # CPU time, as the paths' tok/CPU-s: contention cancels
+    while (elapsed := time.process_time() - start) < seconds:
+        torch.mm(x, w)
+        calls += 1
+    return 2 * rows * k * n * calls / elapsed / 1e9
+
+
+def flop_report(rows: list[Row], n_params: int, hidden: int, ffn: int) -> None:
+    print()
+    print(f"decode FLOP rate (2 x {n_params / 1e6:.1f}M params x tok/CPU-s) against fp32 GEMM [B, {hidden}] x [{hidden}, {ffn}]:")
+    for row in rows:
+        gemm = gemm_rate(row.size, hidden, ffn)
+        rates = {name: 2 * n_params * median(p, lambda s: s.cpu_rate) / 1e9 for name, p in (("engine", row.engine), ("static", row.static))}
+        print(f"  B={row.size}: GEMM {gemm:.1f} GFLOP/s; " + ", ".join(f"{k} {v:.1f} GFLOP/s ({v / gemm:.0%})" for k, v in rates.items()))
 
 
 if __name__ == "__main__":

@@ -72,6 +72,13 @@ class EngineConfig:
     # Sequences (n and batch items count one each) allowed to wait beyond the running batch.
     max_queued_requests: int = 2048
     retry_after_s: int = 1  # the `Retry-After` of a 503 when the queue is full
+    # Prefix cache (SGLang's radix cache): KV of whole prompt pages is reused by later requests
+    # that start with the same tokens, and identical prompts admitted together (n copies) are
+    # prefilled once. Exact: prefill always runs page by page on one grid, so outputs and
+    # log-probs are the same with the cache on or off. Emptied by /flush_cache and weight loads.
+    disable_radix_cache: bool = False
+    page_size: int = 64  # tokens per KV page: the cache's unit and each prefill forward's length
+    radix_cache_max_tokens: int = 32768  # cached KV beyond this is evicted, least recently used first
     # Serve nothing (503, /health included) until a weight push has set every parameter: for an
     # engine that joins or rejoins a running training run, so it never serves stale weights.
     await_weights: bool = False
@@ -89,7 +96,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         at_least(1, self, "", "max_running_requests", "max_prefill_tokens", "max_body_bytes", "retry_after_s", "max_prompt_tokens", "max_new_tokens_cap",
-                 "max_loras_per_batch", "max_lora_rank")  # fmt: skip
+                 "max_loras_per_batch", "max_lora_rank", "page_size")  # fmt: skip
+        at_least(self.page_size, self, "", "radix_cache_max_tokens")
         at_least(0, self, "", "max_queued_requests")
         if self.enable_lora and not self.lora_paths and self.max_lora_rank is None:
             raise ValueError("max_lora_rank (--max-lora-rank) is required with enable_lora when no lora_paths adapter gives the rank to reserve")

@@ -353,17 +353,23 @@ def test_health_info_and_models(engine, tiny_model_dir):
 
 
 def test_metrics_count_tokens(engine, tiny_model_dir):
-    """SGLang's names and labels, read by prometheus_client's parser; `cached_tokens_total` exists."""
+    """SGLang's names and labels, read by prometheus_client's parser; `cached_tokens_total` counts
+    the prompt tokens replies report as cached."""
+    prompt = list(range(400, 470))  # a whole 64-token page, then 6 more
+    generate(engine, input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 1})
     names = ("sglang:generation_tokens_total", "sglang:prompt_tokens_total")
     before = [metric_total(engine, n, is_streaming="false") for n in names]
-    generate(engine, input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 7})
+    cached_before = metric_total(engine, "sglang:cached_tokens_total", cache_source="total")
+    out = generate(engine, input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 7})
     after = [metric_total(engine, n, is_streaming="false") for n in names]
-    assert after[0] - before[0] == 7 and after[1] - before[1] == len(PROMPTS[0])
+    assert after[0] - before[0] == 7 and after[1] - before[1] == len(prompt)
+    assert out["meta_info"]["cached_tokens"] == 64
+    assert metric_total(engine, "sglang:cached_tokens_total", cache_source="total") - cached_before == 64
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(engine + "/metrics").text)}
     ranks = {"model_name": str(tiny_model_dir.resolve()), "engine_type": "unified", "tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
     assert families["sglang:num_running_reqs"].samples[0].labels == ranks
     cached = [s for s in families["sglang:cached_tokens"].samples if s.name == "sglang:cached_tokens_total"]
-    assert [(s.labels["cache_source"], s.value) for s in cached] == [("total", 0.0)]
+    assert [s.labels["cache_source"] for s in cached] == ["total"]
 
 
 def test_weight_version_flush_and_memory_endpoints(engine, tiny_model_dir):

@@ -38,10 +38,10 @@ def test_cuda_forward_and_sampling_match_cpu(tiny_model_dir: Path) -> None:
     outs = {}
     for device in ("cpu", "cuda"):
         model = load_model(str(tiny_model_dir), "float32", torch.device(device))
-        runner, batch = Runner(model), KVBatch(model)
+        runner, batch = Runner(model, page_size=4, prefix_cache=None), KVBatch(model)
         prompts = [[5, 6, 7, 8], [9, 10]]
-        pre = [runner.prefill(p, all_logits=False) for p in prompts]
-        batch.add([o.cache for o in pre], [len(p) for p in prompts])
+        pre = [runner.prefill(p, logits_from=None, namespace=()) for p in prompts]
+        batch.add([o.slab for o in pre], [len(p) for p in prompts])
         logits = runner.decode(batch, [11, 12])
         params = SamplingParams(temperature=1.0, repetition_penalty=1.2, sampling_seed=3)
         rows = [RowState(params, p, [], {2}, torch.Generator().manual_seed(3)) for p in prompts]

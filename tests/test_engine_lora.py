@@ -339,3 +339,37 @@ def test_trainer_killed_mid_adapter_push_leaves_only_that_adapter_refusing(lora_
         if child.is_alive():
             child.kill()
         child.join(timeout=10)
+
+
+def test_prefix_cache_never_serves_one_adapters_kv_to_another(lora_engine, tiny_model_dir, adapter_dirs):
+    """A prompt of 2 whole cache pages, sent for the base, then an adapter, then a reload under the
+    same name: each finds only its own KV (`cached_tokens`), and every reply equals its PEFT model."""
+    prompt = [(7 * i) % 300 + 3 for i in range(140)]
+    pages = 128  # 2 pages of the default --page-size 64; the last, partial page is never cached
+
+    def ask(lora: str | None) -> dict:
+        body = {"input_ids": prompt, "lora_path": lora, "sampling_params": GREEDY, "return_logprob": True}
+        r = post(lora_engine, "/generate", body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def check(reply: dict, model: torch.nn.Module) -> None:
+        out, ref = reply["output_ids"], logprobs_of(model, prompt + reply["output_ids"])
+        n = len(prompt)
+        assert out == ref[n - 1 : n - 1 + len(out)].argmax(dim=-1).tolist()
+        got = [lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]]
+        assert max(abs(g - ref[n - 1 + k, t].item()) for k, (g, t) in enumerate(zip(got, out))) < 1e-4
+
+    base = ask(None)
+    check(base, reference(tiny_model_dir, None))
+    first, again = ask("a1"), ask("a1")
+    assert (first["meta_info"]["cached_tokens"], again["meta_info"]["cached_tokens"]) == (0, pages)
+    check(again, reference(tiny_model_dir, adapter_dirs["a1"]))
+    assert ask(None)["meta_info"]["cached_tokens"] == pages
+    for source in ("a2", "a3"):  # one name, two adapters: the second load must not see the first's KV
+        r = post(lora_engine, "/load_lora_adapter", {"lora_name": "reloaded", "lora_path": str(adapter_dirs[source])})
+        assert r.status_code == 200, r.text
+        reply = ask("reloaded")
+        assert reply["meta_info"]["cached_tokens"] == 0
+        check(reply, reference(tiny_model_dir, adapter_dirs[source]))
+        assert post(lora_engine, "/unload_lora_adapter", {"lora_name": "reloaded"}).status_code == 200

@@ -63,9 +63,14 @@ def build_generate_router(engine: Engine) -> APIRouter:
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> PlainTextResponse:
-        # There is no prefix cache to drop; like SGLang, refuse while requests are in flight.
-        busy = await engine.run(lambda: bool(engine.scheduler.running or engine.scheduler.waiting))
-        if busy:
+        def flush() -> bool:  # like SGLang, refuse while requests are in flight
+            s = engine.scheduler
+            if s.running or s.waiting:
+                return False
+            s.runner.flush_cache()
+            return True
+
+        if not await engine.run(flush):
             return PlainTextResponse("Cache not flushed because there are pending requests.\n", status_code=400)
         return PlainTextResponse(FLUSH_OK)
 

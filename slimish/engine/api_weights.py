@@ -150,7 +150,10 @@ async def apply_update(engine: Engine, req: Any, load: Callable[[], None], ok: s
         await engine.run(lambda: engine.scheduler.abort(abort_all=True))
 
     def load_and_version() -> None:
-        load()
+        try:
+            load()
+        finally:  # even a failed load may have changed some parameters: no old KV may serve them
+            engine.scheduler.runner.flush_cache()
         if req.weight_version is None:
             return
         if lora_name is None:

@@ -26,6 +26,7 @@ from slimish.config import EngineConfig
 from slimish.engine.grammar import GrammarError, Grammars, matcher
 from slimish.engine.lora import Adapter, AdapterError, AdapterRef, LoraManager, read_adapter
 from slimish.engine.metrics import Metrics
+from slimish.engine.prefix_cache import PrefixCache
 from slimish.engine.profiler import Profiler
 from slimish.engine.runner import Runner, engine_device, load_model, use_device
 from slimish.engine.scheduler import LogprobWish, Request, Scheduler
@@ -89,10 +90,12 @@ class Engine:
         # Sequences submitted and not finished, per adapter; an adapter is unloaded when it has none.
         self.adapter_users: Counter[str] = Counter()
         self.unloading: dict[str, asyncio.Event] = {}
+        prefix_cache = None if cfg.disable_radix_cache else PrefixCache(cfg.page_size, cfg.radix_cache_max_tokens)
         self.scheduler = Scheduler(
-            Runner(self.model, self.lora),
+            Runner(self.model, cfg.page_size, prefix_cache, self.lora),
             max_running_requests=cfg.max_running_requests,
             max_prefill_tokens=cfg.max_prefill_tokens,
+            share_prefills=not cfg.disable_radix_cache,
             on_step=self.profiler.step,
         )
         self.metrics = Metrics(self.served_model_name)
@@ -381,7 +384,7 @@ class Engine:
             "finish_reason": req.finish_reason if finished else None,
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": n,
-            "cached_tokens": 0,
+            "cached_tokens": req.cached_tokens,
             "reasoning_tokens": 0,
             "weight_version": self.version_of(req),
             "weight_versions": _version_spans(req.versions[:n]),

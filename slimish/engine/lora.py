@@ -15,6 +15,7 @@ pushes and `/get_weights_by_name` use. Everything here runs on the scheduler thr
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections import OrderedDict
@@ -74,6 +75,7 @@ class Adapter:
     pinned: bool = False
     version: str = DEFAULT_WEIGHT_VERSION
     torn: dict[str, str] = field(default_factory=dict)
+    uid: int = field(default_factory=itertools.count().__next__)  # this load of it: KV made under another never serves it
 
     def modules(self) -> dict[str, tuple[str, str]]:
         """HF module path -> (its lora_A name, its lora_B name)."""

@@ -29,20 +29,23 @@ class Metrics:
         self.generation_tokens = Counter("sglang:generation_tokens", "Tokens generated", streaming, registry=r)
         self.requests = Counter("sglang:num_requests", "Requests finished", streaming, registry=r)
         self.aborted = Counter("sglang:num_aborted_requests", "Requests aborted", REQUEST_LABELS, registry=r).labels(**self.labels)
-        # No prefix cache yet: reported, and zero, so clients find the series.
         self.cached_tokens = Counter("sglang:cached_tokens", "Prompt tokens served from the prefix cache", (*REQUEST_LABELS, "cache_source"), registry=r)
-        self.cached_tokens.labels(**self.labels, cache_source="total")
+        self.cached_total = self.cached_tokens.labels(**self.labels, cache_source="total")
         self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Request latency", streaming, registry=r,
                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))  # fmt: skip
         self.running = gauge("sglang:num_running_reqs", "Requests in the running batch")
         self.queued = gauge("sglang:num_queue_reqs", "Requests waiting")
         self.throughput = gauge("sglang:gen_throughput", "Decode tokens/s of the last step")
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "Share of prompt tokens served from the prefix cache")
+        self._prompt_seen = self._cached_seen = 0
 
     def finished(self, reqs: list[Request], stream: bool) -> None:
         labels = {**self.labels, "is_streaming": str(stream).lower()}
         for r in reqs:
             self.prompt_tokens.labels(**labels).inc(len(r.input_ids))
+            self.cached_total.inc(r.cached_tokens)
+            self._prompt_seen += len(r.input_ids)
+            self._cached_seen += r.cached_tokens
             self.generation_tokens.labels(**labels).inc(len(r.output_ids))
             self.requests.labels(**labels).inc()
             if r.finish_reason and r.finish_reason["type"] == "abort":
@@ -54,4 +57,5 @@ class Metrics:
         self.running.set(len(s.running))
         self.queued.set(len(s.waiting))
         self.throughput.set(s.last_gen_throughput)
+        self.cache_hit_rate.set(self._cached_seen / max(self._prompt_seen, 1))
         return generate_latest(self.registry)

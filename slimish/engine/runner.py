@@ -1,23 +1,32 @@
 """Model forward for the built-in engine: prefill one request, decode the whole running batch.
 
-The running batch keeps one HF `DynamicCache`, left-padded: row i's real tokens are the last
-`lens[i]` columns, earlier columns are zeros hidden by the attention mask. A request that joins
-is prefilled alone (no padding, so its prompt logits are exact) and then padded into the batch;
-a request that leaves is dropped by row, and columns that became padding for every row are cut.
-This is continuous batching on the stock HF model classes, with nothing model-specific here.
+KV lives in preallocated buffers (`KVSlab`) that forwards write in place; they grow
+geometrically, so a decode step writes one column instead of copying the whole cache.
+
+The running batch is left-padded: row i's real tokens are the last `lens[i]` columns, earlier
+columns are hidden by the attention mask. A request that joins is prefilled alone (no padding,
+so its prompt logits are exact) and then copied into the batch; a request that leaves is dropped
+by row, and columns that became padding for every row are cut. This is continuous batching on
+the stock HF model classes, with nothing model-specific here.
+
+Prefill runs page by page (`page_size` tokens per forward, always on the same grid from
+position 0), so page k's KV depends only on the tokens up to its end: the prefix cache
+(prefix_cache.py) can hand a later request exactly the KV it would compute itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import ContextManager
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from slimish.engine.lora import LoraManager
+from slimish.engine.prefix_cache import PrefixCache
 
 
 def engine_device(name: str) -> torch.device:
@@ -46,19 +55,88 @@ def load_model(path: str, dtype: str, device: torch.device) -> PreTrainedModel:
     return model
 
 
-def _set_layer(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
-    if not layer.is_initialized:
-        layer.lazy_initialization(keys, values)
-    layer.keys, layer.values = keys, values
+def _grown(need: int, have: int) -> int:
+    """Capacity for `need` given `have`: unchanged if it fits, else at least doubled."""
+    return have if need <= have else max(need, 2 * have)
+
+
+class _SlabLayer(DynamicLayer):
+    """One layer's view of a `KVSlab`: `update` writes the new columns in place and returns the
+    live region, as `DynamicLayer.update` returns its concatenation."""
+
+    def __init__(self, slab: "KVSlab", index: int) -> None:
+        super().__init__()
+        self.slab, self.index = slab, index
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        s, q = self.slab, key_states.shape[-2]
+        s.keys[self.index][: s.rows, :, s.width : s.width + q] = key_states
+        s.values[self.index][: s.rows, :, s.width : s.width + q] = value_states
+        self.keys, self.values = s.live(self.index, s.width + q)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.slab.width
+
+
+class KVSlab:
+    """K and V of every layer as [rows, kv_heads, columns, head_dim] buffers, plus a 0/1 column
+    mask: the live region is `rows` x `width`. A forward writes its new columns at `width` in place
+    (through `cache`, an HF cache whose layers are views of the slab); `advance` then moves
+    `width` on. Capacity grows geometrically, so decode copies nothing per step."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        cfg = model.config
+        probe = DynamicCache(config=cfg)
+        if any(type(layer) is not DynamicLayer for layer in probe.layers):
+            raise ValueError(f"{cfg.model_type}: the built-in engine supports full-attention models only (its cache has "
+                             f"{sorted({type(layer).__name__ for layer in probe.layers})})")  # fmt: skip
+        self.heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.dtype, self.device = model.dtype, model.device
+        self.rows = self.width = 0
+        self.keys: list[torch.Tensor] = [self._empty(0, 0) for _ in probe.layers]
+        self.values: list[torch.Tensor] = [self._empty(0, 0) for _ in probe.layers]
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        self.cache = probe
+        self.cache.layers = [_SlabLayer(self, i) for i in range(len(probe.layers))]
+
+    def _empty(self, rows: int, cols: int) -> torch.Tensor:
+        # zeros, not empty: padding columns are masked, but 0 * NaN garbage would still be NaN
+        return torch.zeros(rows, self.heads, cols, self.head_dim, dtype=self.dtype, device=self.device)
+
+    def live(self, layer: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.width if width is None else width
+        return self.keys[layer][: self.rows, :, :w], self.values[layer][: self.rows, :, :w]
+
+    def reserve(self, rows: int, cols: int, exact: bool = False) -> None:
+        """Room for `rows` x `cols`, keeping the live region; `exact` allocates no more than asked
+        (a prefill knows its length, and its strides then depend on nothing else)."""
+        have_rows, have_cols = self.mask.shape
+        new_rows, new_cols = (rows, cols) if exact else (_grown(rows, have_rows), _grown(cols, have_cols))
+        if new_rows <= have_rows and new_cols <= have_cols:
+            return
+        new_rows, new_cols = max(new_rows, have_rows), max(new_cols, have_cols)
+        r, w = self.rows, self.width
+        for bufs in (self.keys, self.values):
+            for i, old in enumerate(bufs):
+                bufs[i] = self._empty(new_rows, new_cols)
+                bufs[i][:r, :, :w] = old[:r, :, :w]
+        mask = torch.zeros(new_rows, new_cols, dtype=torch.long, device=self.device)
+        mask[:r, :w] = self.mask[:r, :w]
+        self.mask = mask
+
+    def advance(self, columns: int) -> None:
+        self.mask[: self.rows, self.width : self.width + columns] = 1
+        self.width += columns
 
 
 class KVBatch:
     """The left-padded KV cache and attention mask of the running batch."""
 
     def __init__(self, model: PreTrainedModel) -> None:
-        self.model = model
-        self.cache = DynamicCache(config=model.config)
-        self.mask = torch.zeros(0, 0, dtype=torch.long, device=model.device)
+        self.slab = KVSlab(model)
         self.lens: list[int] = []
 
     def __len__(self) -> int:
@@ -66,78 +144,135 @@ class KVBatch:
 
     @property
     def width(self) -> int:
-        return self.mask.shape[1]
+        return self.slab.width
 
-    def add(self, caches: list[DynamicCache], lens: list[int]) -> None:
-        """Append prefilled single-row caches as new rows, padding everything to one width."""
-        width = max([self.width, *lens])
-        masks = [F.pad(self.mask, (width - self.width, 0))] if len(self) else []
-        masks += [F.pad(torch.ones(1, n, dtype=torch.long, device=self.mask.device), (width - n, 0)) for n in lens]
-        for i, layer in enumerate(self.cache.layers):
-            parts_k, parts_v = [], []
-            if len(self):
-                parts_k.append(F.pad(layer.keys, (0, 0, width - self.width, 0)))
-                parts_v.append(F.pad(layer.values, (0, 0, width - self.width, 0)))
-            for c, n in zip(caches, lens):
-                parts_k.append(F.pad(c.layers[i].keys, (0, 0, width - n, 0)))
-                parts_v.append(F.pad(c.layers[i].values, (0, 0, width - n, 0)))
-            _set_layer(layer, torch.cat(parts_k), torch.cat(parts_v))
-        self.mask = torch.cat(masks)
+    @torch.inference_mode()
+    def add(self, sources: list["KVSlab"], lens: list[int]) -> None:
+        """Append prefilled single-row slabs (their first `lens[i]` columns) as new rows."""
+        s, n, width = self.slab, len(self), self.width
+        new_width = max([width, *lens])
+        s.reserve(n + len(lens), new_width + 1)  # + 1: the next decode step's column
+        if new_width > width:  # shift the old rows right: every row ends at the last column
+            shift = new_width - width
+            for buf in (*s.keys, *s.values):
+                buf[:n, :, shift:new_width] = buf[:n, :, :width].clone()
+            s.mask[:n, shift:new_width] = s.mask[:n, :width].clone()
+            s.mask[:n, :shift] = 0
+        for j, (src, length) in enumerate(zip(sources, lens)):
+            row, pad = n + j, new_width - length
+            for dst, part in ((s.keys, src.keys), (s.values, src.values)):
+                for buf, src_buf in zip(dst, part):
+                    buf[row, :, pad:new_width] = src_buf[0, :, :length]
+            s.mask[row, :pad] = 0
+            s.mask[row, pad:new_width] = 1
+        s.rows, s.width = n + len(lens), new_width
         self.lens += lens
 
+    @torch.inference_mode()
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows` (in that order) and cut columns that are padding for all of them."""
+        s = self.slab
         self.lens = [self.lens[r] for r in rows]
-        if not rows:
-            self.cache = DynamicCache(config=self.model.config)
-            self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.mask.device)
-            return
-        start = self.width - max(self.lens)
-        index = torch.tensor(rows, device=self.mask.device)
-        self.mask = self.mask[index, start:]
-        for layer in self.cache.layers:
-            _set_layer(layer, layer.keys[index, :, start:], layer.values[index, :, start:])
+        start = s.width - max(self.lens, default=0)
+        if rows != list(range(len(rows))) or start:
+            index, width = torch.tensor(rows, dtype=torch.long, device=s.device), s.width - start
+            for buf in (*s.keys, *s.values):
+                buf[: len(rows), :, :width] = buf[index, :, start : s.width]
+            s.mask[: len(rows), :width] = s.mask[index, start : s.width]
+        s.rows, s.width = len(rows), s.width - start
 
 
 @dataclass
 class PrefillOutput:
-    cache: DynamicCache
-    logits: torch.Tensor  # [positions, vocab] fp32: all prompt positions, or just the last one
+    slab: KVSlab  # one row: the prompt's KV
+    logits: torch.Tensor  # [positions, vocab] fp32: from `logits_from` to the end, or just the last
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
 
 class Runner:
-    """Stateless forwards over a model; the scheduler owns the batch. With `lora`, each row is
-    run with its own adapter (None: the base model); the scheduler has given each one a slot."""
+    """Forwards over a model, and the prefix cache they share; the scheduler owns the batch. With
+    `lora`, each row is run with its own adapter (None: the base model); the scheduler has given
+    each one a slot."""
 
-    def __init__(self, model: PreTrainedModel, lora: LoraManager | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, page_size: int, prefix_cache: PrefixCache | None, lora: LoraManager | None = None) -> None:
         self.model = model
         self.device = model.device
+        self.page_size = page_size
+        self.prefix_cache = prefix_cache
         self.lora = lora
 
     def _adapters(self, adapters: list[str | None] | None) -> ContextManager[None]:
         return self.lora.rows(adapters) if self.lora is not None and adapters is not None else nullcontext()
 
+    def flush_cache(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
+
+    def _hit_limit(self, n_ids: int, logits_from: int | None) -> int:
+        """How much of a prompt may come from the cache: never its last token (its logits are
+        needed), nor a position whose logits were asked for (`logits_from`)."""
+        return min(n_ids - 1, n_ids if logits_from is None else logits_from)
+
+    def cached_prefix(self, namespace: Hashable, input_ids: list[int], logits_from: int | None) -> int:
+        """Tokens of this prompt that `prefill` would take from the cache now."""
+        if self.prefix_cache is None:
+            return 0
+        return len(self.prefix_cache.match(namespace, input_ids, self._hit_limit(len(input_ids), logits_from))) * self.page_size
+
     @torch.inference_mode()
-    def prefill(self, input_ids: list[int], all_logits: bool, adapter: str | None = None) -> PrefillOutput:
-        cache = DynamicCache(config=self.model.config)
-        ids = torch.tensor([input_ids], device=self.device)
-        with self._adapters([adapter]):
-            out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
-        return PrefillOutput(cache=cache, logits=out.logits[0].float())
+    def prefill(self, input_ids: list[int], logits_from: int | None, namespace: Hashable, adapter: str | None = None) -> PrefillOutput:
+        """KV of `input_ids` and the logits of positions `logits_from..` (None: the last only).
+
+        Cached whole pages are copied in; the rest runs one page per forward, and the whole
+        pages computed go into the cache under `namespace`."""
+        n, p = len(input_ids), self.page_size
+        slab = KVSlab(self.model)
+        slab.reserve(1, n, exact=True)
+        slab.rows = 1
+        pages = self.prefix_cache.match(namespace, input_ids, self._hit_limit(n, logits_from)) if self.prefix_cache else []
+        for k, kv in enumerate(pages):
+            for i, (keys, values) in enumerate(zip(slab.keys, slab.values)):
+                keys[0, :, k * p : (k + 1) * p] = kv[i, 0]
+                values[0, :, k * p : (k + 1) * p] = kv[i, 1]
+        slab.advance(len(pages) * p)
+        first = n - 1 if logits_from is None else logits_from
+        logits = []
+        for start in range(slab.width, n, p):
+            end = min(start + p, n)
+            keep = max(end - max(first, start), 0)
+            with self._adapters([adapter]):
+                out = self.model(
+                    input_ids=torch.tensor([input_ids[start:end]], device=self.device),
+                    position_ids=torch.arange(start, end, device=self.device).unsqueeze(0),
+                    cache=slab.cache, use_cache=True,
+                    logits_to_keep=keep if keep else torch.empty(0, dtype=torch.long, device=self.device),
+                )  # fmt: skip
+            slab.advance(end - start)
+            logits.append(out.logits[0].float())
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(namespace, input_ids, n // p, lambda k: _page(slab, k * p, (k + 1) * p))
+        return PrefillOutput(slab=slab, logits=torch.cat(logits), cached_tokens=len(pages) * p)
 
     @torch.inference_mode()
     def decode(self, batch: KVBatch, tokens: list[int], adapters: list[str | None] | None = None) -> torch.Tensor:
         """Feed one token per row (row i with `adapters[i]`, all base when None); returns next-token logits [rows, vocab] in fp32."""
-        device = self.device
-        batch.mask = torch.cat([batch.mask, torch.ones(len(batch), 1, dtype=torch.long, device=device)], dim=1)
+        s, device = batch.slab, self.device
+        s.reserve(len(batch), s.width + 1)
+        s.mask[: s.rows, s.width] = 1
         with self._adapters(adapters):
             out = self.model(
                 input_ids=torch.tensor(tokens, device=device).unsqueeze(1),
-                attention_mask=batch.mask,
+                attention_mask=s.mask[: s.rows, : s.width + 1],
                 position_ids=torch.tensor(batch.lens, device=device).unsqueeze(1),
-                cache=batch.cache,
+                cache=s.cache,
                 use_cache=True,
                 logits_to_keep=1,
             )
+        s.advance(1)
         batch.lens = [n + 1 for n in batch.lens]
         return out.logits[:, -1, :].float()
+
+
+def _page(slab: KVSlab, start: int, end: int) -> torch.Tensor:
+    """Columns [start, end) of a one-row slab as one page: [layers, 2, kv_heads, page, head_dim]."""
+    return torch.stack([torch.stack([k[0, :, start:end], v[0, :, start:end]]) for k, v in zip(slab.keys, slab.values)])

@@ -1,7 +1,9 @@
 """Continuous batching for the built-in engine, on one thread that owns the model.
 
 Each loop turn: run control commands (abort, pause, weight updates), admit waiting requests
-within a prefill-token budget (each is prefilled alone and joins the batch at once), then one
+within a prefill-token budget (each is prefilled alone and joins the batch at once; identical
+prompts admitted together share one prefill, and whole pages a prompt shares with earlier ones
+come from the prefix cache and cost no budget), then one
 decode step for the whole batch; finished requests leave right after the step that ended them.
 Because admission happens between decode steps and the prefill budget is bounded, a short
 request never waits for a long one to finish.
@@ -20,14 +22,13 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
-from slimish.engine.runner import KVBatch, Runner, use_device
+from slimish.engine.runner import KVBatch, KVSlab, PrefillOutput, Runner, use_device
 from slimish.engine.sampling import RowState, sample, temperature_of
 from slimish.protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
 
@@ -66,6 +67,7 @@ class Request:
     finish_reason: dict[str, Any] | None = None
     stop_text_at: int | None = None  # where a matched stop string starts in the text
     num_retractions: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV this request did not compute (prefix cache, shared prefill)
     created: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
     generator: torch.Generator | None = None
@@ -93,12 +95,14 @@ class Scheduler:
         runner: Runner,
         max_running_requests: int,
         max_prefill_tokens: int,
+        share_prefills: bool,
         on_step: Callable[["Scheduler"], None] | None = None,
     ) -> None:
         self.runner = runner
         self.batch = KVBatch(runner.model)
         self.max_running = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
+        self.share_prefills = share_prefills  # one prefill for identical prompts admitted together (n copies)
         self.on_step = on_step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # row i of the batch is running[i]
@@ -214,10 +218,13 @@ class Scheduler:
         budget = self.max_prefill_tokens
         joined: list[Request] = []
         self._admitting = joined  # off `waiting`, not yet `running`: a failing step must fail these too
-        caches, held = [], []
+        slabs: list[KVSlab] = []
+        held: list[Request] = []  # no adapter slot free this round
+        shared: dict[Hashable, PrefillOutput] = {}  # this round's prefills, by what makes them identical
         while self.waiting and len(self.running) + len(joined) < self.max_running:
             req = self.waiting[0]
-            cost = len(req.input_ids) + len(req.output_ids)
+            key = self._prefill_key(req)
+            cost = 0 if self.share_prefills and key in shared else self._prefill_cost(req)
             if joined and cost > budget:
                 break
             self.waiting.popleft()
@@ -226,14 +233,14 @@ class Scheduler:
                 continue
             budget -= cost
             joined.append(req)
-            cache = self._prefill(req)
-            if cache is None:
+            slab = self._prefill(req, key, shared)
+            if slab is None:
                 joined.pop()
             else:
-                caches.append(cache)
+                slabs.append(slab)
         self.waiting.extendleft(reversed(held))
         if joined:
-            self.batch.add(caches, [c.get_seq_length() for c in caches])
+            self.batch.add(slabs, [s.width for s in slabs])
             self.running += joined
         self._admitting = []
 
@@ -244,20 +251,54 @@ class Scheduler:
             return True
         return lora.acquire(req.lora, {r.lora for r in [*self.running, *joined] if r.lora is not None})
 
-    def _prefill(self, req: Request) -> DynamicCache | None:
-        """Prefill one request; its cache if it joins the batch. A retracted one resumes its output."""
-        if req.output_ids:  # resuming: the last output token is not in the cache yet
-            return self.runner.prefill(req.input_ids + req.output_ids[:-1], all_logits=False, adapter=req.lora).cache
-        want_input = req.wish.return_logprob and 0 <= req.wish.logprob_start_len < len(req.input_ids)
-        out = self.runner.prefill(req.input_ids, all_logits=want_input, adapter=req.lora)
-        if want_input:
+    def kv_namespace(self, req: Request) -> Hashable:
+        """What the KV of `req` depends on besides its tokens, so that the prefix cache and shared
+        prefills never mix KV across namespaces: the weights (a weight load also flushes the
+        cache) and the request's adapter, as loaded (`uid`: a reload under the same name is
+        another adapter) and versioned."""
+        if req.lora is None or self.runner.lora is None:
+            return (self.weight_version,)
+        adapter = self.runner.lora.get(req.lora)
+        return (self.weight_version, adapter.uid, adapter.version)
+
+    @staticmethod
+    def _logits_from(req: Request) -> int | None:
+        """The first prompt position whose logits the request needs (row j-1 scores token j)."""
+        start = req.wish.logprob_start_len
+        if req.output_ids or not (req.wish.return_logprob and 0 <= start < len(req.input_ids)):
+            return None
+        return max(start - 1, 0)
+
+    def _prefill_ids(self, req: Request) -> list[int]:
+        """A retracted request resumes: its last output token is not in the cache yet."""
+        return req.input_ids + req.output_ids[:-1] if req.output_ids else req.input_ids
+
+    def _prefill_key(self, req: Request) -> Hashable:
+        return (self.kv_namespace(req), tuple(self._prefill_ids(req)), self._logits_from(req))
+
+    def _prefill_cost(self, req: Request) -> int:
+        ids = self._prefill_ids(req)
+        return len(ids) - self.runner.cached_prefix(self.kv_namespace(req), ids, self._logits_from(req))
+
+    def _prefill(self, req: Request, key: Hashable, shared: dict[Hashable, PrefillOutput]) -> KVSlab | None:
+        """Prefill one request (or take an identical one's prefill from this round); its KV if it
+        joins the batch."""
+        out = shared.get(key) if self.share_prefills else None
+        cached = len(self._prefill_ids(req))  # a shared prefill: this request computed none
+        if out is None:
+            out = shared[key] = self.runner.prefill(self._prefill_ids(req), self._logits_from(req), self.kv_namespace(req), req.lora)
+            cached = out.cached_tokens
+        if req.output_ids:  # resumed: what its first prefill found stays reported
+            return out.slab
+        req.cached_tokens = cached
+        if self._logits_from(req) is not None:
             self._input_logprobs(req, out.logits)
         if req.params.max_new_tokens == 0:  # prompt scoring: input logprobs only
             self._finish(req, {"type": "length", "length": 0})
             return None
         tokens, logprobs = sample(out.logits[-1:], [req.row_state()])
         self._append(req, tokens[0], logprobs[0])
-        return out.cache if req.finish_reason is None else None
+        return out.slab if req.finish_reason is None else None
 
     def _decode(self) -> None:
         t0 = time.monotonic()
@@ -323,14 +364,15 @@ class Scheduler:
 
     def _input_logprobs(self, req: Request, logits: torch.Tensor) -> None:
         """Logprobs of prompt tokens from `logprob_start_len` on; the first token has none."""
-        lp = torch.log_softmax(logits / temperature_of(req.params), dim=-1)  # row j predicts token j+1
-        ids, start, w = req.input_ids, req.wish.logprob_start_len, req.wish
+        # row r of `logits` is position `first + r`, which predicts token `first + r + 1`
+        lp = torch.log_softmax(logits / temperature_of(req.params), dim=-1)
+        ids, start, w, first = req.input_ids, req.wish.logprob_start_len, req.wish, self._logits_from(req)
         positions = range(start, len(ids))
-        req.input_logprobs = [None if j == 0 else float(lp[j - 1, ids[j]]) for j in positions]
+        req.input_logprobs = [None if j == 0 else float(lp[j - 1 - first, ids[j]]) for j in positions]
         if w.top_logprobs_num > 0:
-            req.input_top_logprobs = [None if j == 0 else _top(lp[j - 1], w.top_logprobs_num) for j in positions]
+            req.input_top_logprobs = [None if j == 0 else _top(lp[j - 1 - first], w.top_logprobs_num) for j in positions]
         if w.token_ids_logprob:
-            req.input_ids_logprobs = [None if j == 0 else _pick(lp[j - 1], w.token_ids_logprob) for j in positions]
+            req.input_ids_logprobs = [None if j == 0 else _pick(lp[j - 1 - first], w.token_ids_logprob) for j in positions]
 
 
 def _top(logprobs: torch.Tensor, k: int) -> list[tuple[float | None, int]]:
