@@ -247,6 +247,27 @@ def test_a_teacher_equal_to_the_start_has_zero_kl_until_the_policy_moves(tmp_pat
     assert all(r["rollout/groups_failed"] == 0 for r in rows[1:])
     assert (tmp_path / "run" / "logs" / "teacher" / "engine0.log").exists()  # its own engine
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_run_with_its_teacher_served_by_name_on_the_policy_router(tmp_path: Path) -> None:
+    """A short sync run whose teacher (the policy's starting model) is registered by name on the
+    run's own router: its engine has a log of its own but no router; the first step's teacher_kl
+    is 0 (the teacher's log-probs are the starting model's), later ones are not (the policy moved,
+    the teacher did not); no sample failed, so the teacher's weight version never moved."""
+    from slimish.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", arch="llama", size="tiny", seed=0)
+    rows = run_quickstart(tmp_path, "steps=3", "sft.steps=0", "eval.every=0", "rollout.rollout_batch_size=2",
+                          "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8", "rollout.filter_fn=null",
+                          "algorithm.opd.coef=1.0", f"launch.teacher.model={model}", "launch.teacher.served_name=teacher",
+                          model=model)  # fmt: skip
+    kl = [r["train/teacher_kl"] for r in rows[1:]]
+    assert abs(kl[0]) < 1e-5 and max(abs(k) for k in kl[1:]) > 1e-4, kl
+    assert all(r["rollout/groups_failed"] == 0 for r in rows[1:])
+    logs = tmp_path / "run" / "logs" / "teacher"
+    assert (logs / "engine0.log").exists() and not (logs / "router.log").exists()
+
+
 # Measured (2026-12-04, 512 held-out prompts, greedy): after the 200-step SFT 0.14; a GRPO teacher
 # of 40 steps 0.65 (30 steps: 0.52 on 64 prompts); students at lr 1e-3 plateau near 0.44 by step
 # 10, at 4e-3 they reach 0.54-0.59 by steps 10-15 (the eval moves by about 0.05 between them).
