@@ -35,7 +35,7 @@ def registered(router_url: str, urls: list[str], name: str, api_key: str | None,
                     raise RuntimeError(f"launch.teacher.served_name: {router_url} refused worker {url} as {name!r}: {r.status_code} {r.text}")
                 ids.append(r.json()["worker_id"])
             deadline = time.monotonic() + timeout
-            while not all(w.get("is_healthy") for w in named_workers(router_url, name, api_key).values()):
+            while not all(named_workers(router_url, name, api_key).get(u, {}).get("is_healthy") for u in urls):  # ours only: a stale one may be down
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"launch.teacher.served_name: {urls} not healthy on {router_url} within {timeout:g} s")
                 time.sleep(0.1)  # polling the router's health view, bounded by the deadline
