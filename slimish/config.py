@@ -289,12 +289,18 @@ class TeacherConfig:
     share the policy's tokenizer: it scores the policy's token ids as they are."""
 
     # HF model directory: `engines` engines of `engine_kind` are started on rank 0's machine
-    # (child processes, also under launch.mode=ray), with a router of their own in front.
+    # (child processes, also under launch.mode=ray), with a router of their own in front (or the
+    # policy's, with served_name).
     model: str | None = None
     # An existing router or engine that serves the teacher (nothing started). Not the policy's
-    # router: the slimish router does not route by model name, and weight pushes reach every
-    # engine behind the policy's router.
+    # router (weight pushes reach every unnamed engine behind it): for that, served_name.
     router_url: str | None = None
+    # Serve the teacher behind the policy's router, by name: its engines are registered there as
+    # named workers (`POST /workers {"url", "model_id": served_name}`, removed when the run ends),
+    # and the teacher's requests carry `model: served_name`. Named workers take no request that
+    # does not name them and no weight push. Without `model`: the teacher is already registered
+    # under this name on launch.router_url.
+    served_name: str | None = None
 
     engines: int = 1  # teacher engines started for `model`
     engine_kind: str = "builtin"  # builtin | sglang (`launch.sglang_args` do not apply: use teacher.sglang_args)
@@ -306,10 +312,13 @@ class TeacherConfig:
         at_least(1, self, "launch.teacher.", "engines")
         if self.model and self.router_url:
             raise ValueError("launch.teacher: set model (engines started by the run) or router_url (an existing server), not both")
+        if self.served_name is not None and (not self.served_name.strip() or self.router_url):
+            raise ValueError("launch.teacher.served_name: a non-empty name the teacher is served under on the policy's router; "
+                             f"not with launch.teacher.router_url (a teacher router of its own), got {self.served_name!r}")  # fmt: skip
 
     @property
     def configured(self) -> bool:
-        return bool(self.model or self.router_url)
+        return bool(self.model or self.router_url or self.served_name)
 
 
 @dataclass
@@ -352,6 +361,9 @@ class LaunchConfig:
         if self.engines < 1 or self.engine_cpus < 0 or self.engine_gpus < 0:
             raise ValueError(f"launch.engines must be >= 1 and engine_cpus/engine_gpus >= 0, got "
                              f"{self.engines}, {self.engine_cpus}, {self.engine_gpus}")  # fmt: skip
+        if self.teacher.served_name and not (self.teacher.model or self.router_url):
+            raise ValueError("launch.teacher.served_name without launch.teacher.model names a teacher already registered on "
+                             "the policy's router: that needs launch.router_url (a router this run starts has none)")  # fmt: skip
         if self.router_url and self.teacher.router_url and self.router_url.rstrip("/") == self.teacher.router_url.rstrip("/"):
             raise ValueError(f"launch.teacher.router_url is the policy's launch.router_url ({self.router_url}): weight pushes would "
                              "reach the teacher; serve the teacher from its own router or engine")  # fmt: skip
@@ -788,7 +800,8 @@ class RunConfig:
         opd = self.algorithm.opd
         if opd.coef > 0 and not self.launch.teacher.configured:
             raise ValueError("algorithm.opd.coef > 0 needs a teacher: set launch.teacher.model (an HF directory; the run starts "
-                             "its engines) or launch.teacher.router_url (a running teacher server)")  # fmt: skip
+                             "its engines), launch.teacher.router_url (a running teacher server) or launch.teacher.served_name "
+                             "(a teacher registered by name on launch.router_url)")  # fmt: skip
         if not opd.task_reward and self.rollout.filter_fn == ZERO_VARIANCE_FILTER:
             raise ValueError(f"algorithm.opd.task_reward=false (pure distillation) trains every group whatever its rewards: "
                              f"set rollout.filter_fn=null (or a filter that does not judge by reward), not {ZERO_VARIANCE_FILTER}")  # fmt: skip

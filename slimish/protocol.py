@@ -105,7 +105,8 @@ class GenerateReqInput(_Strict):
     # A loaded LoRA adapter's name (SGLang's field name: a name, not a path), or per batch item
     # a list of them; null is the base model.
     lora_path: str | list[str | None] | None = None
-    # Keys sglang-router 0.3.2 injects; accepted and otherwise unused.
+    # Keys sglang-router 0.3.2 injects; accepted and otherwise unused (`model` picks the router's
+    # named workers, slimish/router/proxy.py `serving`; the engine ignores it, as SGLang does).
     model: str | None = None
     log_metrics: bool = True
     background: bool = False
@@ -286,6 +287,16 @@ class GetWeightVersionReq(_Strict):
     """`/get_weight_version`: the base model's version, or a loaded adapter's."""
 
     lora_name: str | None = None
+
+
+class AddWorkerReq(_Strict):
+    """The router's `POST /workers` (sglang-router 0.3's worker config; its other fields, priority,
+    cost and so on, are ignored)."""
+
+    url: Any = None  # checked by the registry, whose error names the form it expects
+    # A name: the worker serves only requests whose `model` names it, and admin fan-outs skip it
+    # unless they name it (`?model=`). None: a worker of the router's own model.
+    model_id: str | None = Field(None, min_length=1)
 
 
 # --------------------------------------------------------------------------------------------

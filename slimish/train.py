@@ -76,7 +76,7 @@ class Driver:
         self.cfg, self.world = cfg, world
         self.teacher: Servers | None = None  # on-policy distillation's teacher: never pushed to
         if cfg.algorithm.opd.coef > 0:
-            self.teacher = stack.enter_context(teacher_servers(cfg.launch, Path(cfg.run_dir) / "logs" / "teacher"))
+            self.teacher = stack.enter_context(teacher_servers(cfg.launch, Path(cfg.run_dir) / "logs" / "teacher", servers.router_url))
         self.loop = LoopThread("rollout")
         stack.callback(self.loop.close)
         teacher_url = self.teacher.router_url if self.teacher else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from conftest import post, run_quickstart
@@ -147,6 +148,51 @@ def test_teacher_logprobs_equal_the_engine_and_hf(engine: str, tiny_model_dir: P
     assert again.teacher_logprobs is None
 
 
+def test_a_teacher_served_by_name_behind_the_policy_router(engine: str, tiny_model_dir_other_seed: Path, tok, tmp_path: Path) -> None:
+    """`launch.teacher.served_name`: the teacher's engine (another model) is started and registered
+    on the policy's router by name. Its log-probs are the teacher model's (HF's, within 1e-5, and
+    not the policy's); the policy's rollouts and a weight-version push through the router never
+    reach it (its own request counter, its pinned version); the policy's engine list read from
+    the router leaves it out; it is deregistered when the run ends."""
+    from conftest import metric_total, running_router
+    from slimish.config import LaunchConfig, TeacherConfig
+    from slimish.launch import teacher_servers
+    from slimish.launch.local import existing_engine_urls
+
+    launch = LaunchConfig(start_timeout=120, teacher=TeacherConfig(model=str(tiny_model_dir_other_seed), served_name="teacher"))
+    params = {"temperature": 1.0, "max_new_tokens": 5, "ignore_eos": True, "sampling_seed": 1}
+
+    async def main(router: str, teacher_url: str) -> list[Sample]:
+        async with Client(router) as client:
+            teacher = Teacher(Client(router), 1.0, "teacher")
+            samples = []
+            for i in range(3):
+                s = Sample(prompt="")
+                s.set_prompt(tok.encode(f"Largest digit: {i} 7 3"))
+                r = await client.generate(input_ids=s.tokens, return_logprob=True, sampling_params=params)
+                s.append_model(r.output_ids, [e[0] for e in r.meta_info.output_token_logprobs])
+                await teacher.score(s)
+                samples.append(s)
+                assert post(router, "/update_weight_version", {"new_version": f"policy-{i}"}).status_code == 200
+            await teacher.close()
+            return samples
+
+    with running_router(worker_urls=[engine]) as router:
+        with teacher_servers(launch, tmp_path / "teacher", router) as servers:
+            (teacher_url,) = servers.engine_urls
+            assert servers.router_url == router and existing_engine_urls(router) == [engine, teacher_url]
+            check_push_targets(existing_engine_urls(router, skip_model="teacher"), servers.engine_urls)
+            samples = asyncio.run(main(router, teacher_url))
+            assert metric_total(teacher_url, "sglang:num_requests_total") == 3  # the scorings, nothing else
+            assert metric_total(teacher_url, "sglang:generation_tokens_total") == 0
+            assert httpx.get(teacher_url + "/get_weight_version").json()["weight_version"] == "default"
+        assert [w["url"] for w in httpx.get(router + "/workers").json()["workers"]] == [engine]
+    for s in samples:
+        expected = hf_logprobs(tiny_model_dir_other_seed, s.tokens, s.prompt_length, 1.0)
+        assert max(abs(a - b) for a, b in zip(s.teacher_logprobs, expected)) < 1e-5
+        assert max(abs(a - b) for a, b in zip(s.teacher_logprobs, s.rollout_logprobs)) > 1e-3  # not the policy's
+
+
 # -- config and launch errors --------------------------------------------------------------------
 
 
@@ -161,6 +207,11 @@ def test_teacher_logprobs_equal_the_engine_and_hf(engine: str, tiny_model_dir: P
      "launch.teacher.router_url is the policy's launch.router_url"),
     (["algorithm.opd.coef=-1"], "algorithm.opd.coef must be >= 0"),
     (["launch.teacher.engine_kind=external"], "launch.teacher.engine_kind must be one of builtin, sglang"),
+    (["algorithm.opd.coef=1", "launch.teacher.served_name=t", "launch.teacher.router_url=http://h:1"],
+     "launch.teacher.served_name: a non-empty name the teacher is served under on the policy's router; not with "
+     "launch.teacher.router_url"),
+    (["algorithm.opd.coef=1", "launch.teacher.served_name=t"],
+     "launch.teacher.served_name without launch.teacher.model names a teacher already registered on the policy's router"),
 ])  # fmt: skip
 def test_config_errors_name_the_field(overrides: list[str], message: str) -> None:
     with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.").replace(">", ".")):
@@ -195,6 +246,27 @@ def test_a_teacher_equal_to_the_start_has_zero_kl_until_the_policy_moves(tmp_pat
     assert max(abs(k) for k in kl[1:]) > 1e-4, kl
     assert all(r["rollout/groups_failed"] == 0 for r in rows[1:])
     assert (tmp_path / "run" / "logs" / "teacher" / "engine0.log").exists()  # its own engine
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_run_with_its_teacher_served_by_name_on_the_policy_router(tmp_path: Path) -> None:
+    """A short sync run whose teacher (the policy's starting model) is registered by name on the
+    run's own router: its engine has a log of its own but no router; the first step's teacher_kl
+    is 0 (the teacher's log-probs are the starting model's), later ones are not (the policy moved,
+    the teacher did not); no sample failed, so the teacher's weight version never moved."""
+    from slimish.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", arch="llama", size="tiny", seed=0)
+    rows = run_quickstart(tmp_path, "steps=3", "sft.steps=0", "eval.every=0", "rollout.rollout_batch_size=2",
+                          "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8", "rollout.filter_fn=null",
+                          "algorithm.opd.coef=1.0", f"launch.teacher.model={model}", "launch.teacher.served_name=teacher",
+                          model=model)  # fmt: skip
+    kl = [r["train/teacher_kl"] for r in rows[1:]]
+    assert abs(kl[0]) < 1e-5 and max(abs(k) for k in kl[1:]) > 1e-4, kl
+    assert all(r["rollout/groups_failed"] == 0 for r in rows[1:])
+    logs = tmp_path / "run" / "logs" / "teacher"
+    assert (logs / "engine0.log").exists() and not (logs / "router.log").exists()
+
 
 # Measured (2026-12-04, 512 held-out prompts, greedy): after the 200-step SFT 0.14; a GRPO teacher
 # of 40 steps 0.65 (30 steps: 0.52 on 64 prompts); students at lr 1e-3 plateau near 0.44 by step

@@ -8,7 +8,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from slimish.launch.local import Servers, local_servers
+from slimish.launch.local import Servers, engines_only, local_servers
 
 if TYPE_CHECKING:
     from slimish.config import LaunchConfig
@@ -24,18 +24,32 @@ def start_servers(launch: "LaunchConfig", model: str | Path, log_dir: str | Path
 
 
 @contextmanager
-def teacher_servers(launch: "LaunchConfig", log_dir: str | Path) -> Iterator[Servers]:
+def teacher_servers(launch: "LaunchConfig", log_dir: str | Path, policy_router: str) -> Iterator[Servers]:
     """On-policy distillation's teacher (`launch.teacher`): its own engines and router, started
     on this machine like the policy's local ones (logs in `log_dir`), or the server at
-    `teacher.router_url`. Never part of the policy's `Servers`, so weight sync never reaches it."""
+    `teacher.router_url`; with `teacher.served_name`, its engines (started, or already there)
+    behind `policy_router` by that name. Never part of the policy's `Servers`, so weight sync
+    never reaches it."""
     from slimish.config import LaunchConfig
+    from slimish.launch.named import named_workers, registered
 
     t = launch.teacher
     own = LaunchConfig(router_url=t.router_url, engines=t.engines, engine_kind=t.engine_kind, engine_flag=list(t.engine_flag),
                        sglang_args=list(t.sglang_args), policy=launch.policy, api_key=launch.api_key,
                        start_timeout=launch.start_timeout)  # fmt: skip
-    with local_servers(own, t.model or "", log_dir) as servers:
-        yield servers
+    if t.served_name is None:
+        with local_servers(own, t.model or "", log_dir) as servers:
+            yield servers
+    elif not t.model:
+        urls = list(named_workers(policy_router, t.served_name, launch.api_key))
+        if not urls:
+            raise ValueError(f"launch.teacher.served_name: no worker is registered under {t.served_name!r} on {policy_router}")
+        yield Servers(policy_router, urls)
+    else:
+        with engines_only(own, t.model, log_dir) as engines:
+            urls = [e.url for e in engines]
+            with registered(policy_router, urls, t.served_name, launch.api_key, launch.start_timeout):
+                yield Servers(policy_router, urls, engines)
 
 
 def check_push_targets(policy_urls: list[str], teacher_urls: list[str]) -> None:

@@ -97,42 +97,54 @@ def local_servers(launch: "LaunchConfig", model: str | Path, log_dir: str | Path
     `launch.router_url` names existing ones, whose engines are then read from its worker list,
     or `launch.engine_kind` is external (a router is started in front of `launch.engine_urls`)."""
     if launch.router_url:
-        yield Servers(launch.router_url, existing_engine_urls(launch.router_url, launch.api_key))
+        yield Servers(launch.router_url, existing_engine_urls(launch.router_url, launch.api_key, launch.teacher.served_name))
         return
+    with engines_only(launch, model, log_dir) as engines:
+        urls = [e.url for e in engines] or [u.rstrip("/") for u in launch.engine_urls]
+        with router_process(launch, urls, Path(log_dir)).start(launch.start_timeout) as router:
+            yield Servers(router.url, urls, engines)
+
+
+@contextmanager
+def engines_only(launch: "LaunchConfig", model: str | Path, log_dir: str | Path) -> Iterator[list[ServerProcess]]:
+    """`launch.engines` engines of `launch.engine_kind` started and healthy (none for external
+    ones), stopped when the block ends."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     engines = []
     if launch.engine_kind != "external":
         engines = [engine_server(launch, model, log_dir / f"engine{i}.log") for i in range(launch.engines)]
-    urls = [e.url for e in engines] or [u.rstrip("/") for u in launch.engine_urls]
-    router: ServerProcess | None = None
     try:
         start_all(engines, launch.start_timeout)
-        router = router_process(launch, urls, log_dir).start(launch.start_timeout)
-        yield Servers(router.url, urls, engines)
+        yield engines
     finally:
-        for proc in [router, *engines]:
-            if proc is not None:
-                proc.stop()
+        for proc in engines:
+            proc.stop()
 
 
-def _admin_headers(api_key: str | None) -> dict[str, str]:
+def admin_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def existing_engine_urls(url: str, api_key: str | None = None) -> list[str]:
-    """A router's workers (`GET /list_workers`), or `[url]` when `url` is an engine itself."""
-    r = httpx.get(url.rstrip("/") + "/list_workers", headers=_admin_headers(api_key), timeout=10.0)
+def existing_engine_urls(url: str, api_key: str | None = None, skip_model: str | None = None) -> list[str]:
+    """A router's workers (`GET /list_workers`) less those registered under `skip_model` (the
+    teacher's, never pushed to), or `[url]` when `url` is an engine itself."""
+    r = httpx.get(url.rstrip("/") + "/list_workers", headers=admin_headers(api_key), timeout=10.0)
     if r.status_code == 404:
         return [url.rstrip("/")]
     r.raise_for_status()
-    return list(r.json()["urls"])
+    if skip_model is None:
+        return list(r.json()["urls"])
+    from slimish.launch.named import named_workers
+
+    skipped = named_workers(url, skip_model, api_key)
+    return [u for u in r.json()["urls"] if u.rstrip("/") not in skipped]
 
 
 def replace_worker(router_url: str, old: str | None, new: str, api_key: str | None = None) -> None:
     """Swap `old` for `new` in a router's worker list with the sglang-router 0.3 registry routes
     (`GET|POST /workers`, `DELETE /workers/<id>`), which the slimish router serves as well."""
-    with httpx.Client(base_url=router_url.rstrip("/"), headers=_admin_headers(api_key), timeout=10.0) as http:
+    with httpx.Client(base_url=router_url.rstrip("/"), headers=admin_headers(api_key), timeout=10.0) as http:
         listed = http.get("/workers")
         listed.raise_for_status()
         ids = {w["url"].rstrip("/"): w["id"] for w in listed.json()["workers"]}

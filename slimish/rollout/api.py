@@ -111,7 +111,9 @@ class RolloutRuntime:
     @classmethod
     async def create(cls, cfg: RunConfig, router_url: str, teacher_url: str | None = None) -> "RolloutRuntime":
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.model)
-        teacher = Teacher(Client(teacher_url, api_key=cfg.launch.api_key), cfg.rollout.temperature) if teacher_url else None
+        teacher = None
+        if teacher_url:
+            teacher = Teacher(Client(teacher_url, api_key=cfg.launch.api_key), cfg.rollout.temperature, cfg.launch.teacher.served_name)
         return cls(cfg, Client(router_url, api_key=cfg.launch.api_key), tokenizer, teacher)
 
     async def get_capture(self) -> CaptureServer:

@@ -1,7 +1,8 @@
 """On-policy distillation, rollout side: the teacher's log-probs of a finished sample's response.
 
 The teacher is a plain SGLang-protocol server (engines of its own behind a router, or one given
-by URL). Scoring is one `/generate` per sample with the full token ids as `input_ids`,
+by URL), or engines behind the policy's router by name (`model` in every request names them:
+the router's named workers, which nothing else reaches). Scoring is one `/generate` per sample with the full token ids as `input_ids`,
 `max_new_tokens=0` (nothing is generated) and input log-probs from the last prompt token on:
 PROTOCOL.md 1.3 gives the logprob of token j (predicted from position j-1) at entry
 j - logprob_start_len, with `null` where a token has no predecessor. Starting one token before the
@@ -24,13 +25,15 @@ class TeacherChanged(RuntimeError):
     """The teacher's weight version moved during the run: something pushed weights into it."""
 
 
-async def teacher_logprobs(client: Client, tokens: list[int], prompt_length: int, temperature: float) -> tuple[list[float], str]:
+async def teacher_logprobs(client: Client, tokens: list[int], prompt_length: int, temperature: float,
+                           model: str | None = None) -> tuple[list[float], str]:  # fmt: skip
     """The teacher's log-probs of `tokens[prompt_length:]`, one per token, and its weight version
-    as the server reports it (a fresh engine's is "default": any push changes it)."""
+    as the server reports it (a fresh engine's is "default": any push changes it). `model`: the
+    name the teacher is served under on a shared router (None: the server serves only it)."""
     if prompt_length < 1:
         raise ValueError(f"teacher scoring needs at least one prompt token, got prompt_length {prompt_length}")
     start = prompt_length - 1
-    reply = await client.generate(input_ids=list(tokens), return_logprob=True, logprob_start_len=start,
+    reply = await client.generate(input_ids=list(tokens), return_logprob=True, logprob_start_len=start, model=model,
                                   sampling_params={"max_new_tokens": 0, "temperature": temperature})  # fmt: skip
     assert not isinstance(reply, list)  # one prompt, n = 1
     entries = reply.meta_info.input_token_logprobs or []
@@ -49,13 +52,13 @@ class Teacher:
     """The run's teacher client; its weight version is pinned at the first reply: a later change
     means weights were pushed into it, which must never happen (it is not the policy)."""
 
-    def __init__(self, client: Client, temperature: float) -> None:
-        self.client, self.temperature = client, temperature
+    def __init__(self, client: Client, temperature: float, model: str | None = None) -> None:
+        self.client, self.temperature, self.model = client, temperature, model
         self.version: str | None = None
 
     async def score(self, sample: Sample) -> None:
         """Set `sample.teacher_logprobs` (aligned with `rollout_logprobs`)."""
-        logprobs, version = await teacher_logprobs(self.client, sample.tokens, sample.prompt_length, self.temperature)
+        logprobs, version = await teacher_logprobs(self.client, sample.tokens, sample.prompt_length, self.temperature, self.model)
         if self.version is None:
             self.version = version
         elif version != self.version:

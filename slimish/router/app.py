@@ -20,11 +20,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from slimish.config import RouterConfig, add_config_arguments, config_from_args
-from slimish.protocol import ROUTING_KEY_HEADER, ChatCompletionRequest, CompletionRequest, GenerateReqInput
+from slimish.protocol import ROUTING_KEY_HEADER, AddWorkerReq, ChatCompletionRequest, CompletionRequest, GenerateReqInput, describe_validation_error
 from slimish.router.gate import apply_cap, check_key, check_prompt_length, parse_object, prompt_of, read_body
 from slimish.router.lora import adapters_of, lora_routes
 from slimish.router.metrics import RouterMetrics
@@ -111,7 +112,9 @@ def _serving_routes(cfg: RouterConfig, proxy: Proxy, policy: Any, metrics: Route
                 headers = {"content-type": "application/json"}
                 if routing_key is not None:
                     headers[ROUTING_KEY_HEADER] = routing_key
-                info = RouteInfo(prompt_of(route, payload) if policy.needs_prompt else None, routing_key, adapters_of(route, payload, workers.all()))
+                model = payload.get("model") if isinstance(payload.get("model"), str) else None
+                info = RouteInfo(prompt_of(route, payload) if policy.needs_prompt else None, routing_key,
+                                 adapters_of(route, payload, workers.all()), route, model)  # fmt: skip
                 stream = payload.get("stream") is True
                 return await proxy.forward(route, started, request.method, route, body, headers, info, stream)
             except RouterError as exc:
@@ -155,9 +158,9 @@ def _lookup(workers: WorkerRegistry, worker_id: str) -> Worker:
 def _registry_routes(app: FastAPI, cfg: RouterConfig, workers: WorkerRegistry, admin: Callable[[Request], None]) -> None:
     """The worker registry: sglang-router 0.3.x's shapes, and the legacy ones slime uses."""
 
-    def register(url: Any) -> Worker:
+    def register(url: Any, model_id: str | None = None) -> Worker:
         try:
-            return workers.add(url)
+            return workers.add(url, model_id)
         except ValueError as exc:
             raise RouterError(400, str(exc)) from exc
         except KeyError as exc:
@@ -172,8 +175,11 @@ def _registry_routes(app: FastAPI, cfg: RouterConfig, workers: WorkerRegistry, a
     @app.post("/workers", status_code=202)
     async def add_worker(request: Request) -> dict[str, Any]:
         admin(request)
-        payload = parse_object(await read_body(request, cfg.max_body_bytes))
-        worker = register(payload.get("url"))
+        try:
+            req = AddWorkerReq.model_validate(parse_object(await read_body(request, cfg.max_body_bytes)))
+        except ValidationError as exc:
+            raise RouterError(400, f"POST /workers: {describe_validation_error(exc)}") from None
+        worker = register(req.url, req.model_id)
         return {
             "status": "accepted",
             "worker_id": worker.id,
@@ -216,15 +222,16 @@ def _registry_routes(app: FastAPI, cfg: RouterConfig, workers: WorkerRegistry, a
 
 
 def _engine_admin_routes(app: FastAPI, cfg: RouterConfig, workers: WorkerRegistry, proxy: Proxy, admin: Callable[[Request], None]) -> None:
-    """Every engine admin route: fanned out, or to one named worker."""
+    """Every engine admin route: fanned out (to the unnamed workers, or with `?model=NAME` to
+    those registered under NAME), or to the one worker `?worker=` names, named or not."""
 
     async def engine_admin(request: Request) -> Response:
         admin(request)
         body = await read_body(request, cfg.max_body_bytes) or None
-        query = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "worker"])
+        query = urlencode([(k, v) for k, v in request.query_params.multi_items() if k not in ("worker", "model")])
         target = request.url.path + (f"?{query}" if query else "")
         if (named := request.query_params.get("worker")) is None:
-            status, result = await proxy.fan_out(request.method, target, body)
+            status, result = await proxy.fan_out(request.method, target, body, request.query_params.get("model"))
             return JSONResponse(result, status_code=status)
         reply = await proxy.control(_lookup(workers, named), request.method, target, body)
         if "status_code" not in reply:

@@ -22,6 +22,8 @@ class RouteInfo:
     prompt: str | list[int] | None = None
     routing_key: str | None = None
     adapters: frozenset[str] = frozenset()
+    route: str = "/generate"  # with `model` (the body's): which workers may serve it (proxy.serving)
+    model: str | None = None
 
 
 class Policy(Protocol):

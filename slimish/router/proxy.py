@@ -57,6 +57,51 @@ def holders(healthy: list[Worker], everyone: list[Worker], adapters: frozenset[s
     raise RouterError(400, f"no healthy worker holds all of the lora adapters {sorted(adapters)}; a batch must name adapters one worker holds")
 
 
+def model_ids(everyone: list[Worker]) -> set[str]:
+    """The model ids workers were registered under (`POST /workers {"url", "model_id"}`)."""
+    return {w.model_id for w in everyone if w.model_id is not None}
+
+
+def serving(healthy: list[Worker], everyone: list[Worker], route: str, model: str | None) -> list[Worker]:
+    """The healthy workers a serving request naming `model` may reach; a RouterError when none may.
+
+    Named workers (registered under a model id) serve another model beside the policy's, e.g. on-
+    policy distillation's teacher: only requests naming that id reach them, and only them, so
+    the policy's traffic can never land there. Any other request goes to the unnamed workers; on
+    `/generate`, where `model` selects nothing else, a name that is neither a registered id nor an
+    unnamed worker's served model is refused (a typo must not land on the policy). The OpenAI
+    routes pass other names on (the served model, an adapter): the engine decides."""
+    ids = model_ids(everyone)
+    if model in ids:
+        named = [w for w in healthy if w.model_id == model]
+        if not named:
+            down = ", ".join(w.url for w in everyone if w.model_id == model)
+            raise RouterError(503, f"model {model!r}: every worker registered under it is unhealthy ({down})")
+        return named
+    if route == "/generate" and model is not None and model not in {w.metadata.get("served_model_name") for w in everyone}:
+        raise RouterError(404, f"model {model!r} is served by no worker; model ids registered with POST /workers: "
+                               f"{', '.join(sorted(ids)) or 'none'} (omit model for the unnamed workers)")  # fmt: skip
+    unnamed = [w for w in healthy if w.model_id is None]
+    if not unnamed:
+        raise RouterError(503, f"no healthy unnamed worker; the named ones ({', '.join(sorted(ids))}) serve only requests "
+                               "whose model names them")  # fmt: skip
+    return unnamed
+
+
+def admin_targets(everyone: list[Worker], model: str | None) -> list[Worker]:
+    """The workers an engine admin fan-out reaches: the unnamed ones, so a policy push never
+    reaches a named worker; with `?model=NAME`, that name's workers only."""
+    if model is None:
+        unnamed = [w for w in everyone if w.model_id is None]
+        if everyone and not unnamed:
+            raise RouterError(503, f"no unnamed worker to send this to; the named ones take it with ?model= one of {sorted(model_ids(everyone))}")
+        return unnamed
+    named = [w for w in everyone if w.model_id == model]
+    if not named:
+        raise RouterError(404, f"model: no worker is registered under {model!r}; model ids: {', '.join(sorted(model_ids(everyone))) or 'none'}")
+    return named
+
+
 class _Retry(Exception):
     """This attempt failed in a way another worker may not: try again if attempts are left.
     `retry_after` is set when the worker was full (503 with Retry-After)."""
@@ -88,6 +133,7 @@ class Proxy:
         healthy = self.workers.healthy()
         if not healthy:
             raise RouterError(503, self._no_worker_message())
+        healthy = serving(healthy, self.workers.all(), info.route, info.model)
         if info.adapters:
             healthy = holders(healthy, self.workers.all(), info.adapters)
         fresh = [w for w in healthy if w not in tried]
@@ -180,9 +226,10 @@ class Proxy:
 
     # ---- fan-out -----------------------------------------------------------------------------
 
-    async def fan_out(self, method: str, path_and_query: str, body: bytes | None) -> tuple[int, dict[str, Any]]:
-        """Send a control request to every registered worker at once; one result per worker."""
-        workers = self.workers.all()
+    async def fan_out(self, method: str, path_and_query: str, body: bytes | None, model: str | None = None) -> tuple[int, dict[str, Any]]:
+        """Send a control request to every unnamed worker at once (those registered under `model`
+        when given); one result per worker."""
+        workers = admin_targets(self.workers.all(), model)
         if not workers:
             raise RouterError(503, self._no_worker_message())
         results = await asyncio.gather(*(self.control(w, method, path_and_query, body) for w in workers))

@@ -42,13 +42,14 @@ class Worker:
     last_error: str = "not checked yet"
     metadata: dict[str, Any] = field(default_factory=dict)
     adapters: set[str] = field(default_factory=set)  # LoRA adapters it holds (slimish/router/lora.py)
+    model_id: str | None = None  # registered under this name: serves only requests naming it (proxy.serving)
 
     def as_dict(self) -> dict[str, Any]:
         """The entry shape of sglang-router 0.3.x `GET /workers`."""
         return {
             "id": self.id,
             "url": self.url,
-            "model_id": self.metadata.get("served_model_name", "unknown"),
+            "model_id": self.model_id or self.metadata.get("served_model_name", "unknown"),
             "priority": 50,
             "cost": 1.0,
             "worker_type": "regular",
@@ -90,12 +91,13 @@ class WorkerRegistry:
         url = normalize_url(url)
         return next((w for w in self._workers.values() if w.url == url), None)
 
-    def add(self, url: str) -> Worker:
-        """Register `url` (unhealthy until its first good check, which starts now)."""
+    def add(self, url: str, model_id: str | None = None) -> Worker:
+        """Register `url` (unhealthy until its first good check, which starts now); under
+        `model_id`, a named worker."""
         url = normalize_url(url)
         if (existing := self.by_url(url)) is not None:
             raise KeyError(f"worker {url} is already registered as id {existing.id}")
-        worker = Worker(url)
+        worker = Worker(url, model_id=model_id)
         self._workers[worker.id] = worker
         if self._session is not None:
             task = asyncio.get_running_loop().create_task(self.check(worker))
