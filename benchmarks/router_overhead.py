@@ -1,14 +1,14 @@
 """What the router adds to a request: slimish router vs sglang-router 0.3.2, same backend, one run.
 
 A minimal loopback backend answers `/generate` at once. The same fixed number of requests is
-sent directly to it, through the slimish router and through sglang-router, at concurrency 1 and
-64, by a raw-asyncio load generator (keep-alive, one connection per concurrent client). The
+sent directly to it, through the slimish router (one process, and `--workers N` processes on one
+port) and through sglang-router, at concurrency 1 and 64, by a raw-asyncio load generator (keep-alive, one connection per concurrent client). The
 direct path shows the load generator's own ceiling: when it is far above the routed numbers, the
 routers are what is measured. Printed: req/s, p50/p99 latency, the latency each router adds
 over the direct path, and slimish / sglang-router ratios, against the targets (added p50 <= 1 ms
 at concurrency 1, throughput >= 1.0x sglang-router at 64).
 
-    .venv/bin/python benchmarks/router_overhead.py [--requests 4000]
+    .venv/bin/python benchmarks/router_overhead.py [--requests 4000] [--workers 2]
 
 All processes share this machine's cores: on a 2-core box the load generator, the router and
 the backend compete, so the numbers are lower bounds for every router alike.
@@ -176,11 +176,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=4000, help="per target and concurrency")
     parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="router processes of the scaled-out slimish target")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     ctx = mp.get_context("spawn")
-    backend_port, slimish_port, sglang_port = free_port(), free_port(), free_port()
+    backend_port, slimish_port, sglang_port, scaled_port = free_port(), free_port(), free_port(), free_port()
     backend = f"http://127.0.0.1:{backend_port}"
     procs: list = [ctx.Process(target=serve_backend, args=(backend_port,), daemon=True)]
     procs.append(ctx.Process(target=serve_slimish_router, args=(slimish_port, backend), daemon=True))
@@ -193,7 +194,17 @@ def main() -> None:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
     )
-    targets = {"direct": backend, "slimish": f"http://127.0.0.1:{slimish_port}", "sglang-router": f"http://127.0.0.1:{sglang_port}"}
+    procs.append(
+        subprocess.Popen(
+            [sys.executable, "-m", "slimish.cli", "router", "--workers", str(args.workers), "--port", str(scaled_port),
+             "--worker-urls", backend, "--policy", "round_robin"],
+        )
+    )
+    scaled = f"slimish-w{args.workers}"
+    targets = {
+        "direct": backend, "slimish": f"http://127.0.0.1:{slimish_port}", scaled: f"http://127.0.0.1:{scaled_port}",
+        "sglang-router": f"http://127.0.0.1:{sglang_port}",
+    }
     results: list[Result] = []
     try:
         for url in targets.values():
@@ -208,10 +219,10 @@ def main() -> None:
             p.terminate()
         for p in procs:
             p.wait(10) if isinstance(p, subprocess.Popen) else p.join(10)
-    report(results, args.requests)
+    report(results, args.requests, scaled)
 
 
-def report(results: list[Result], requests: int) -> None:
+def report(results: list[Result], requests: int, scaled: str) -> None:
     by = {(r.target, r.concurrency): r for r in results}
     print(f"\n{requests} POST /generate per row; the backend answers at once (cores: {os.cpu_count()})")
     print(f"{'target':<14} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10}")
@@ -219,12 +230,14 @@ def report(results: list[Result], requests: int) -> None:
         d = by[("direct", r.concurrency)]
         added = "" if r.target == "direct" else f"{(r.p50 - d.p50) * 1e3:10.3f} {(r.p99 - d.p99) * 1e3:10.3f}"
         print(f"{r.target:<14} {r.concurrency:>4} {r.rps:8.0f} {r.p50 * 1e3:8.3f} {r.p99 * 1e3:8.3f} {added}")
-    s1, g1, d1 = by[("slimish", 1)], by[("sglang-router", 1)], by[("direct", 1)]
-    s64, g64 = by[("slimish", 64)], by[("sglang-router", 64)]
-    added_s, added_g = (s1.p50 - d1.p50) * 1e3, (g1.p50 - d1.p50) * 1e3
-    print(f"\nadded p50 at concurrency 1: slimish {added_s:.3f} ms, sglang-router {added_g:.3f} ms (target <= 1 ms: {'met' if added_s <= 1 else 'missed'})")
-    print(f"throughput at concurrency 64, slimish / sglang-router: {s64.rps / g64.rps:.2f}x (target >= 1.0x: {'met' if s64.rps >= g64.rps else 'missed'})")
-    print(f"throughput at concurrency 1,  slimish / sglang-router: {s1.rps / g1.rps:.2f}x")
+    g1, d1, g64 = by[("sglang-router", 1)], by[("direct", 1)], by[("sglang-router", 64)]
+    print(f"\nadded p50 at concurrency 1: sglang-router {(g1.p50 - d1.p50) * 1e3:.3f} ms")
+    for name in ("slimish", scaled):
+        s1, s64 = by[(name, 1)], by[(name, 64)]
+        added = (s1.p50 - d1.p50) * 1e3
+        print(f"{name}: added p50 at concurrency 1 {added:.3f} ms (target <= 1 ms: {'met' if added <= 1 else 'missed'}); "
+              f"req/s / sglang-router's at 64: {s64.rps / g64.rps:.2f}x (target >= 1.0x: {'met' if s64.rps >= g64.rps else 'missed'}), "
+              f"at 1: {s1.rps / g1.rps:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":
