@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 from collections import Counter
 from contextlib import contextmanager
 from typing import Iterator
@@ -121,6 +124,13 @@ def test_router_processes_die_with_the_parent(urls, tmp_path):
         assert not alive, f"orphaned router processes: {alive}"
 
 
-def test_workers_flag_is_checked():
+def test_bad_workers_and_port_are_refused_naming_the_flag():
     with pytest.raises(ValueError, match="workers must be >= 1"):
         RouterConfig(workers=0)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        for port, says in ((taken.getsockname()[1], "cannot listen"), (0, "every process must bind the same port")):
+            argv = [sys.executable, "-m", "slimish.cli", "router", "--workers", "2", "--port", str(port)]
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            assert done.returncode != 0 and f"--port {port}: " in done.stderr and says in done.stderr, done.stderr

@@ -41,6 +41,8 @@ def serve(cfg: RouterConfig) -> int:
     """Run until SIGTERM / Ctrl-C (0) or until a router process dies (1)."""
     if not hasattr(socket, "SO_REUSEPORT"):
         raise SystemExit("--workers: more than one router process needs SO_REUSEPORT (Linux, BSD, macOS)")
+    if cfg.port == 0:
+        raise SystemExit(f"--port 0: with --workers {cfg.workers} every process must bind the same port; name one")
     bind(cfg.host, cfg.port, reuse_port=False).close()  # taken by anyone, even another slimish router: say so now
     state_dir = Path(tempfile.mkdtemp(prefix="slimish-router-"))
     try:
