@@ -25,7 +25,9 @@ from slimish.config import RouterConfig
 from slimish.launch.process import ServerProcess
 from slimish.net import free_port
 from slimish.protocol import ROUTING_KEY_HEADER
+from slimish.router.policy import rendezvous
 from slimish.router.proxy import PROCESS_HEADER, WORKER_HEADER
+from slimish.router.workers import Worker
 
 from conftest import running_engines, wait_for
 
@@ -64,30 +66,34 @@ def generate(url: str, input_ids: list[int], headers: dict | None = None) -> htt
 
 
 def test_sessions_and_prefixes_stick_across_processes(urls, tmp_path):
+    pool = [Worker(u) for u in urls]
+    owner = {f"agent-{i}": rendezvous(pool, f"agent-{i}".encode()).url for i in range(64)}
+    agents = [next(k for k, u in owner.items() if u == url) for url in urls]  # keys for each engine
+    agents += [k for k in owner if k not in agents][:2]
     with router(tmp_path, urls, "--policy", "session") as r:
-        pins = {}
-        for agent in ("agent-a", "agent-b", "agent-c", "agent-d"):
-            replies = [generate(r.url, [5, 6, 7], {ROUTING_KEY_HEADER: agent}) for _ in range(8)]
-            assert len({x.headers[PROCESS_HEADER] for x in replies}) > 1, "all on one router process: not a cross-process test"
-            served = {x.headers[WORKER_HEADER] for x in replies}
-            assert len(served) == 1, f"{agent} moved between engines: {served}"
-            pins[agent] = served.pop()
-        assert set(pins.values()) == set(urls), f"four keys, one engine: {pins}"  # keys still spread
+        replies = {agent: [generate(r.url, [5, 6, 7], {ROUTING_KEY_HEADER: agent}) for _ in range(8)] for agent in agents}
+    for agent, theirs in replies.items():
+        served = {x.headers[WORKER_HEADER] for x in theirs}
+        assert served == {owner[agent]}, f"{agent}: expected only {owner[agent]}, served by {served}"
+    processes = {x.headers[PROCESS_HEADER] for theirs in replies.values() for x in theirs}
+    assert len(processes) == PROCESSES, "all on one router process: not a cross-process test"
+
     with router(tmp_path, urls, "--policy", "cache_aware") as r:
-        for prompt in ([9] * 40, list(range(100, 140))):
-            replies = [generate(r.url, prompt) for _ in range(8)]
-            assert len({x.headers[PROCESS_HEADER] for x in replies}) > 1
-            assert len({x.headers[WORKER_HEADER] for x in replies}) == 1
+        replies = {tuple(p): [generate(r.url, p) for _ in range(8)] for p in ([9] * 40, list(range(100, 140)))}
+    assert all(len({x.headers[WORKER_HEADER] for x in theirs}) == 1 for theirs in replies.values())
+    assert len({x.headers[PROCESS_HEADER] for theirs in replies.values() for x in theirs}) == PROCESSES
 
 
 def test_registry_and_fan_outs_are_one_across_processes(urls, tmp_path):
     def everywhere(path: str) -> list[httpx.Response]:
-        return [httpx.get(r.url + path, headers=ADMIN) for _ in range(8)]
+        """`path` as each child sees it: 8 new connections reach both (2^-7 odds of missing one)."""
+        return [httpx.get(r.url + path) for _ in range(8)]
 
     with router(tmp_path, urls[:1], "--policy", "round_robin") as r:
         added = httpx.post(r.url + "/workers", json={"url": urls[1]}, headers=ADMIN)
         assert added.status_code == 202, added.text
-        assert all({w["url"] for w in x.json()["workers"]} == set(urls) for x in everywhere("/workers"))
+        assert {w["url"] for w in httpx.get(r.url + "/workers", headers=ADMIN).json()["workers"]} == set(urls)  # the parent's
+        assert all({w["worker"] for w in x.json()["workers"]} == set(urls) for x in everywhere("/get_loads"))  # each child's
         wait_for(lambda: all(x.json()["healthy_workers"] == 2 for x in everywhere("/readiness")), "the added engine to be routable")
         assert {generate(r.url, [1, 2]).headers[WORKER_HEADER] for _ in range(8)} == set(urls)
 
@@ -99,7 +105,7 @@ def test_registry_and_fan_outs_are_one_across_processes(urls, tmp_path):
 
         gone = httpx.post(r.url + "/remove_worker", params={"url": urls[0]}, headers=ADMIN)
         assert gone.status_code == 200, gone.text
-        assert all([w["url"] for w in x.json()["workers"]] == [urls[1]] for x in everywhere("/workers"))
+        assert all([w["worker"] for w in x.json()["workers"]] == [urls[1]] for x in everywhere("/get_loads"))
         assert {generate(r.url, [1, 2]).headers[WORKER_HEADER] for _ in range(8)} == {urls[1]}
 
 

@@ -9,6 +9,8 @@ and bumps a counter in shared memory; a child compares the counter on every requ
 reply leaves the parent, so the next request, to any child, already sees it. No acks, no
 connections to keep alive, nothing to unpickle: a child that is slow or restarting cannot hold up
 the others, and a crashed parent leaves a readable file behind rather than a half-sent message.
+A child that cannot connect to a worker stops routing to it at once, as a single router does,
+until the next reload; the parent's own checks then take it out for every process.
 
 Admin routes (registry, engine fan-outs, LoRA) that reach a child are passed to the parent's own
 router app on a private loopback port, where the keys are checked as in a single router, so
