@@ -48,7 +48,8 @@ def router(tmp_path, worker_urls: list[str], *flags: str) -> Iterator[ServerProc
     port = free_port()
     argv = ["router", "--workers", str(PROCESSES), "--port", str(port), "--health-check-interval", "0.2",
             "--admin-api-key", "adm", *flags, "--worker-urls", *worker_urls]  # fmt: skip
-    proc = ServerProcess(argv, port=port, log_path=tmp_path / "router.log")
+    # TMPDIR: the registry file lands under tmp_path, so a parent killed by a test leaves nothing behind
+    proc = ServerProcess(argv, port=port, log_path=tmp_path / "router.log", env={"TMPDIR": str(tmp_path)})
     try:
         proc.start(timeout=60)
         seen: set[str] = set()
