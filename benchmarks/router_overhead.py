@@ -1,14 +1,14 @@
 """What the router adds to a request: slimish router vs sglang-router 0.3.2, same backend, one run.
 
 A minimal loopback backend answers `/generate` at once. The same fixed number of requests is
-sent directly to it, through the slimish router and through sglang-router, at concurrency 1 and
-64, by a raw-asyncio load generator (keep-alive, one connection per concurrent client). The
+sent directly to it, through the slimish router (one process, and `--workers N` processes on one
+port) and through sglang-router, at concurrency 1 and 64, by a raw-asyncio load generator (keep-alive, one connection per concurrent client). The
 direct path shows the load generator's own ceiling: when it is far above the routed numbers, the
 routers are what is measured. Printed: req/s, p50/p99 latency, the latency each router adds
 over the direct path, and slimish / sglang-router ratios, against the targets (added p50 <= 1 ms
 at concurrency 1, throughput >= 1.0x sglang-router at 64).
 
-    .venv/bin/python benchmarks/router_overhead.py [--requests 4000]
+    .venv/bin/python benchmarks/router_overhead.py [--requests 4000] [--workers 2]
 
 All processes share this machine's cores: on a 2-core box the load generator, the router and
 the backend compete, so the numbers are lower bounds for every router alike.
@@ -21,12 +21,14 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
 import httpx
+import psutil
 
 from slimish.net import free_port
 
@@ -148,6 +150,13 @@ class Result:
     rps: float
     p50: float
     p99: float
+    cpu_us: float  # CPU time of the target's processes per request
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of `pid` and its children so far."""
+    proc = psutil.Process(pid)
+    return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
 
 
 def wait_healthy(url: str, procs: list, timeout: float = 60.0) -> None:
@@ -176,11 +185,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=4000, help="per target and concurrency")
     parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over all targets; req/s is the median")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="router processes of the scaled-out slimish target")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     ctx = mp.get_context("spawn")
-    backend_port, slimish_port, sglang_port = free_port(), free_port(), free_port()
+    backend_port, slimish_port, sglang_port, scaled_port = free_port(), free_port(), free_port(), free_port()
     backend = f"http://127.0.0.1:{backend_port}"
     procs: list = [ctx.Process(target=serve_backend, args=(backend_port,), daemon=True)]
     procs.append(ctx.Process(target=serve_slimish_router, args=(slimish_port, backend), daemon=True))
@@ -193,38 +204,59 @@ def main() -> None:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
     )
-    targets = {"direct": backend, "slimish": f"http://127.0.0.1:{slimish_port}", "sglang-router": f"http://127.0.0.1:{sglang_port}"}
+    procs.append(
+        subprocess.Popen(
+            [sys.executable, "-m", "slimish.cli", "router", "--workers", str(args.workers), "--port", str(scaled_port),
+             "--worker-urls", backend, "--policy", "round_robin"],
+        )
+    )
+    scaled = f"slimish-w{args.workers}"
+    targets = {
+        "direct": backend, "slimish": f"http://127.0.0.1:{slimish_port}", scaled: f"http://127.0.0.1:{scaled_port}",
+        "sglang-router": f"http://127.0.0.1:{sglang_port}",
+    }
+    pids = dict(zip(["direct", "slimish", "sglang-router", scaled], (p.pid for p in procs)))  # procs' order
     results: list[Result] = []
     try:
         for url in targets.values():
             wait_healthy(url, procs)
         for concurrency in (1, 64):
-            for name, url in targets.items():
+            for url in targets.values():
                 load(url, concurrency, args.warmup)
-                rps, lat = load(url, concurrency, args.requests)
-                results.append(Result(name, concurrency, rps, percentile(lat, 0.5), percentile(lat, 0.99)))
+            rounds: dict[str, list[tuple[float, list[float], float]]] = {name: [] for name in targets}
+            for _ in range(args.rounds):  # targets in turn, so drifting load from other jobs hits all alike
+                for name, url in targets.items():
+                    cpu = cpu_seconds(pids[name])
+                    rps, lat = load(url, concurrency, args.requests)
+                    rounds[name].append((rps, lat, (cpu_seconds(pids[name]) - cpu) / args.requests * 1e6))
+            for name, runs in rounds.items():
+                lat = sorted(x for _, run, _ in runs for x in run)
+                rps, cpu_us = statistics.median(r[0] for r in runs), statistics.median(r[2] for r in runs)
+                results.append(Result(name, concurrency, rps, percentile(lat, 0.5), percentile(lat, 0.99), cpu_us))
     finally:
         for p in procs:
             p.terminate()
         for p in procs:
             p.wait(10) if isinstance(p, subprocess.Popen) else p.join(10)
-    report(results, args.requests)
+    report(results, args.requests, scaled)
 
 
-def report(results: list[Result], requests: int) -> None:
+def report(results: list[Result], requests: int, scaled: str) -> None:
     by = {(r.target, r.concurrency): r for r in results}
-    print(f"\n{requests} POST /generate per row; the backend answers at once (cores: {os.cpu_count()})")
-    print(f"{'target':<14} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10}")
+    print(f"\n{requests} POST /generate per row and round (req/s: median of rounds); the backend answers at once (cores: {os.cpu_count()})")
+    print(f"{'target':<14} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'CPU us/req':>10} {'added p50':>10} {'added p99':>10}")
     for r in results:
         d = by[("direct", r.concurrency)]
         added = "" if r.target == "direct" else f"{(r.p50 - d.p50) * 1e3:10.3f} {(r.p99 - d.p99) * 1e3:10.3f}"
-        print(f"{r.target:<14} {r.concurrency:>4} {r.rps:8.0f} {r.p50 * 1e3:8.3f} {r.p99 * 1e3:8.3f} {added}")
-    s1, g1, d1 = by[("slimish", 1)], by[("sglang-router", 1)], by[("direct", 1)]
-    s64, g64 = by[("slimish", 64)], by[("sglang-router", 64)]
-    added_s, added_g = (s1.p50 - d1.p50) * 1e3, (g1.p50 - d1.p50) * 1e3
-    print(f"\nadded p50 at concurrency 1: slimish {added_s:.3f} ms, sglang-router {added_g:.3f} ms (target <= 1 ms: {'met' if added_s <= 1 else 'missed'})")
-    print(f"throughput at concurrency 64, slimish / sglang-router: {s64.rps / g64.rps:.2f}x (target >= 1.0x: {'met' if s64.rps >= g64.rps else 'missed'})")
-    print(f"throughput at concurrency 1,  slimish / sglang-router: {s1.rps / g1.rps:.2f}x")
+        print(f"{r.target:<14} {r.concurrency:>4} {r.rps:8.0f} {r.p50 * 1e3:8.3f} {r.p99 * 1e3:8.3f} {r.cpu_us:10.0f} {added}")
+    g1, d1, g64 = by[("sglang-router", 1)], by[("direct", 1)], by[("sglang-router", 64)]
+    print(f"\nadded p50 at concurrency 1: sglang-router {(g1.p50 - d1.p50) * 1e3:.3f} ms")
+    for name in ("slimish", scaled):
+        s1, s64 = by[(name, 1)], by[(name, 64)]
+        added = (s1.p50 - d1.p50) * 1e3
+        print(f"{name}: added p50 at concurrency 1 {added:.3f} ms (target <= 1 ms: {'met' if added <= 1 else 'missed'}); "
+              f"req/s / sglang-router's at 64: {s64.rps / g64.rps:.2f}x (target >= 1.0x: {'met' if s64.rps >= g64.rps else 'missed'}), "
+              f"at 1: {s1.rps / g1.rps:.2f}x; requests per CPU-second / sglang-router's at 64: {g64.cpu_us / s64.cpu_us:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

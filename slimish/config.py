@@ -130,6 +130,10 @@ class RouterConfig:
     port: int = 30000
     policy: str = "least_inflight"  # least_inflight | round_robin | cache_aware | session
     log_level: str = "warning"
+    # Router processes sharing `port` (SO_REUSEPORT): 1 is one process, one event loop. More
+    # scale throughput; with N > 1 `session` and `cache_aware` pick by rendezvous hashing so every
+    # process agrees, and in-flight counts are per process (slimish/router/scaleout.py).
+    workers: int = 1
     # Security. With no keys set nothing is checked (like SGLang). `admin_api_key` falls back to
     # `api_key`, so setting only `--api-key` does not leave worker management open.
     api_key: str | None = None
@@ -173,7 +177,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         at_least(0, self, "", "max_retries")
         at_least(1, self, "", "max_new_tokens_cap", "max_prompt_tokens", "max_body_bytes", "max_concurrent_requests", "retry_after_s",
-                 "health_failure_threshold")  # fmt: skip
+                 "health_failure_threshold", "workers")  # fmt: skip
 
 
 @dataclass

@@ -66,6 +66,26 @@ def test_session_sticks_repins_and_falls_back():
     assert s.pick(pool(4, 0), RouteInfo()).id == "w1"  # no key: least in-flight
 
 
+def test_with_several_processes_session_and_cache_aware_are_pure_functions():
+    """`--workers N`: two independent policy instances (two processes) agree, whatever the order
+    of the list, the load or what else they routed; a key moves only when its worker leaves."""
+    cfg = RouterConfig(workers=2)
+    ws = pool(0, 0, 0, 0)
+    keys = [f"agent-{i}" for i in range(32)]
+    first, second = Session(cfg), Session(cfg)
+    picks = {k: first.pick(ws, RouteInfo(routing_key=k)).id for k in keys}
+    busy = [Worker(w.url, id=w.id, inflight=9 * i) for i, w in enumerate(reversed(ws))]
+    assert {k: second.pick(busy, RouteInfo(routing_key=k)).id for k in keys} == picks
+    assert set(picks.values()) == {w.id for w in ws}  # 32 keys spread over all 4
+    survivors = [w for w in ws if w.id != "w0"]
+    moved = {k: first.pick(survivors, RouteInfo(routing_key=k)).id for k in keys}
+    assert all(moved[k] == picks[k] for k in keys if picks[k] != "w0")
+    a, b = CacheAware(cfg), CacheAware(cfg)
+    b.pick(ws, RouteInfo(prompt=list(range(64))))  # b has seen another prompt, a nothing
+    for prompt in ([1] * 40, "a system prompt " * 8):
+        assert a.pick(ws, RouteInfo(prompt=prompt)).id == b.pick(list(reversed(ws)), RouteInfo(prompt=prompt)).id
+
+
 def test_cap_rejects_naming_the_limit_and_fills_defaults():
     with pytest.raises(RouterError, match=r"sampling_params\.max_new_tokens is 500; this router allows at most 100"):
         apply_cap("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 500}}, 100)

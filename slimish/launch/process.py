@@ -48,7 +48,7 @@ class ServerProcess:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [sys.executable, "-m", self.module, *self.argv], env=self.env, stdout=out, stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent if sys.platform == "linux" else None,
         )  # fmt: skip
 
     def wait_healthy(self, timeout: float) -> None:
@@ -101,7 +101,7 @@ def start_all(procs: list[ServerProcess], timeout: float) -> None:
         proc.wait_healthy(timeout)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     import ctypes
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -2,7 +2,9 @@
 
 `slimish router --worker-urls URL...` serves SGLang's native `/generate`, the OpenAI routes,
 sglang-router 0.3.x's worker registry (and the legacy `/add_worker` family slime uses), fan-out
-control for the trainer, and health/metrics. One process, one event loop.
+control for the trainer, and health/metrics. One process, one event loop; with `--workers N`,
+N such processes on one port (scaleout.py), each built here as a follower of the parent's
+registry (shared.py).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from slimish.router.gate import apply_cap, check_key, check_prompt_length, parse
 from slimish.router.lora import adapters_of, lora_routes
 from slimish.router.metrics import RouterMetrics
 from slimish.router.policy import RouteInfo, make_policy
-from slimish.router.proxy import Proxy, RouterError, error_response
+from slimish.router.proxy import PROCESS_HEADER, Proxy, RouterError, error_response
+from slimish.router.shared import Follower
 from slimish.serving import document_bodies, warn_if_exposed
 from slimish.router.workers import Worker, WorkerRegistry
 
@@ -47,24 +50,32 @@ ENGINE_ADMIN = {
 }  # fmt: skip
 
 
-def create_app(cfg: RouterConfig) -> "_HotPaths":
+def create_app(cfg: RouterConfig, follower: Follower | None = None) -> "_HotPaths":
+    """The router; with `follower`, one of `--workers N` processes: it serves the serving and
+    health routes itself over the parent's registry, and passes every other route to the parent."""
     workers = WorkerRegistry(cfg)
-    for url in cfg.worker_urls:
+    refresh = follower.attach(workers) if follower is not None else None
+    for url in cfg.worker_urls if follower is None else ():
         workers.add(url)
     policy = make_policy(cfg)
     metrics = RouterMetrics(workers)
     proxy = Proxy(cfg, workers, policy, metrics)
+    if follower is not None:
+        proxy.reply_headers[PROCESS_HEADER] = str(follower.index)
     admin_key = cfg.admin_api_key if cfg.admin_api_key is not None else cfg.api_key
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await proxy.start()
-        await workers.check_all()
-        checks = asyncio.create_task(workers.run_health_checks())
+        checks = None
+        if follower is None:  # a follower's registry is the parent's, checked there
+            await workers.check_all()
+            checks = asyncio.create_task(workers.run_health_checks())
         try:
             yield
         finally:
-            checks.cancel()
+            if checks is not None:
+                checks.cancel()
             await proxy.close()
 
     app = FastAPI(title="slimish router", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -86,11 +97,14 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
     def admin(request: Request) -> None:
         check_key(request, admin_key, "--admin-api-key" if cfg.admin_api_key is not None else "--api-key")
 
-    _registry_routes(app, cfg, workers, admin)
-    _engine_admin_routes(app, cfg, workers, proxy, admin)
-    lora_routes(app, cfg, workers, proxy, admin)
     _health_routes(app, workers, metrics)
-    return _HotPaths(app, _serving_routes(cfg, proxy, policy, metrics, workers), cfg, metrics)
+    if follower is None:
+        _registry_routes(app, cfg, workers, admin)
+        _engine_admin_routes(app, cfg, workers, proxy, admin)
+        lora_routes(app, cfg, workers, proxy, admin)
+    else:
+        follower.pass_the_rest(app, cfg, proxy)
+    return _HotPaths(app, _serving_routes(cfg, proxy, policy, metrics, workers), cfg, metrics, workers, refresh)
 
 
 def _serving_routes(cfg: RouterConfig, proxy: Proxy, policy: Any, metrics: RouterMetrics,
@@ -278,13 +292,17 @@ class _HotPaths:
 
     Here too the concurrency limit: `active` counts serving requests from arrival until their
     response (a stream's last byte) is sent; checked and counted with no await between, so the
-    limit is exact."""
+    limit is exact (per process with `--workers N`). `refresh`, in a follower, first takes the
+    parent's registry if it changed."""
 
-    def __init__(self, app: FastAPI, routes: dict[str, tuple[Callable, tuple[str, ...]]], cfg: RouterConfig, metrics: RouterMetrics) -> None:
-        self.app, self.routes, self.cfg, self.metrics = app, routes, cfg, metrics
+    def __init__(self, app: FastAPI, routes: dict[str, tuple[Callable, tuple[str, ...]]], cfg: RouterConfig, metrics: RouterMetrics,
+                 workers: WorkerRegistry, refresh: Callable[[], None] | None = None) -> None:  # fmt: skip
+        self.app, self.routes, self.cfg, self.metrics, self.workers, self.refresh = app, routes, cfg, metrics, workers, refresh
         self.active = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.refresh is not None:
+            self.refresh()
         if scope["type"] == "http" and (hit := self.routes.get(scope["path"])) and scope["method"] in hit[1]:
             if self.active >= self.cfg.max_concurrent_requests:
                 self.metrics.observe(scope["path"], 429, 0.0)
@@ -305,7 +323,9 @@ class _HotPaths:
 
 
 def add_arguments(parser: argparse.ArgumentParser, worker_urls: bool = True) -> None:
-    add_config_arguments(parser, RouterConfig, skip=() if worker_urls else ("worker_urls",))
+    """All router flags; without `--worker-urls` and `--workers` for `slimish serve`, whose
+    router runs inside its own process in front of the engines it starts."""
+    add_config_arguments(parser, RouterConfig, skip=() if worker_urls else ("worker_urls", "workers"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -314,6 +334,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(RouterConfig, args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     warn_if_exposed("router", cfg.host, cfg.api_key)
+    if cfg.workers > 1:
+        from slimish.router.scaleout import serve
+
+        return serve(cfg)
     uvicorn.run(
         create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
         access_log=False, proxy_headers=False,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from hashlib import blake2b
 from typing import Protocol, Sequence
 
 from slimish.config import RouterConfig
@@ -63,6 +64,19 @@ class RoundRobin:
         return w
 
 
+def rendezvous(workers: Sequence[Worker], key: bytes) -> Worker:
+    """The worker `key` belongs to: highest hash of (key, worker URL). A pure function of the key
+    and the worker set, so every router process picks the same one (`--workers N`), and a
+    worker leaving or joining moves only the keys it wins or held. blake2b, not `hash()`:
+    `hash()` of text differs between processes."""
+    digest = blake2b(key, digest_size=16).digest()
+    return max(workers, key=lambda w: blake2b(digest + w.url.encode(), digest_size=8).digest())
+
+
+def prompt_bytes(prompt: str | list[int]) -> bytes:
+    return (prompt if isinstance(prompt, str) else str(prompt)).encode()
+
+
 class _LRU(OrderedDict):
     def __init__(self, max_items: int) -> None:
         super().__init__()
@@ -84,6 +98,10 @@ class CacheAware:
     `cache_threshold` of the prompt's blocks match, the request follows them; otherwise, or when
     the load is unbalanced past the thresholds (as sglang-router decides it), the least loaded
     worker takes it. Either way the prompt's prefixes then point at the chosen worker.
+
+    With several router processes each keeps its own table, and a prompt no table has seen goes
+    by rendezvous hashing of the whole prompt instead of to the least loaded: identical prompts
+    (a GRPO group) meet on one worker whichever process takes them.
     """
 
     needs_prompt = True
@@ -92,6 +110,7 @@ class CacheAware:
         self.cfg = cfg
         self._owner = _LRU(cfg.cache_max_blocks)
         self._fallback = LeastInflight()
+        self._shared = cfg.workers > 1
 
     def prefix_keys(self, prompt: str | list[int]) -> list[int]:
         size = self.cfg.cache_block_size * (4 if isinstance(prompt, str) else 1)
@@ -112,7 +131,8 @@ class CacheAware:
             return self._fallback.pick(workers, info)
         keys = self.prefix_keys(info.prompt)
         choice = None
-        if not self.unbalanced(workers):
+        balanced = not self.unbalanced(workers)
+        if balanced:
             by_id = {w.id: w for w in workers}
             for matched in range(len(keys), 0, -1):
                 owner = by_id.get(self._owner.get(keys[matched - 1]))
@@ -121,7 +141,8 @@ class CacheAware:
                         choice = owner
                     break
         if choice is None:
-            choice = self._fallback.pick(workers, info)
+            shared = self._shared and balanced
+            choice = rendezvous(workers, prompt_bytes(info.prompt)) if shared else self._fallback.pick(workers, info)
         for key in keys:
             self._owner.put(key, choice.id)
         return choice
@@ -132,6 +153,10 @@ class Session:
 
     Without a key, least_inflight decides. A key whose worker is gone (unhealthy, removed, or
     just failed this request) is pinned anew.
+
+    With several router processes (`--workers N`) a pin kept in one process would not be seen by
+    the others, so the key's worker is the rendezvous hash of the key over the routable workers:
+    the same in every process, and it moves only when that worker leaves.
     """
 
     needs_prompt = False
@@ -139,10 +164,13 @@ class Session:
     def __init__(self, cfg: RouterConfig) -> None:
         self._pins = _LRU(cfg.max_sessions)
         self._fallback = LeastInflight()
+        self._shared = cfg.workers > 1
 
     def pick(self, workers: Sequence[Worker], info: RouteInfo) -> Worker:
         if info.routing_key is None:
             return self._fallback.pick(workers, info)
+        if self._shared:
+            return rendezvous(workers, info.routing_key.encode())
         pinned = self._pins.get(info.routing_key)
         choice = next((w for w in workers if w.id == pinned), None) or self._fallback.pick(workers, info)
         self._pins.put(info.routing_key, choice.id)

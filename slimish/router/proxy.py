@@ -28,6 +28,7 @@ from slimish.router.policy import Policy, RouteInfo
 from slimish.router.workers import Worker, WorkerRegistry, describe_exc
 
 WORKER_HEADER = "x-slimish-worker"  # which worker served the reply: for logs and tests
+PROCESS_HEADER = "x-slimish-router-process"  # with --workers N, which router process (0..N-1) did
 
 
 class RouterError(Exception):
@@ -117,6 +118,7 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(total=cfg.request_timeout, connect=cfg.connect_timeout)
         self._stream_timeout = aiohttp.ClientTimeout(connect=cfg.connect_timeout, sock_read=cfg.request_timeout)
+        self.reply_headers: dict[str, str] = {}  # added to every forwarded reply
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.cfg.keepalive_timeout)
@@ -217,7 +219,7 @@ class Proxy:
                 if resp is not None:
                     resp.release()
         self.metrics.observe(route, resp.status, time.perf_counter() - started)
-        return Response(data, resp.status, headers={WORKER_HEADER: worker.url}, media_type=resp.headers.get("content-type"))
+        return Response(data, resp.status, headers={WORKER_HEADER: worker.url, **self.reply_headers}, media_type=resp.headers.get("content-type"))
 
     def _unreachable(self, worker: Worker, cause: str, message: str) -> _Retry:
         self.metrics.errors.labels(worker.url, cause).inc()
@@ -284,7 +286,7 @@ class _Relay(StreamingResponse):
         self._proxy, self._route, self._started, self._worker, self._resp = proxy, route, started, worker, resp
         super().__init__(
             self._chunks(), status_code=resp.status, media_type=resp.headers.get("content-type"),
-            headers={WORKER_HEADER: worker.url},
+            headers={WORKER_HEADER: worker.url, **proxy.reply_headers},
         )
 
     async def _chunks(self):

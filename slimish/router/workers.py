@@ -10,7 +10,7 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -72,6 +72,7 @@ class WorkerRegistry:
         self._session: aiohttp.ClientSession | None = None
         self._pending: set[asyncio.Task] = set()
         self._timeout = aiohttp.ClientTimeout(total=cfg.health_check_timeout)
+        self.changed: Callable[[], None] = lambda: None  # after each health check (scaleout.py publishes)
 
     def bind(self, session: aiohttp.ClientSession) -> None:
         self._session = session
@@ -108,6 +109,19 @@ class WorkerRegistry:
     def remove(self, worker: Worker) -> None:
         self._workers.pop(worker.id, None)
 
+    def snapshot(self) -> list[dict[str, Any]]:
+        """What another router process needs to route like this one (`--workers N`), as JSON."""
+        return [{"id": w.id, "url": w.url, "healthy": w.healthy, "last_error": w.last_error, "metadata": w.metadata,
+                 "adapters": sorted(w.adapters)} for w in self._workers.values()]  # fmt: skip
+
+    def restore(self, entries: list[dict[str, Any]]) -> None:
+        """Become `snapshot()`'s registry, keeping the in-flight counts of workers still in it."""
+        old, self._workers = self._workers, {}
+        for e in entries:
+            worker = old.get(e["id"]) or Worker(e["url"], id=e["id"])
+            worker.healthy, worker.last_error, worker.metadata, worker.adapters = e["healthy"], e["last_error"], e["metadata"], set(e["adapters"])
+            self._workers[worker.id] = worker
+
     def mark_failed(self, worker: Worker, cause: str) -> None:
         """A request could not reach `worker`: stop routing to it until a check passes."""
         if worker.healthy:
@@ -118,6 +132,12 @@ class WorkerRegistry:
     # ---- health checks ---------------------------------------------------------------------
 
     async def check(self, worker: Worker) -> bool:
+        try:
+            return await self._check(worker)
+        finally:
+            self.changed()
+
+    async def _check(self, worker: Worker) -> bool:
         assert self._session is not None, "registry not bound to a client session"
         try:
             async with self._session.get(worker.url + "/health", timeout=self._timeout) as resp:
