@@ -110,6 +110,20 @@ def test_registry_and_fan_outs_are_one_across_processes(urls, tmp_path):
         assert {generate(r.url, [1, 2]).headers[WORKER_HEADER] for _ in range(8)} == {urls[1]}
 
 
+def test_a_named_worker_is_named_in_every_process(urls, tmp_path):
+    """A worker registered under a model id (an OPD teacher) gets only requests naming it, and
+    every other request stays off it, whichever process routes."""
+    with router(tmp_path, urls[:1]) as r:
+        added = httpx.post(r.url + "/workers", json={"url": urls[1], "model_id": "teacher"}, headers=ADMIN)
+        assert added.status_code == 202, added.text
+        wait_for(lambda: all(x.json()["healthy_workers"] == 2 for x in [httpx.get(r.url + "/readiness") for _ in range(8)]),
+                 "the named engine to be routable")  # fmt: skip
+        named = [httpx.post(r.url + "/generate", json={"input_ids": [1, 2], "model": "teacher", "sampling_params": GREEDY}) for _ in range(8)]
+        plain = [generate(r.url, [1, 2]) for _ in range(8)]
+    assert {x.headers[WORKER_HEADER] for x in named} == {urls[1]} and {x.headers[WORKER_HEADER] for x in plain} == {urls[0]}
+    assert len({x.headers[PROCESS_HEADER] for x in named + plain}) == PROCESSES
+
+
 def test_least_inflight_balances_with_per_process_counts(urls, tmp_path):
     """Each process rotates its own ties: the engines' shares differ by at most one per process."""
     with router(tmp_path, urls, "--policy", "least_inflight") as r:

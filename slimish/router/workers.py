@@ -111,14 +111,14 @@ class WorkerRegistry:
 
     def snapshot(self) -> list[dict[str, Any]]:
         """What another router process needs to route like this one (`--workers N`), as JSON."""
-        return [{"id": w.id, "url": w.url, "healthy": w.healthy, "last_error": w.last_error, "metadata": w.metadata,
-                 "adapters": sorted(w.adapters)} for w in self._workers.values()]  # fmt: skip
+        return [{"id": w.id, "url": w.url, "model_id": w.model_id, "healthy": w.healthy, "last_error": w.last_error,
+                 "metadata": w.metadata, "adapters": sorted(w.adapters)} for w in self._workers.values()]  # fmt: skip
 
     def restore(self, entries: list[dict[str, Any]]) -> None:
         """Become `snapshot()`'s registry, keeping the in-flight counts of workers still in it."""
         old, self._workers = self._workers, {}
         for e in entries:
-            worker = old.get(e["id"]) or Worker(e["url"], id=e["id"])
+            worker = old.get(e["id"]) or Worker(e["url"], id=e["id"], model_id=e["model_id"])
             worker.healthy, worker.last_error, worker.metadata, worker.adapters = e["healthy"], e["last_error"], e["metadata"], set(e["adapters"])
             self._workers[worker.id] = worker
 
