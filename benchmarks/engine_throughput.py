@@ -14,7 +14,8 @@ HF), which contention distorts far less than wall time, and CPU/wall per path (w
 that path was starved of a core). Load averages at start and end say how busy the machine was.
 Last, the physical limit: each path's decode FLOP rate (2 x parameters x tokens per CPU-second)
 against this process's fp32 GEMM rate at the decode shape [B, hidden] x [hidden, intermediate]
-(one thread), and the share of it each path reaches.
+(one thread), and the share of it each path reaches; then the same share counting the prompt
+tokens' prefill FLOPs too (the time holds them: a third of the FLOPs at the default lengths).
 
     .venv/bin/python benchmarks/engine_throughput.py                  # small (~30M), the real run
     .venv/bin/python benchmarks/engine_throughput.py --model-size tiny --sizes 1,4 --new-tokens 16
