@@ -1,10 +1,10 @@
 """Decode attention for the built-in engine (`--decode-attention-backend`).
 
-Why: a decode step attends with one query token per row, and the SDPA CPU kernel spends as
-long on that as on a full tile of queries: at B=32 and a context of ~130 it took a quarter of
-the step at ~2 GFLOP/s. With one query, attention is two small matrix products per row and KV
+Why: a decode step attends with one query token per row, which the SDPA CPU kernel handles
+as a tile of queries. With one query, attention is two small matrix products per row and KV
 head: `matmul` computes them as batched matmuls over the slab's live columns, all query heads
-that share a KV head at once (no `repeat_kv` copy), in a few ms less per step.
+that share a KV head at once (no `repeat_kv` copy). Either way the step streams the whole live
+K and V from memory, which bounds both (benchmarks/README.md): the gain is a few percent.
 
 Both backends are registered as HF attention implementations, so the stock model classes call
 them; forwards with more than one query token (prefill) always go to HF's SDPA function, so
