@@ -1,8 +1,7 @@
 """Decode attention for the built-in engine (`--decode-attention-backend`).
 
-Why: a decode step attends with one query token per row, which the SDPA CPU kernel handles
-as a tile of queries. With one query, attention is two small matrix products per row and KV
-head: `matmul` computes them as batched matmuls over the slab's live columns, all query heads
+Why: a decode step attends with one query token per row, and then attention is two small
+matrix products per row and KV head, which need no fused kernel: `matmul` computes them as batched matmuls over the slab's live columns, all query heads
 that share a KV head at once (no `repeat_kv` copy). Either way the step streams the whole live
 K and V from memory, which bounds both (benchmarks/README.md): the gain is a few percent.
 
