@@ -83,7 +83,7 @@ class EngineConfig:
     page_size: int = 64  # tokens per KV page: the cache's unit and each prefill forward's length
     radix_cache_max_tokens: int = 32768  # cached KV beyond this is evicted, least recently used first
     # How one-token (decode) forwards attend: "matmul" (batched matmuls over the live KV columns;
-    # up to 3% faster per decode step on CPU in interleaved A/B runs, benchmarks/README.md) or
+    # up to 3 percent faster per decode step on CPU in interleaved A/B runs, benchmarks/README.md) or
     # "sdpa" (HF's SDPA). Prefill always uses SDPA, so the two differ only by rounding.
     decode_attention_backend: str = "matmul"
     # Serve nothing (503, /health included) until a weight push has set every parameter: for an
