@@ -14,7 +14,8 @@ HF), which contention distorts far less than wall time, and CPU/wall per path (w
 that path was starved of a core). Load averages at start and end say how busy the machine was.
 Last, the physical limit: each path's decode FLOP rate (2 x parameters x tokens per CPU-second)
 against this process's fp32 GEMM rate at the decode shape [B, hidden] x [hidden, intermediate]
-(one thread), and the share of it each path reaches.
+(one thread), and the share of it each path reaches; then the same share counting the prompt
+tokens' prefill FLOPs too (the time holds them: a third of the FLOPs at the default lengths).
 
     .venv/bin/python benchmarks/engine_throughput.py                  # small (~30M), the real run
     .venv/bin/python benchmarks/engine_throughput.py --model-size tiny --sizes 1,4 --new-tokens 16
@@ -178,7 +179,7 @@ def main() -> None:
                   f"static {median(row.static, lambda s: s.rate):.1f} tok/s", flush=True)  # fmt: skip
 
     report(rows)
-    flop_report(rows, n_params, model.config.hidden_size, model.config.intermediate_size)
+    flop_report(rows, n_params, model.config.hidden_size, model.config.intermediate_size, (args.prompt_len + args.new_tokens) / args.new_tokens)
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
@@ -224,13 +225,16 @@ def gemm_rate(rows: int, k: int, n: int, seconds: float = 1.0) -> float:
     return 2 * rows * k * n * calls / elapsed / 1e9
 
 
-def flop_report(rows: list[Row], n_params: int, hidden: int, ffn: int) -> None:
+def flop_report(rows: list[Row], n_params: int, hidden: int, ffn: int, all_tokens: float) -> None:
+    """`all_tokens`: (prompt + new tokens) / new tokens. The rate counts output tokens, but the
+    time also holds each prompt's prefill; the share counting those FLOPs too is printed after."""
     print()
     print(f"decode FLOP rate (2 x {n_params / 1e6:.1f}M params x tok/CPU-s) against fp32 GEMM [B, {hidden}] x [{hidden}, {ffn}]:")
     for row in rows:
         gemm = gemm_rate(row.size, hidden, ffn)
         rates = {name: 2 * n_params * median(p, lambda s: s.cpu_rate) / 1e9 for name, p in (("engine", row.engine), ("static", row.static))}
-        print(f"  B={row.size}: GEMM {gemm:.1f} GFLOP/s; " + ", ".join(f"{k} {v:.1f} GFLOP/s ({v / gemm:.0%})" for k, v in rates.items()))
+        print(f"  B={row.size}: GEMM {gemm:.1f} GFLOP/s; " + ", ".join(f"{k} {v:.1f} GFLOP/s ({v / gemm:.0%})" for k, v in rates.items())
+              + f"; with prompt tokens: engine {rates['engine'] * all_tokens / gemm:.0%}, static {rates['static'] * all_tokens / gemm:.0%}")
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ class Engine:
         self.unloading: dict[str, asyncio.Event] = {}
         prefix_cache = None if cfg.disable_radix_cache else PrefixCache(cfg.page_size, cfg.radix_cache_max_tokens)
         self.scheduler = Scheduler(
-            Runner(self.model, cfg.page_size, prefix_cache, self.lora),
+            Runner(self.model, cfg.page_size, prefix_cache, self.lora, cfg.decode_attention_backend),
             max_running_requests=cfg.max_running_requests,
             max_prefill_tokens=cfg.max_prefill_tokens,
             share_prefills=not cfg.disable_radix_cache,

@@ -25,6 +25,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from slimish.config import EngineConfig
+from slimish.engine.attention import use_decode_attention
 from slimish.engine.lora import LoraManager
 from slimish.engine.prefix_cache import PrefixCache
 
@@ -192,9 +194,11 @@ class PrefillOutput:
 class Runner:
     """Forwards over a model, and the prefix cache they share; the scheduler owns the batch. With
     `lora`, each row is run with its own adapter (None: the base model); the scheduler has given
-    each one a slot."""
+    each one a slot. `decode_attention_backend` is how one-token forwards attend (attention.py)."""
 
-    def __init__(self, model: PreTrainedModel, page_size: int, prefix_cache: PrefixCache | None, lora: LoraManager | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, page_size: int, prefix_cache: PrefixCache | None, lora: LoraManager | None = None,
+                 decode_attention_backend: str = EngineConfig.decode_attention_backend) -> None:  # fmt: skip
+        use_decode_attention(model, decode_attention_backend)
         self.model = model
         self.device = model.device
         self.page_size = page_size
@@ -262,7 +266,8 @@ class Runner:
         with self._adapters(adapters):
             out = self.model(
                 input_ids=torch.tensor(tokens, device=device).unsqueeze(1),
-                attention_mask=s.mask[: s.rows, : s.width + 1],
+                # 4D, so HF passes it through instead of building one per step (attention.py)
+                attention_mask=s.mask[: s.rows, None, None, : s.width + 1].bool(),
                 position_ids=torch.tensor(batch.lens, device=device).unsqueeze(1),
                 cache=s.cache,
                 use_cache=True,
