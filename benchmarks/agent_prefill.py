@@ -29,13 +29,12 @@ import asyncio  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
-from engine_throughput import bench_model, cpu_seconds, random_prompts  # noqa: E402  (same directory)
+from engine_throughput import bench_model, cpu_seconds, model_arguments, random_prompts  # noqa: E402  (same directory)
 from slimish.client import Client  # noqa: E402
 from slimish.launch.local import engine_process  # noqa: E402
 from slimish.launch.process import start_all  # noqa: E402
@@ -116,10 +115,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256, help="task prompt (system, tools, question) tokens")
     ap.add_argument("--reply-tokens", type=int, default=24)
     ap.add_argument("--tool-tokens", type=int, default=32)
-    ap.add_argument("--model-size", default="small", choices=["small", "tiny"])
-    ap.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3"])
+    model_arguments(ap)
     ap.add_argument("--repeats", type=int, default=1, help="timed rounds per path (median reported)")
-    ap.add_argument("--model-cache", type=Path, default=Path("runs/bench-models"))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -22,12 +22,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import time  # noqa: E402
 from contextlib import nullcontext  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from benchmarks.engine_throughput import bench_model, gemm_rate  # noqa: E402
+from engine_throughput import bench_model, gemm_rate, model_arguments  # noqa: E402  (same directory)
 from slimish.config import DECODE_ATTENTION_BACKENDS, EngineConfig  # noqa: E402
 from slimish.engine.runner import KVBatch, Runner, load_model  # noqa: E402
 from slimish.engine.sampling import RowState, sample  # noqa: E402
@@ -47,9 +46,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=128, help="tokens per row before the timed steps")
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--model-size", default="small", choices=["small", "tiny"])
-    ap.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3"])
-    ap.add_argument("--model-cache", type=Path, default=Path("runs/bench-models"))
+    model_arguments(ap)
     ap.add_argument("--decode-attention-backend", default=EngineConfig.decode_attention_backend, choices=DECODE_ATTENTION_BACKENDS)
     ap.add_argument("--profile", action="store_true", help="print where the timed steps spent their time (torch.profiler)")
     args = ap.parse_args()

@@ -76,6 +76,13 @@ def median(samples: list[Sample], key: Callable[[Sample], float]) -> float:
     return statistics.median(key(s) for s in samples)
 
 
+def model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The flags that pick the benchmark model, alike in every engine benchmark."""
+    ap.add_argument("--model-size", default="small", choices=["small", "tiny"])
+    ap.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3"])
+    ap.add_argument("--model-cache", type=Path, default=Path("runs/bench-models"))
+
+
 def bench_model(size: str, arch: str, cache: Path) -> Path:
     """Build the model once into `cache` (a random-init model of `size`, seed 0)."""
     path = cache / f"{arch}-{size}-seed0"
@@ -144,10 +151,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,8,32", help="comma-separated concurrency levels")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--model-size", default="small", choices=["small", "tiny"])
-    ap.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3"])
+    model_arguments(ap)
     ap.add_argument("--repeats", type=int, default=2, help="timed rounds per config (median reported)")
-    ap.add_argument("--model-cache", type=Path, default=Path("runs/bench-models"))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
