@@ -578,6 +578,11 @@ class LoraConfig:
         if not LORA_NAME.fullmatch(self.name):
             raise ValueError(f"trainer.lora.name must be letters, digits, '.', '_' or '-' (it is a URL and directory part), got {self.name!r}")
 
+    @property
+    def adapter(self) -> str | None:
+        """The adapter name generate calls carry; None without LoRA (the base model)."""
+        return self.name if self.enabled else None
+
 
 @dataclass
 class TrainerConfig:

@@ -24,11 +24,12 @@ if TYPE_CHECKING:
 def engine_process(
     model: str | Path, port: int | None = None, log_path: str | Path | None = None, host: str = "127.0.0.1", **flags: object
 ) -> ServerProcess:
-    """A built-in engine child bound to `host`; `flags` become `--flag value` (`max_running_requests=8`)."""
+    """A built-in engine child bound to `host`; `flags` become `--flag value` (`max_running_requests=8`),
+    a list `--flag v1 v2` (`lora_target_modules=["q_proj", "v_proj"]`)."""
     port = port or free_port(host)
     argv = ["engine", "--model", str(model), "--host", host, "--port", str(port)]
     for key, value in flags.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
+        argv += [f"--{key.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
     return ServerProcess(argv, port=port, host=connect_host(host), log_path=log_path)
 
 
@@ -38,7 +39,11 @@ def engine_server(launch: "LaunchConfig", model: str | Path, log_path: str | Pat
         from slimish.launch.sglang import sglang_process
 
         return sglang_process(model, launch.sglang_args, host, api_key=launch.api_key, log_path=log_path)
-    flags = dict(pair.split("=", 1) for pair in launch.engine_flag)
+    values: dict[str, list[str]] = {}
+    for pair in launch.engine_flag:  # a NAME given again adds a value: a list flag's values
+        name, value = pair.split("=", 1)
+        values.setdefault(name, []).append(value)
+    flags: dict[str, object] = {name: v[0] if len(v) == 1 else v for name, v in values.items()}
     if owned := {"model", "host", "port"} & set(flags):
         raise ValueError(f"launch.engine_flag: {', '.join(sorted(owned))} set by the launcher (the run's model; "
                          "127.0.0.1, or the node's address under launch.mode=ray; a free port); remove it")  # fmt: skip

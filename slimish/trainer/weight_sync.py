@@ -10,6 +10,15 @@ and its last bucket carries the weight version. `transport: disk` writes the ten
 safetensors file and posts `/update_weights_from_disk` instead (no group; the engines must see
 the directory).
 
+With `trainer.lora` (`push_adapter`) only the run's adapter travels, never the base weights. The
+first push saves it as a PEFT adapter directory and creates it on every engine with
+`/load_lora_adapter` through the router (which fans out; an adapter of that name left loaded by
+an earlier incarnation of the run is unloaded first), then broadcasts it with `lora_name`, which
+versions that adapter alone; later pushes only broadcast. `transport: disk` saves the directory
+and unloads and loads it every push. Runs that share engines each push their own adapter over
+their own group (`group_name` gets the adapter's name), and adapter pushes open no weight-update
+session: an engine has one, and another run's push may hold it.
+
 The trainer is sync code; the HTTP side is the async `Client`, run on a private event-loop
 thread so that the calls to all engines are in flight together while this thread broadcasts.
 """
@@ -33,8 +42,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from slimish.client import Client
+from slimish.client import Client, ServerError
 from slimish.config import WeightSyncConfig
+from slimish.trainer.lora import ADAPTER_WEIGHTS, write_adapter_dir
 from slimish.distributed import (
     ProcessGroup,
     destroy_custom_process_group,
@@ -105,10 +115,17 @@ def plan_buckets(
 
 
 class WeightSync:
-    def __init__(self, cfg: WeightSyncConfig, engine_urls: list[str], api_key: str | None = None) -> None:
+    def __init__(self, cfg: WeightSyncConfig, engine_urls: list[str], api_key: str | None = None, adapter: str | None = None,
+                 router_url: str | None = None) -> None:  # fmt: skip
+        """`adapter` (trainer.lora's name): pushes are `push_adapter`s of that adapter, created
+        through `router_url`."""
         if not engine_urls:
             raise ValueError("engine_urls: weight sync needs at least one engine")
+        if adapter is not None and router_url is None:
+            raise ValueError(f"adapter {adapter!r}: an adapter push needs the router_url that loads it on every engine")
         self.cfg = cfg
+        self.adapter = adapter
+        self.group_name = cfg.group_name if adapter is None else f"{cfg.group_name}-{adapter}"
         self.urls = [u.rstrip("/") for u in engine_urls]
         self.wire_dtype = parse_dtype(cfg.dtype) if cfg.dtype else None
         self.backend = cfg.backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -121,6 +138,8 @@ class WeightSync:
         self._flat: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2  # double buffer
         self._disk_root: Path | None = None
         self._disk_last: Path | None = None
+        self.router = Client(router_url, api_key=api_key, timeout=cfg.timeout_s) if router_url else None
+        self._adapter_loaded = False  # by this run's first adapter push
         self._closed = False
         self.broken: str | None = None  # why the group became unusable
 
@@ -137,7 +156,7 @@ class WeightSync:
         offsets = [1 + sum(tp[:e]) for e in range(len(tp))]
         reqs = [
             InitWeightsUpdateGroupReq(master_address=self.cfg.master_address, master_port=port, rank_offset=off,
-                                      world_size=world, group_name=self.cfg.group_name, backend=self.backend)
+                                      world_size=world, group_name=self.group_name, backend=self.backend)
             for off in offsets
         ]  # fmt: skip
         # The engines block in their init until rank 0 joins, so join while their calls are in
@@ -145,7 +164,7 @@ class WeightSync:
         joined = self._start(lambda c, r: c.init_weights_update_group(r), reqs)
         group = _in_thread(
             init_custom_process_group, self.backend, f"tcp://{self.cfg.master_address}:{port}", world, 0,
-            self.cfg.group_name, timedelta(seconds=self.timeout),
+            self.group_name, timedelta(seconds=self.timeout),
         )  # fmt: skip
         self._check(self._wait(joined), "/init_weights_update_group")
         self.group = group.result(timeout=self.timeout)
@@ -158,7 +177,7 @@ class WeightSync:
         try:
             if self.group is not None:
                 try:
-                    self._all(lambda c: c.destroy_weights_update_group(self.cfg.group_name))
+                    self._all(lambda c: c.destroy_weights_update_group(self.group_name))
                 except Exception:  # an engine that is gone has no group left to destroy
                     pass
                 group, self.group = [self.group], None
@@ -170,6 +189,8 @@ class WeightSync:
                 else:
                     destroy_custom_process_group(group.pop())
             self._wait(self._start(lambda c, _: c.close(), [None] * len(self.clients)))
+            if self.router is not None:
+                self._loop.submit(self.router.close()).result(timeout=self.timeout)
         finally:
             self._loop.close()
             if self._disk_root is not None and self.cfg.disk_dir is None:
@@ -183,7 +204,31 @@ class WeightSync:
         Returns timings: `seconds` (the whole push), `seconds_transfer` (the buckets or the
         disk write and load), `bytes` (one engine's share), `gb_per_s` (bytes / seconds_transfer)
         and `buckets`."""
+        if self.adapter is not None:
+            raise WeightSyncError(f"push: this run trains adapter {self.adapter!r}; its pushes are push_adapter (never the base weights)")
         named = [(name, t.detach()) for name, t in named_tensors]
+        disk = self.cfg.transport == "disk"
+        return self._push(named, lambda: (self._push_disk(named, version), 1) if disk else self._push_buckets(named, version))
+
+    def push_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: str) -> dict[str, float]:
+        """trainer.lora: every engine serves the run's adapter as `tensors` (its PEFT state-dict
+        names) and reports `version` for it once this returns; the base and other adapters are
+        untouched. `config` is its `adapter_config.json`. Returns `push`'s timings."""
+        if self.adapter is None:
+            raise WeightSyncError("push_adapter: this WeightSync was made without an adapter name")
+        named = [(name, t.detach()) for name, t in tensors.items()]
+
+        def send() -> tuple[int, int]:
+            if self.cfg.transport == "disk" or not self._adapter_loaded:
+                nbytes = self._load_adapter(write_adapter_dir(self._disk_dir() / f"{self.adapter}-{version}", config, tensors))
+                if self.cfg.transport == "disk":
+                    return nbytes, 1
+            return self._push_buckets(named, version, lora_name=self.adapter)
+
+        return self._push(named, send)
+
+    def _push(self, named: list[tuple[str, torch.Tensor]], send: Callable[[], tuple[int, int]]) -> dict[str, float]:
+        """A push of `named` by `send` (its wire bytes and buckets) between pause and continue."""
         if not named:
             raise ValueError("push: no tensors")
         if self.cfg.transport == "distributed" and self.group is None:
@@ -195,10 +240,7 @@ class WeightSync:
         try:
             self._prepare()
             t0, sending = time.perf_counter(), True
-            if self.cfg.transport == "disk":
-                nbytes, buckets = self._push_disk(named, version), 1
-            else:
-                nbytes, buckets = self._push_buckets(named, version)
+            nbytes, buckets = send()
             transfer = time.perf_counter() - t0
         except BaseException as exc:
             if sending and self.cfg.transport == "distributed":
@@ -215,7 +257,7 @@ class WeightSync:
         """Pause generation and open a weight-update session, both at once on every engine; the
         first push finds out whether the engines have sessions (older SGLang does not)."""
         pause = self.cfg.pause_mode != "drain"
-        begin = self.cfg.transport == "distributed" and self.sessions is not False
+        begin = self.cfg.transport == "distributed" and self.sessions is not False and self.adapter is None
 
         async def prepare(c: Client) -> bool | None:
             calls = [c.pause(self.cfg.pause_mode)] if pause else []
@@ -231,7 +273,7 @@ class WeightSync:
     def _finish(self) -> None:
         """Close the session (it is per engine, not per group: always) and continue generation.
         When an error is already on its way out, a failure here does not replace it."""
-        end = self.cfg.transport == "distributed" and self.sessions
+        end = self.cfg.transport == "distributed" and self.sessions and self.adapter is None
         resume = self.cfg.pause_mode != "drain"
 
         async def finish(c: Client) -> None:
@@ -248,15 +290,15 @@ class WeightSync:
         except Exception:
             pass
 
-    def _push_buckets(self, named: list[tuple[str, torch.Tensor]], version: str) -> tuple[int, int]:
+    def _push_buckets(self, named: list[tuple[str, torch.Tensor]], version: str, lora_name: str | None = None) -> tuple[int, int]:
         buckets = plan_buckets(named, self.cfg.bucket_mb, self.wire_dtype, self.cfg.flattened)
         payload = self._pack(buckets[0], 0)
         for k, bucket in enumerate(buckets):
             req = UpdateWeightsFromDistributedReq(
                 names=bucket.names, dtypes=[dtype_name(d) for d in bucket.dtypes],
-                shapes=[list(t.shape) for t in bucket.tensors], group_name=self.cfg.group_name,
+                shapes=[list(t.shape) for t in bucket.tensors], group_name=self.group_name,
                 load_format="flattened_bucket" if self.cfg.flattened else None,
-                weight_version=version if k == len(buckets) - 1 else None,
+                weight_version=version if k == len(buckets) - 1 else None, lora_name=lora_name,
             )  # fmt: skip
             replies = self._start(lambda c, r: c.update_weights_from_distributed(r), [req] * len(self.clients))
             works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in payload]
@@ -292,12 +334,15 @@ class WeightSync:
             payload.append(buf.copy_(t))
         return payload
 
-    def _push_disk(self, named: list[tuple[str, torch.Tensor]], version: str) -> int:
+    def _disk_dir(self) -> Path:
+        """Where pushes are written (`weight_sync.disk_dir`, else a temporary directory)."""
         if self._disk_root is None:
-            root = self.cfg.disk_dir or tempfile.mkdtemp(prefix="slimish-weights-")
-            self._disk_root = Path(root)
+            self._disk_root = Path(self.cfg.disk_dir or tempfile.mkdtemp(prefix="slimish-weights-"))
             self._disk_root.mkdir(parents=True, exist_ok=True)
-        target = self._disk_root / f"weights-{version}"
+        return self._disk_root
+
+    def _push_disk(self, named: list[tuple[str, torch.Tensor]], version: str) -> int:
+        target = self._disk_dir() / f"weights-{version}"
         target.mkdir(exist_ok=True)
         state = {}
         for name, t in named:
@@ -306,10 +351,35 @@ class WeightSync:
         save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
         req = UpdateWeightsFromDiskReq(model_path=str(target), weight_version=version)
         self._check(self._all(lambda c: c.update_weights_from_disk(req)), "/update_weights_from_disk")
+        self._written(target)
+        return sum(t.numel() * t.element_size() for t in state.values())
+
+    def _load_adapter(self, path: Path) -> int:
+        """Create the run's adapter from the directory `path` on every engine (the router fans the
+        calls out): unloaded first, so that a restarted run or a disk push replaces it. Returns
+        the bytes of its weights file."""
+        assert self.router is not None and self.adapter is not None
+        name = self.adapter
+
+        async def reload() -> Any:
+            try:
+                await self.router.unload_lora_adapter(name)
+            except ServerError:  # not loaded yet: the usual first push
+                pass
+            return await self.router.load_lora_adapter(name, str(path))
+
+        reply = self._loop.submit(reload()).result(timeout=self.timeout)
+        if not reply.success:
+            raise WeightSyncError(f"/load_lora_adapter {name!r} from {path} failed: {reply.error_message}")
+        self._adapter_loaded = True
+        self._written(path)
+        return (path / ADAPTER_WEIGHTS).stat().st_size
+
+    def _written(self, target: Path) -> None:
+        """`target` is what the engines load from now on: the previous push's files go."""
         if self._disk_last is not None and self._disk_last != target:
             shutil.rmtree(self._disk_last, ignore_errors=True)
         self._disk_last = target
-        return sum(t.numel() * t.element_size() for t in state.values())
 
     # -- HTTP on the loop thread -------------------------------------------------------------
 
