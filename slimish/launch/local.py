@@ -25,7 +25,7 @@ def engine_process(
     model: str | Path, port: int | None = None, log_path: str | Path | None = None, host: str = "127.0.0.1", **flags: object
 ) -> ServerProcess:
     """A built-in engine child bound to `host`; `flags` become `--flag value` (`max_running_requests=8`),
-    a list `--flag v1 v2` (`lora_target_modules=["q_proj", "v_proj"]`)."""
+    a list `--flag v1 v2 ...` (`lora_paths=[...]`)."""
     port = port or free_port(host)
     argv = ["engine", "--model", str(model), "--host", host, "--port", str(port)]
     for key, value in flags.items():

@@ -361,16 +361,17 @@ class WeightSync:
         assert self.router is not None and self.adapter is not None
         name = self.adapter
 
-        async def reload() -> Any:
+        async def reload() -> None:
             try:
                 await self.router.unload_lora_adapter(name)
             except ServerError:  # not loaded yet: the usual first push
                 pass
-            return await self.router.load_lora_adapter(name, str(path))
+            await self.router.load_lora_adapter(name, str(path))
 
-        reply = self._loop.submit(reload()).result(timeout=self.timeout)
-        if not reply.success:
-            raise WeightSyncError(f"/load_lora_adapter {name!r} from {path} failed: {reply.error_message}")
+        try:
+            self._loop.submit(reload()).result(timeout=self.timeout)
+        except ServerError as exc:
+            raise WeightSyncError(f"/load_lora_adapter {name!r} from {path} failed: {exc.message}") from exc
         self._adapter_loaded = True
         self._written(path)
         return (path / ADAPTER_WEIGHTS).stat().st_size
