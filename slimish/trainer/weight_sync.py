@@ -55,7 +55,7 @@ from slimish.distributed import (
 )
 from slimish.loop_thread import LoopThread
 from slimish.net import free_port
-from slimish.protocol import InitWeightsUpdateGroupReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq
+from slimish.protocol import InitWeightsUpdateGroupReq, LoadLoraAdapterReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq
 
 T = TypeVar("T")
 
@@ -220,8 +220,10 @@ class WeightSync:
 
         def send() -> tuple[int, int]:
             if self.cfg.transport == "disk" or not self._adapter_loaded:
-                nbytes = self._load_adapter(write_adapter_dir(self._disk_dir() / f"{self.adapter}-{version}", config, tensors))
-                if self.cfg.transport == "disk":
+                disk = self.cfg.transport == "disk"
+                path = write_adapter_dir(self._disk_dir() / f"{self.adapter}-{version}", config, tensors)
+                nbytes = self._load_adapter(path, version if disk else None)
+                if disk:
                     return nbytes, 1
             return self._push_buckets(named, version, lora_name=self.adapter)
 
@@ -354,25 +356,35 @@ class WeightSync:
         self._written(target)
         return sum(t.numel() * t.element_size() for t in state.values())
 
-    def _load_adapter(self, path: Path) -> int:
+    def _load_adapter(self, path: Path, version: str | None) -> int:
         """Create the run's adapter from the directory `path` on every engine (the router fans the
-        calls out): unloaded first, so that a restarted run or a disk push replaces it. Returns
-        the bytes of its weights file."""
+        calls out): unloaded first, so that a restarted run or a disk push replaces it. A disk
+        push versions it with `weight_version` on the load (a slimish extension: the load is its
+        only call), checked on every engine. Returns the bytes of its weights file."""
         assert self.router is not None and self.adapter is not None
-        name = self.adapter
+        name, router = self.adapter, self.router
 
         async def reload() -> None:
             try:
-                await self.router.unload_lora_adapter(name)
+                await router.unload_lora_adapter(name)
             except ServerError:  # not loaded yet: the usual first push
                 pass
-            await self.router.load_lora_adapter(name, str(path))
+            if version is None:
+                await router.load_lora_adapter(name, str(path))
+            else:
+                body = LoadLoraAdapterReq(lora_name=name, lora_path=str(path)).model_dump()
+                await router.request("POST", "/load_lora_adapter", {**body, "weight_version": version})
 
         try:
             self._loop.submit(reload()).result(timeout=self.timeout)
         except ServerError as exc:
             raise WeightSyncError(f"/load_lora_adapter {name!r} from {path} failed: {exc.message}") from exc
         self._adapter_loaded = True
+        if version is not None:
+            served = self._all(lambda c: c.get_weight_version(name))
+            if any(v != version for v in served):
+                raise WeightSyncError(f"adapter {name!r} loaded from disk as version {version}, but the engines report "
+                                      f"{dict(zip(self.urls, served))}: they ignore `weight_version` on /load_lora_adapter")  # fmt: skip
         self._written(path)
         return (path / ADAPTER_WEIGHTS).stat().st_size
 
