@@ -24,6 +24,9 @@ from slimish.protocol import (
     ControlResult,
     GenerateResponse,
     InitWeightsUpdateGroupReq,
+    LoadLoraAdapterReq,
+    LoraUpdateResult,
+    UnloadLoraAdapterReq,
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDistributedReq,
 )
@@ -58,6 +61,8 @@ def _message(status: int, raw: bytes) -> str:
             return str(err)
         if "message" in body:
             return str(body["message"])
+        if body.get("error_message"):  # the LoRA routes' replies
+            return str(body["error_message"])
     return text
 
 
@@ -169,7 +174,9 @@ class Client:
         return await self._control("/init_weights_update_group", req.model_dump())
 
     async def update_weights_from_distributed(self, req: UpdateWeightsFromDistributedReq) -> ControlResult:
-        return await self._control("/update_weights_from_distributed", req.model_dump())
+        """A bucket of a push; with `req.lora_name`, into that adapter only (slimish's engine; the
+        field is left out otherwise, so SGLang gets its own body)."""
+        return await self._control("/update_weights_from_distributed", req.model_dump(exclude=None if req.lora_name else {"lora_name"}))
 
     async def destroy_weights_update_group(self, group_name: str) -> ControlResult:
         return await self._control("/destroy_weights_update_group", {"group_name": group_name})
@@ -193,8 +200,25 @@ class Client:
     async def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> ControlResult:
         return await self._control("/update_weight_version", {"new_version": new_version, "abort_all_requests": abort_all_requests})
 
-    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
-        return await self.request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100, lora_name: str | None = None) -> list[Any]:
+        """A parameter of the model, or with `lora_name` a tensor of that adapter (by its PEFT name)."""
+        body = {"name": name, "truncate_size": truncate_size, **({"lora_name": lora_name} if lora_name else {})}
+        return await self.request("POST", "/get_weights_by_name", body)
+
+    async def get_weight_version(self, lora_name: str | None = None) -> str:
+        """The base model's weight version, or that adapter's (slimish's engine only)."""
+        return (await self.request("POST", "/get_weight_version", {"lora_name": lora_name}))["weight_version"]
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+    # Failures raise ServerError (400) with the server's `error_message`.
+
+    async def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> LoraUpdateResult:
+        body = LoadLoraAdapterReq(lora_name=name, lora_path=path, pinned=pinned).model_dump()
+        return LoraUpdateResult.model_validate(await self.request("POST", "/load_lora_adapter", body))
+
+    async def unload_lora_adapter(self, name: str) -> LoraUpdateResult:
+        body = UnloadLoraAdapterReq(lora_name=name).model_dump()
+        return LoraUpdateResult.model_validate(await self.request("POST", "/unload_lora_adapter", body))
 
     # ---- info -------------------------------------------------------------------------------
 

@@ -75,10 +75,24 @@ class EngineConfig:
     # Serve nothing (503, /health included) until a weight push has set every parameter: for an
     # engine that joins or rejoins a running training run, so it never serves stale weights.
     await_weights: bool = False
+    # LoRA serving (SGLang's flags). Adapters are PEFT directories (adapter_config.json +
+    # adapter_model.safetensors); a request names one by `lora_path` (/generate) or `model` (OpenAI).
+    enable_lora: bool = False  # also on when lora_paths is given
+    # Adapters loaded at start, each PATH, NAME=PATH or JSON {"lora_name", "lora_path", "pinned"}.
+    lora_paths: list[str] = field(default_factory=list)
+    max_loras_per_batch: int = 8  # distinct adapters in the running batch (base rows need none); rows beyond wait
+    max_loaded_loras: int | None = None  # adapters held at once (None: no limit); at least max_loras_per_batch
+    max_lora_rank: int | None = None  # smaller ranks are padded to it; None: the largest rank among lora_paths
+    # Module names adapters may target (q_proj, v_proj, ..., or all); empty: the union of the
+    # lora_paths adapters' targets, or all linear layers of the decoder when none is given.
+    lora_target_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        at_least(1, self, "", "max_running_requests", "max_prefill_tokens", "max_body_bytes", "retry_after_s", "max_prompt_tokens", "max_new_tokens_cap")
+        at_least(1, self, "", "max_running_requests", "max_prefill_tokens", "max_body_bytes", "retry_after_s", "max_prompt_tokens", "max_new_tokens_cap",
+                 "max_loras_per_batch", "max_lora_rank")  # fmt: skip
         at_least(0, self, "", "max_queued_requests")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(f"max_loaded_loras ({self.max_loaded_loras}) must be >= max_loras_per_batch ({self.max_loras_per_batch})")
         if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
             raise ValueError(f"engine.device (--device) must be cpu, cuda or cuda:K, got {self.device!r}")
         check_parsers("engine.", self.tool_call_parser, self.reasoning_parser)

@@ -102,6 +102,9 @@ class GenerateReqInput(_Strict):
     top_logprobs_num: int | list[int] = 0
     token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool = False
+    # A loaded LoRA adapter's name (SGLang's field name: a name, not a path), or per batch item
+    # a list of them; null is the base model.
+    lora_path: str | list[str | None] | None = None
     # Keys sglang-router 0.3.2 injects; accepted and otherwise unused.
     model: str | None = None
     log_metrics: bool = True
@@ -219,6 +222,9 @@ class UpdateWeightsFromDistributedReq(_Strict):
     load_format: Literal["flattened_bucket"] | None = None
     selector: Literal["target", "draft", "all"] = "all"
     torch_empty_cache: bool = False
+    # slimish extension: push into this loaded LoRA adapter only. `names` are then its PEFT
+    # state-dict names (`get_peft_model_state_dict`), and `weight_version` versions it alone.
+    lora_name: str | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> "UpdateWeightsFromDistributedReq":
@@ -273,6 +279,39 @@ class AbortReq(_Strict):
 class GetWeightsByNameReq(_Strict):
     name: str
     truncate_size: int = Field(100, ge=1)
+    lora_name: str | None = None  # read that adapter's tensor (`name`: its PEFT state-dict name)
+
+
+class GetWeightVersionReq(_Strict):
+    """`/get_weight_version`: the base model's version, or a loaded adapter's."""
+
+    lora_name: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# LoRA adapters (SGLang's bodies)
+# --------------------------------------------------------------------------------------------
+
+
+class LoadLoraAdapterReq(_Strict):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)  # a PEFT adapter directory on the engine's machine
+    pinned: bool = False  # never evicted from the batch slots once in one
+
+
+class UnloadLoraAdapterReq(_Strict):
+    lora_name: str = Field(min_length=1)
+
+
+class LoraUpdateResult(BaseModel):
+    """The reply of `/load_lora_adapter` and `/unload_lora_adapter`: `loaded_adapters` maps each
+    adapter name to its path. The router adds `workers` (one reply per worker) when it fans out."""
+
+    model_config = ConfigDict(extra="allow")
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, str] = Field(default_factory=dict)
 
 
 class MemoryOccupationReq(_Strict):

@@ -165,7 +165,7 @@ def test_model_card_profiling_and_501s(engine, tmp_path):
     post(engine, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}})
     assert len(list(tmp_path.glob("steps-*.trace.json"))) == 1  # stopped by itself after 2 steps
 
-    for path in ("/update_weights_from_tensor", "/v1/embeddings", "/load_lora_adapter", "/v1/responses/abc"):
+    for path in ("/update_weights_from_tensor", "/v1/embeddings", "/load_lora_adapter_from_tensors", "/v1/responses/abc"):
         r = httpx.post(engine + path, json={})
         assert r.status_code == 501 and r.json()["error"]["message"].startswith(f"{path.replace('abc', '{response_id}')}: not implemented")
     assert "/update_weights_from_distributed" in httpx.post(engine + "/update_weights_from_tensor", json={}).json()["error"]["message"]

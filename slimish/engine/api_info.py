@@ -116,16 +116,23 @@ def _info_routes(router: APIRouter, engine: Engine, cfg: EngineConfig) -> None:
         return {"id": name, "object": "model", "created": int(engine.started_at), "owned_by": "sglang",
                 "root": name, "parent": None, "max_model_len": engine.context_length}  # fmt: skip
 
+    def adapter_cards() -> dict[str, dict[str, Any]]:
+        """One card per loaded LoRA adapter, its parent the base model (as SGLang lists them)."""
+        loaded = engine.lora.loaded() if engine.lora is not None else {}
+        return {name: {**card(), "id": name, "root": path, "parent": engine.served_model_name} for name, path in loaded.items()}
+
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card()]}
+        return {"object": "list", "data": [card(), *adapter_cards().values()]}
 
     @router.get("/v1/models/{model:path}")
     async def model(model: str) -> JSONResponse:
-        if model != engine.served_model_name:
-            error = {"message": f"The model '{model}' does not exist", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
-            return JSONResponse({"error": error}, status_code=404)
-        return JSONResponse(card())
+        if model == engine.served_model_name:
+            return JSONResponse(card())
+        if (adapter := adapter_cards().get(model)) is not None:
+            return JSONResponse(adapter)
+        error = {"message": f"The model '{model}' does not exist", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+        return JSONResponse({"error": error}, status_code=404)
 
     @router.get("/metrics")
     async def prometheus() -> Response:
@@ -196,7 +203,7 @@ UNSERVED = {
         "/encode", "/classify", "/set_internal_state", "/update_weights_from_ipc", "/weights_checker", "/slow_down",
         "/init_weights_send_group_for_remote_instance", "/send_weights_to_remote_instance",
         "/get_remote_instance_transfer_engine_info", "/remote_instance_transfer_engine_info",
-        "/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter",
+        "/load_lora_adapter_from_tensors",
         "/open_session", "/close_session", "/configure_logging", "/parse_function_call", "/separate_reasoning",
         "/set_trace_level", "/freeze_gc", "/pd_role_switch",
         "/start_expert_distribution_record", "/stop_expert_distribution_record", "/dump_expert_distribution_record",

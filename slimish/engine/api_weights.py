@@ -10,9 +10,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from slimish.engine.engine import Engine
+from slimish.engine.engine import Engine, RequestError
 from slimish.engine.http import control, parse
-from slimish.protocol import BeginWeightUpdateReq, DestroyWeightsUpdateGroupReq, GetWeightsByNameReq, InitWeightsUpdateGroupReq
+from slimish.engine.weights import Tensors
+from slimish.protocol import BeginWeightUpdateReq, DestroyWeightsUpdateGroupReq, GetWeightsByNameReq, GetWeightVersionReq, InitWeightsUpdateGroupReq
 from slimish.protocol import MemoryOccupationReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightVersionReq
 
 
@@ -38,10 +39,22 @@ def _broadcast_routes(router: APIRouter, engine: Engine) -> None:
     @router.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
         req = await parse(request, UpdateWeightsFromDistributedReq)
-        return await apply_update(
-            engine, req, lambda: engine.weights.update_from_distributed(req), "Succeeded to update parameter online.",
-            "Failed to update parameter online: {exc}. Please discard the whole weights.",
-        )  # fmt: skip
+        fail = "Failed to update parameter online: {exc}. Please discard the whole weights."
+        if req.lora_name is None:
+            load = lambda: engine.weights.update_from_distributed(req)  # noqa: E731
+        else:  # an adapter-only push (slimish extension): the named adapter's PEFT tensors
+            try:
+                target = adapter_tensors(engine, req.lora_name)
+            except RequestError as exc:  # refused before any receive: the trainer's broadcast would hang otherwise
+                return control(False, fail.format(exc=exc))
+
+            def load() -> None:
+                try:
+                    engine.weights.update_from_distributed(req, target)
+                finally:  # its slot holds what arrived whole; a torn adapter is refused anyway
+                    engine.lora.refresh(req.lora_name)
+
+        return await apply_update(engine, req, load, "Succeeded to update parameter online.", fail, lora_name=req.lora_name)
 
     @router.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> JSONResponse:
@@ -100,9 +113,21 @@ def _update_routes(router: APIRouter, engine: Engine) -> None:
     async def get_weights_by_name(request: Request) -> JSONResponse:
         req = await parse(request, GetWeightsByNameReq, empty_ok=False)
         try:
-            return JSONResponse(await engine.run(lambda: engine.weights.get_weights_by_name(req.name, req.truncate_size)))
+            target = None if req.lora_name is None else adapter_tensors(engine, req.lora_name)
+            return JSONResponse(await engine.run(lambda: engine.weights.get_weights_by_name(req.name, req.truncate_size, target)))
         except ValueError as exc:
             return control(False, str(exc))
+
+    @router.api_route("/get_weight_version", methods=["GET", "POST"])
+    async def get_weight_version(request: Request) -> JSONResponse:
+        """slimish's: the base model's version (`/model_info` has it too), or with `lora_name` an adapter's."""
+        body = await parse(request, GetWeightVersionReq)
+        name = request.query_params.get("lora_name", body.lora_name)
+        try:
+            version = engine.scheduler.weight_version if name is None else engine.adapter(name, "lora_name").version
+        except RequestError as exc:
+            return control(False, str(exc))
+        return JSONResponse({"weight_version": version, "lora_name": name})
 
     @router.api_route("/release_memory_occupation", methods=["GET", "POST"])
     @router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
@@ -111,21 +136,39 @@ def _update_routes(router: APIRouter, engine: Engine) -> None:
         return JSONResponse(None)
 
 
-async def apply_update(engine: Engine, req: Any, load: Callable[[], None], ok: str, fail: str, **extra: Any) -> JSONResponse:
-    """Abort if asked; load while no request runs (SGLang's writer lock) or while paused; version."""
+def adapter_tensors(engine: Engine, name: str) -> Tensors:
+    """A loaded adapter's tensors as a push target (its torn record shared)."""
+    adapter = engine.adapter(name, "lora_name")
+    return Tensors(adapter.tensors, f"a tensor of lora adapter {name!r}", adapter.torn)
+
+
+async def apply_update(engine: Engine, req: Any, load: Callable[[], None], ok: str, fail: str, lora_name: str | None = None,
+                       **extra: Any) -> JSONResponse:  # fmt: skip
+    """Abort if asked; load while no request runs (SGLang's writer lock) or while paused; version
+    the base model, or only the adapter `lora_name`."""
     if req.abort_all_requests:
         await engine.run(lambda: engine.scheduler.abort(abort_all=True))
 
     def load_and_version() -> None:
         load()
-        if req.weight_version is not None:
+        if req.weight_version is None:
+            return
+        if lora_name is None:
             engine.scheduler.weight_version = req.weight_version
+        else:
+            engine.lora.get(lora_name).version = req.weight_version
+
+    def torn_error() -> str | None:
+        if lora_name is None:
+            return engine.weights.torn_error()
+        adapter = engine.lora.adapters.get(lora_name)  # None if unloaded meanwhile
+        return adapter.torn_error() if adapter is not None else None
 
     try:
         await engine.run(load_and_version, needs_idle=True)
     except Exception as exc:
-        if (torn := engine.weights.torn_error()) is not None:  # paused requests must not resume on it
-            await engine.run(lambda: engine.scheduler.abort(abort_all=True))
+        if (torn := torn_error()) is not None:  # paused requests must not resume on it
+            await engine.run(lambda: engine.scheduler.abort(abort_all=lora_name is None, lora=lora_name, message=f"Abort: {torn}"))
             return control(False, f"{fail.format(exc=exc)} ({torn})", **extra)
         return control(False, fail.format(exc=exc), **extra)
     note = f" Weight version updated to {req.weight_version}." if req.weight_version is not None else ""

@@ -11,6 +11,7 @@ import asyncio
 import re
 import time
 import uuid
+from collections import Counter
 from datetime import timedelta
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -23,6 +24,7 @@ from transformers import AutoTokenizer
 
 from slimish.config import EngineConfig
 from slimish.engine.grammar import GrammarError, Grammars, matcher
+from slimish.engine.lora import Adapter, AdapterError, AdapterRef, LoraManager, read_adapter
 from slimish.engine.metrics import Metrics
 from slimish.engine.profiler import Profiler
 from slimish.engine.runner import Runner, engine_device, load_model, use_device
@@ -53,6 +55,7 @@ class Item:
     rid: str
     wish: LogprobWish
     grammar: Any = None  # the compiled grammar, set by `Engine.check`; each sequence gets its own matcher
+    lora: str | None = None  # a loaded LoRA adapter's name; None: the base model
 
 
 @dataclass
@@ -82,8 +85,12 @@ class Engine:
         if cfg.await_weights:
             self.weights.await_full_push()
         self.profiler = Profiler()
+        self.lora = LoraManager(self.model, cfg) if cfg.enable_lora or cfg.lora_paths else None
+        # Sequences submitted and not finished, per adapter; an adapter is unloaded when it has none.
+        self.adapter_users: Counter[str] = Counter()
+        self.unloading: dict[str, asyncio.Event] = {}
         self.scheduler = Scheduler(
-            Runner(self.model),
+            Runner(self.model, self.lora),
             max_running_requests=cfg.max_running_requests,
             max_prefill_tokens=cfg.max_prefill_tokens,
             on_step=self.profiler.step,
@@ -111,7 +118,7 @@ class Engine:
         prompts = body.prompts()
         if not prompts:
             raise RequestError(f"{'text' if body.text is not None else 'input_ids'}: an empty batch has no prompt to generate from")
-        for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob"):
+        for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "lora_path"):
             value = getattr(body, name)
             per_item = isinstance(value, list) and (name != "token_ids_logprob" or (bool(value) and isinstance(value[0], list)))
             if per_item and len(value) != len(prompts):
@@ -138,7 +145,7 @@ class Engine:
                     rid = body.rid[i] if n == 1 else f"{body.rid[i]}-{j}"
                 else:
                     rid = f"{base}-{i * n + j}" if batch else base
-                items.append(Item(ids, _nth_copy(params[i], j), rid, wish))
+                items.append(Item(ids, _nth_copy(params[i], j), rid, wish, lora=body.per_item("lora_path", i)))
         for item in items:
             self.check(item)
         return items
@@ -174,6 +181,8 @@ class Engine:
     def check(self, item: Item) -> None:
         if (torn := self.weights.torn_error()) is not None:
             raise Unavailable(torn)
+        if item.lora is not None:
+            self.check_adapter(item.lora, "lora_path")
         p, w, n_in, cfg = item.params, item.wish, len(item.input_ids), self.cfg
         try:
             item.grammar = self.grammars.compile(p)  # compiled once per text (xgrammar's cache)
@@ -227,16 +236,20 @@ class Engine:
         queue: asyncio.Queue[Update] = asyncio.Queue()
         interval = max(1, self.cfg.stream_interval)
 
-        def deliver(update: Update) -> None:
-            self.unfinished -= update.finished
-            queue.put_nowait(update)
-
         def emitter(index: int):
             def emit(req: Request, finished: bool) -> None:
                 if finished or (stream and len(req.output_ids) % interval == 0):
                     loop.call_soon_threadsafe(deliver, Update(index, len(req.output_ids), finished))
 
             return emit
+
+        def deliver(update: Update) -> None:
+            self.unfinished -= update.finished
+            if update.finished and (lora := items[update.index].lora) is not None:
+                self.adapter_users[lora] -= 1
+                if not self.adapter_users[lora] and lora in self.unloading:
+                    self.unloading[lora].set()
+            queue.put_nowait(update)
 
         stop_base = set(self.format.end_ids)
         reqs = [
@@ -249,10 +262,12 @@ class Engine:
                 emit=emitter(i),
                 decode_text=self.decode,
                 grammar=matcher(it.grammar),
+                lora=it.lora,
             )
             for i, it in enumerate(items)
         ]
         self.unfinished += len(reqs)
+        self.adapter_users.update(it.lora for it in items if it.lora is not None)
         for r in reqs:
             self.scheduler.submit(r)
         return self._progress(reqs, queue, stream)
@@ -279,6 +294,68 @@ class Engine:
             async for reqs, _ in updates:
                 pass
         return reqs
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+
+    def adapter(self, name: str, field: str) -> Adapter:
+        """The loaded adapter `name`, or a RequestError naming `field`."""
+        if self.lora is None:
+            raise RequestError(f"{field}: {name!r} names a LoRA adapter, but LoRA is not enabled on this engine (--enable-lora)")
+        if name in self.unloading:
+            raise RequestError(f"{field}: lora adapter {name!r} is being unloaded")
+        try:
+            return self.lora.get(name)
+        except AdapterError as exc:
+            raise RequestError(f"{field}: {exc}") from None
+
+    def check_adapter(self, name: str, field: str) -> None:
+        if (torn := self.adapter(name, field).torn_error()) is not None:
+            raise Unavailable(torn)
+
+    def adapter_of_model(self, model: str | None) -> str | None:
+        """The adapter an OpenAI `model` names (`adapter` or SGLang's `base:adapter`); None for the
+        base model. With LoRA off any `model` is the base, as before; with it on, a name that is
+        neither the base nor an adapter is an error, so a typo never samples the base silently."""
+        if self.lora is None or model is None or model == self.served_model_name:
+            return None
+        base, sep, name = model.rpartition(":")
+        if sep and base == self.served_model_name:
+            model = name
+        elif model not in self.lora.adapters:
+            raise RequestError(f"model: {model!r} is neither the served model {self.served_model_name!r} "
+                               f"nor a loaded lora adapter (loaded: {sorted(self.lora.adapters)})")  # fmt: skip
+        self.check_adapter(model, "model")
+        return model
+
+    def version_of(self, req: Request) -> str:
+        """The version a reply reports: the base's, or the adapter's (its last one if unloaded since)."""
+        if req.lora is not None and (self.lora is None or req.lora not in self.lora.adapters):
+            return req.versions[-1] if req.versions else self.scheduler.weight_version
+        return self.scheduler.version_of(req.lora)
+
+    async def load_adapter(self, ref: AdapterRef) -> None:
+        """Read the adapter off the event loop, then add it on the scheduler thread (between steps)."""
+        if self.lora is None:
+            raise AdapterError("LoRA is not enabled on this engine (start it with --enable-lora)")
+        adapter = await asyncio.to_thread(read_adapter, ref, self.lora.dtype, self.lora.device)
+        await self.run(lambda: self.lora.add(adapter))
+
+    async def unload_adapter(self, name: str) -> None:
+        """New requests for it are refused at once; it goes when its last sequence has finished."""
+        if self.lora is None:
+            raise AdapterError("LoRA is not enabled on this engine (start it with --enable-lora)")
+        self.lora.get(name)
+        if name in self.unloading:
+            raise AdapterError(f"lora adapter {name!r} is already being unloaded")
+        done = self.unloading[name] = asyncio.Event()
+        try:
+            if not self.adapter_users[name]:
+                done.set()
+            await done.wait()
+            await self.run(lambda: self.lora.remove(name))
+        finally:
+            del self.unloading[name]
+            self.adapter_users.pop(name, None)
 
     # ---- replies ------------------------------------------------------------------------------
 
@@ -307,7 +384,7 @@ class Engine:
             "completion_tokens": n,
             "cached_tokens": 0,
             "reasoning_tokens": 0,
-            "weight_version": self.scheduler.weight_version,
+            "weight_version": self.version_of(req),
             "weight_versions": _version_spans(req.versions[:n]),
             "num_retractions": req.num_retractions,
         }

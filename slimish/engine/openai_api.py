@@ -82,9 +82,11 @@ def _items(engine: Engine, body: Any, prompts: list[list[int]], params: Sampling
     count = len(prompts) * body.n
     try:
         engine.check_size(count, "n")
+        lora = engine.adapter_of_model(body.model)
     except RequestError as exc:
         raise field_error(str(exc)) from None
-    items = [Item(ids, params, base if count == 1 else f"{base}-{i * body.n + j}", wish) for i, ids in enumerate(prompts) for j in range(body.n)]
+    items = [Item(ids, params, base if count == 1 else f"{base}-{i * body.n + j}", wish, lora=lora)
+             for i, ids in enumerate(prompts) for j in range(body.n)]  # fmt: skip
     for item in items:
         try:
             engine.check(item)
@@ -256,7 +258,7 @@ class _Header:
 
 def _final(engine: Engine, kind: str, body: Any, items: list[Item], choices: list[dict[str, Any]], reqs: list[Sequence]) -> dict[str, Any]:
     header = _Header(engine, kind, body, items)
-    return header(choices, usage=_usage(reqs, body.n), metadata={"weight_version": engine.scheduler.weight_version})
+    return header(choices, usage=_usage(reqs, body.n), metadata={"weight_version": engine.version_of(reqs[0])})
 
 
 # ---- streaming --------------------------------------------------------------------------------

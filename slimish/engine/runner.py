@@ -9,11 +9,15 @@ This is continuous batching on the stock HF model classes, with nothing model-sp
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import ContextManager
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from slimish.engine.lora import LoraManager
 
 
 def engine_device(name: str) -> torch.device:
@@ -102,31 +106,38 @@ class PrefillOutput:
 
 
 class Runner:
-    """Stateless forwards over a model; the scheduler owns the batch."""
+    """Stateless forwards over a model; the scheduler owns the batch. With `lora`, each row is
+    run with its own adapter (None: the base model); the scheduler has given each one a slot."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, lora: LoraManager | None = None) -> None:
         self.model = model
         self.device = model.device
+        self.lora = lora
+
+    def _adapters(self, adapters: list[str | None] | None) -> ContextManager[None]:
+        return self.lora.rows(adapters) if self.lora is not None and adapters is not None else nullcontext()
 
     @torch.inference_mode()
-    def prefill(self, input_ids: list[int], all_logits: bool) -> PrefillOutput:
+    def prefill(self, input_ids: list[int], all_logits: bool, adapter: str | None = None) -> PrefillOutput:
         cache = DynamicCache(config=self.model.config)
         ids = torch.tensor([input_ids], device=self.device)
-        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
+        with self._adapters([adapter]):
+            out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
         return PrefillOutput(cache=cache, logits=out.logits[0].float())
 
     @torch.inference_mode()
-    def decode(self, batch: KVBatch, tokens: list[int]) -> torch.Tensor:
-        """Feed one token per row; returns next-token logits [rows, vocab] in fp32."""
+    def decode(self, batch: KVBatch, tokens: list[int], adapters: list[str | None] | None = None) -> torch.Tensor:
+        """Feed one token per row (row i with `adapters[i]`, all base when None); returns next-token logits [rows, vocab] in fp32."""
         device = self.device
         batch.mask = torch.cat([batch.mask, torch.ones(len(batch), 1, dtype=torch.long, device=device)], dim=1)
-        out = self.model(
-            input_ids=torch.tensor(tokens, device=device).unsqueeze(1),
-            attention_mask=batch.mask,
-            position_ids=torch.tensor(batch.lens, device=device).unsqueeze(1),
-            cache=batch.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self._adapters(adapters):
+            out = self.model(
+                input_ids=torch.tensor(tokens, device=device).unsqueeze(1),
+                attention_mask=batch.mask,
+                position_ids=torch.tensor(batch.lens, device=device).unsqueeze(1),
+                cache=batch.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         batch.lens = [n + 1 for n in batch.lens]
         return out.logits[:, -1, :].float()

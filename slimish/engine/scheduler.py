@@ -70,6 +70,7 @@ class Request:
     finished_at: float | None = None
     generator: torch.Generator | None = None
     grammar: Any = None  # an xgrammar matcher: masks each step, fed each token
+    lora: str | None = None  # the LoRA adapter's name; None: the base model
 
     def __post_init__(self) -> None:
         if self.params.sampling_seed is not None:
@@ -137,8 +138,10 @@ class Scheduler:
 
     # ---- commands (run on the scheduler thread via `call`) ------------------------------------
 
-    def abort(self, rid: str = "", abort_all: bool = False, rids: set[str] = frozenset(), message: str = "Abort by request.") -> int:
-        hit = [r for r in [*self.waiting, *self.running] if abort_all or r.rid == rid or r.rid in rids]
+    def abort(self, rid: str = "", abort_all: bool = False, rids: set[str] = frozenset(), message: str = "Abort by request.",
+              lora: str | None = None) -> int:  # fmt: skip
+        """Abort by id, all, or every request of the adapter named `lora`."""
+        hit = [r for r in [*self.waiting, *self.running] if abort_all or r.rid == rid or r.rid in rids or (lora and r.lora == lora)]
         for r in hit:
             self._finish(r, {"type": "abort", "message": message, "status_code": None, "err_type": None})
         self._drop_finished()
@@ -157,6 +160,10 @@ class Scheduler:
 
     def resume(self) -> None:
         self.paused = None
+
+    def version_of(self, lora: str | None) -> str:
+        """The weight version of the base model, or of the adapter named `lora`."""
+        return self.weight_version if lora is None else self.runner.lora.get(lora).version
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -207,13 +214,16 @@ class Scheduler:
         budget = self.max_prefill_tokens
         joined: list[Request] = []
         self._admitting = joined  # off `waiting`, not yet `running`: a failing step must fail these too
-        caches = []
+        caches, held = [], []
         while self.waiting and len(self.running) + len(joined) < self.max_running:
             req = self.waiting[0]
             cost = len(req.input_ids) + len(req.output_ids)
             if joined and cost > budget:
                 break
             self.waiting.popleft()
+            if not self._adapter_slot(req, joined):
+                held.append(req)
+                continue
             budget -= cost
             joined.append(req)
             cache = self._prefill(req)
@@ -221,17 +231,25 @@ class Scheduler:
                 joined.pop()
             else:
                 caches.append(cache)
+        self.waiting.extendleft(reversed(held))
         if joined:
             self.batch.add(caches, [c.get_seq_length() for c in caches])
             self.running += joined
         self._admitting = []
 
+    def _adapter_slot(self, req: Request, joined: list[Request]) -> bool:
+        """Whether `req`'s adapter has a slot next to the batch's (`--max-loras-per-batch`)."""
+        lora = self.runner.lora
+        if lora is None or req.lora is None:
+            return True
+        return lora.acquire(req.lora, {r.lora for r in [*self.running, *joined] if r.lora is not None})
+
     def _prefill(self, req: Request) -> DynamicCache | None:
         """Prefill one request; its cache if it joins the batch. A retracted one resumes its output."""
         if req.output_ids:  # resuming: the last output token is not in the cache yet
-            return self.runner.prefill(req.input_ids + req.output_ids[:-1], all_logits=False).cache
+            return self.runner.prefill(req.input_ids + req.output_ids[:-1], all_logits=False, adapter=req.lora).cache
         want_input = req.wish.return_logprob and 0 <= req.wish.logprob_start_len < len(req.input_ids)
-        out = self.runner.prefill(req.input_ids, all_logits=want_input)
+        out = self.runner.prefill(req.input_ids, all_logits=want_input, adapter=req.lora)
         if want_input:
             self._input_logprobs(req, out.logits)
         if req.params.max_new_tokens == 0:  # prompt scoring: input logprobs only
@@ -243,7 +261,7 @@ class Scheduler:
 
     def _decode(self) -> None:
         t0 = time.monotonic()
-        logits = self.runner.decode(self.batch, [r.output_ids[-1] for r in self.running])
+        logits = self.runner.decode(self.batch, [r.output_ids[-1] for r in self.running], [r.lora for r in self.running])
         tokens, logprobs = sample(logits, [r.row_state() for r in self.running])
         for i, r in enumerate(self.running):
             self._append(r, tokens[i], logprobs[i])
@@ -261,7 +279,7 @@ class Scheduler:
 
     def _append(self, req: Request, token: int, logprobs: torch.Tensor) -> None:
         req.output_ids.append(token)
-        req.versions.append(self.weight_version)
+        req.versions.append(self.version_of(req.lora))
         if req.grammar is not None:
             req.grammar.accept_token(token)  # the mask allowed it, so the matcher takes it
         w = req.wish

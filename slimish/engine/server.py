@@ -21,6 +21,7 @@ import slimish
 from slimish.config import EngineConfig, add_config_arguments, config_from_args
 from slimish.engine.api_generate import build_generate_router
 from slimish.engine.api_info import build_info_router
+from slimish.engine.api_lora import build_lora_router
 from slimish.engine.api_weights import build_weights_router
 from slimish.engine.engine import Engine, Overloaded, RequestError, Unavailable
 from slimish.engine.http import BadRequest, BodyLimit, BodyTooLarge, error_message
@@ -35,11 +36,14 @@ from slimish.protocol import (
     DetokenizeRequest,
     GenerateReqInput,
     GetWeightsByNameReq,
+    GetWeightVersionReq,
     InitWeightsUpdateGroupReq,
+    LoadLoraAdapterReq,
     MemoryOccupationReq,
     PauseGenerationReq,
     ProfileReq,
     TokenizeRequest,
+    UnloadLoraAdapterReq,
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDistributedReq,
     UpdateWeightVersionReq,
@@ -54,6 +58,7 @@ ADMIN_ROUTES = {
     "/update_weights_from_disk", "/begin_weight_update", "/end_weight_update", "/update_weight_version",
     "/pause_generation", "/continue_generation", "/flush_cache", "/abort_request",
     "/release_memory_occupation", "/resume_memory_occupation", "/start_profile", "/stop_profile",
+    "/load_lora_adapter", "/unload_lora_adapter",
 }  # fmt: skip
 
 
@@ -100,7 +105,9 @@ def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
     async def body_too_large(_: Request, exc: BodyTooLarge) -> JSONResponse:
         return error_message(f"body: over {cfg.max_body_bytes} bytes, this engine's limit (--max-body-bytes)", 413)
 
-    for router in (build_generate_router(engine), build_weights_router(engine), build_info_router(engine, cfg), build_openai_router(engine)):
+    routers = (build_generate_router(engine), build_weights_router(engine), build_lora_router(engine), build_info_router(engine, cfg),
+               build_openai_router(engine))  # fmt: skip
+    for router in routers:
         app.include_router(router)
     document_bodies(app, REQUEST_BODIES)
     return app
@@ -115,6 +122,7 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/get_weights_by_name": GetWeightsByNameReq, "/release_memory_occupation": MemoryOccupationReq,
     "/resume_memory_occupation": MemoryOccupationReq, "/tokenize": TokenizeRequest, "/v1/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest, "/v1/detokenize": DetokenizeRequest, "/start_profile": ProfileReq,
+    "/get_weight_version": GetWeightVersionReq, "/load_lora_adapter": LoadLoraAdapterReq, "/unload_lora_adapter": UnloadLoraAdapterReq,
 }  # fmt: skip
 
 

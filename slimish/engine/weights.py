@@ -17,6 +17,7 @@ does not.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -35,21 +36,34 @@ from slimish.engine.runner import use_device
 from slimish.protocol import InitWeightsUpdateGroupReq, UpdateWeightsFromDistributedReq
 
 
+@dataclass
+class Tensors:
+    """What a push writes into: the model's parameters, or one LoRA adapter's tensors. `canonical`
+    maps each name to the first name of its tensor; `torn` names tensors a failed push left
+    half-written (by canonical name, with why)."""
+
+    params: dict[str, torch.Tensor]
+    what: str  # what one of them is, for errors: "a parameter of this model"
+    torn: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        first: dict[int, str] = {}
+        self.canonical = {name: first.setdefault(id(p), name) for name, p in self.params.items()}
+
+
 class WeightUpdater:
     def __init__(self, model: torch.nn.Module, timeout: timedelta | None = None) -> None:
         # Tied weights appear under every name (lm_head.weight and model.embed_tokens.weight),
         # so a push under either name lands in the one shared tensor.
-        self.params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+        self.model = Tensors(dict(model.named_parameters(remove_duplicate=False)), "a parameter of this model")
+        self.params, self.canonical, self.torn = self.model.params, self.model.canonical, self.model.torn  # the model's, for short
         self.device = next(iter(self.params.values())).device  # receive buffers live there too (NCCL needs it)
-        first: dict[int, str] = {}
-        self.canonical = {name: first.setdefault(id(p), name) for name, p in self.params.items()}
         self.timeout = timeout
         self.groups: dict[str, ProcessGroup] = {}
         # Receive buffers are kept between pushes: allocating fresh memory per receive costs
         # as much as the transfer itself (notes/cpu-runtime.md 2).
         self.recv_buffers: dict[str, torch.Tensor] = {}
         self.bucket_buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
-        self.torn: dict[str, str] = {}  # canonical name -> why it does not hold a whole pushed tensor
 
     # -- groups --------------------------------------------------------------------------
 
@@ -74,22 +88,23 @@ class WeightUpdater:
 
     # -- updates -------------------------------------------------------------------------
 
-    def update_from_distributed(self, req: UpdateWeightsFromDistributedReq) -> None:
-        """Receive `req.names` from rank 0 of `req.group_name` and load them."""
+    def update_from_distributed(self, req: UpdateWeightsFromDistributedReq, target: Tensors | None = None) -> None:
+        """Receive `req.names` from rank 0 of `req.group_name` and load them into `target` (the model's parameters by default)."""
+        target = target or self.model
         group = self.groups.get(req.group_name)
         if group is None:
             raise ValueError(f"group_name {req.group_name!r} is not an initialised weight-update group")
         if not req.names:
             raise ValueError("names is empty")
-        dtypes = self._validate(req.names, req.dtypes, req.shapes)
+        dtypes = self._validate(target, req.names, req.dtypes, req.shapes)
         if req.load_format == "flattened_bucket":
-            self._load(zip(req.names, self._recv_flattened(group, req.names, dtypes, req.shapes)))
+            self._load(target, zip(req.names, self._recv_flattened(group, req.names, dtypes, req.shapes)))
         else:
-            self._recv_each(group, req.names, dtypes, req.shapes)
+            self._recv_each(target, group, req.names, dtypes, req.shapes)
 
     def await_full_push(self) -> None:
         """Count every parameter as missing until an update writes it (`--await-weights`)."""
-        self.torn = dict.fromkeys(self.canonical.values(), "have not been pushed since this engine started (--await-weights)")
+        self.torn.update(dict.fromkeys(self.canonical.values(), "have not been pushed since this engine started (--await-weights)"))
 
     def torn_error(self) -> str | None:
         """Why generating now would use weights that are not whole, or None."""
@@ -113,34 +128,35 @@ class WeightUpdater:
                     raise ValueError(f"model_path {model_path!r}: {name!r} appears in more than one file")
                 state[name] = tensor
         self._check_checkpoint(model_path, state)
-        self._load(state.items())
+        self._load(self.model, state.items())
         self.torn.clear()  # the checkpoint covers every parameter
 
-    def get_weights_by_name(self, name: str, truncate_size: int) -> list:
+    def get_weights_by_name(self, name: str, truncate_size: int, target: Tensors | None = None) -> list:
         """The first `truncate_size` rows of a parameter as float32 nested lists (as SGLang)."""
-        if name not in self.params:
-            raise ValueError(f"name {name!r} is not a parameter of this model")
-        return self.params[name].detach()[:truncate_size].to(torch.float32).tolist()
+        target = target or self.model
+        if name not in target.params:
+            raise ValueError(f"name {name!r} is not {target.what}")
+        return target.params[name].detach()[:truncate_size].to(torch.float32).tolist()
 
     # -- internals -----------------------------------------------------------------------
 
-    def _validate(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[torch.dtype]:
+    def _validate(self, target: Tensors, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[torch.dtype]:
         resolved, seen = [], set()
         for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes, strict=True)):
-            if name not in self.params:
-                raise ValueError(f"names[{i}]: {name!r} is not a parameter of this model")
+            if name not in target.params:
+                raise ValueError(f"names[{i}]: {name!r} is not {target.what}")
             if name in seen:
                 raise ValueError(f"names[{i}]: {name!r} is listed twice")
             seen.add(name)
-            self._check_shape(f"shapes[{i}]", name, shape)
+            self._check_shape(target, f"shapes[{i}]", name, shape)
             try:
                 resolved.append(parse_dtype(dtype))
             except ValueError as e:
                 raise ValueError(f"dtypes[{i}] for {name!r}: {e}") from None
         return resolved
 
-    def _check_shape(self, field: str, name: str, shape: Sequence[int]) -> None:
-        expected = list(self.params[name].shape)
+    def _check_shape(self, target: Tensors, field: str, name: str, shape: Sequence[int]) -> None:
+        expected = list(target.params[name].shape)
         if list(shape) != expected:
             raise ValueError(f"{field}: {list(shape)} for {name!r} does not match the parameter's shape {expected}")
 
@@ -155,18 +171,19 @@ class WeightUpdater:
         if missing:
             raise ValueError(f"model_path {model_path!r}: parameters missing from the checkpoint: {missing[:5]}")
         for name, tensor in state.items():
-            self._check_shape(f"model_path {model_path!r}", name, tensor.shape)
+            self._check_shape(self.model, f"model_path {model_path!r}", name, tensor.shape)
 
-    def _recv_each(self, group: ProcessGroup, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> None:
+    def _recv_each(self, target: Tensors, group: ProcessGroup, names: Sequence[str], dtypes: Sequence[torch.dtype],
+                   shapes: Sequence[Sequence[int]]) -> None:  # fmt: skip
         """Receive into the parameters themselves where the dtypes agree, else into kept buffers
         that are copied in once everything arrived."""
         targets, in_place, converted = [], [], []
         for name, dtype, shape in zip(names, dtypes, shapes):
-            param = self.params[name].data
+            param = target.params[name].data
             # A tied tensor sent under both names is received once in place, once into a buffer.
-            if param.dtype == dtype and param.is_contiguous() and self.canonical[name] not in in_place:
+            if param.dtype == dtype and param.is_contiguous() and target.canonical[name] not in in_place:
                 targets.append(param)
-                in_place.append(self.canonical[name])
+                in_place.append(target.canonical[name])
                 continue
             buf = self.recv_buffers.get(name)
             if buf is None or buf.dtype != dtype or list(buf.shape) != list(shape):
@@ -179,11 +196,11 @@ class WeightUpdater:
             for work in works:
                 work.wait()
         except Exception as exc:
-            self.torn.update(dict.fromkeys(in_place, f"were half-received when a broadcast failed ({exc})"))
+            target.torn.update(dict.fromkeys(in_place, f"were half-received when a broadcast failed ({exc})"))
             raise
         for name in in_place:
-            self.torn.pop(name, None)
-        self._load(converted)
+            target.torn.pop(name, None)
+        self._load(target, converted)
 
     def _recv_flattened(self, group: ProcessGroup, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         ranges = flattened_layout(names, dtypes, shapes)
@@ -195,7 +212,7 @@ class WeightUpdater:
         return [flat[start:end].view(dtype).view(shape) for (start, end), dtype, shape in zip(ranges, dtypes, shapes)]
 
     @torch.no_grad()
-    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _load(self, target: Tensors, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named_tensors:
-            self.params[name].copy_(tensor)
-            self.torn.pop(self.canonical[name], None)
+            target.params[name].copy_(tensor)
+            target.torn.pop(target.canonical[name], None)
