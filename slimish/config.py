@@ -91,6 +91,8 @@ class EngineConfig:
         at_least(1, self, "", "max_running_requests", "max_prefill_tokens", "max_body_bytes", "retry_after_s", "max_prompt_tokens", "max_new_tokens_cap",
                  "max_loras_per_batch", "max_lora_rank")  # fmt: skip
         at_least(0, self, "", "max_queued_requests")
+        if self.enable_lora and not self.lora_paths and self.max_lora_rank is None:
+            raise ValueError("max_lora_rank (--max-lora-rank) is required with enable_lora when no lora_paths adapter gives the rank to reserve")
         if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
             raise ValueError(f"max_loaded_loras ({self.max_loaded_loras}) must be >= max_loras_per_batch ({self.max_loras_per_batch})")
         if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):

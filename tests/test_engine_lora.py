@@ -182,6 +182,9 @@ def test_bad_adapter_requests_are_refused_naming_the_field(lora_engine, tiny_mod
 
     assert "already loaded" in load("a1", adapter_dirs["a1"])
     assert "expected a PEFT adapter directory" in load("x", tmp_path)
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    assert "cannot read it (KeyError: 'r')" in load("x", tmp_path)
     big = make_adapter(tiny_model_dir, tmp_path / "big", 9, 16, 16, ["q_proj"], False)
     assert "rank 16 is over this engine's 8 (--max-lora-rank)" in load("big", big)
     r = post(lora_engine, "/load_lora_adapter", {"lora_name": "x"})
@@ -216,6 +219,8 @@ def test_slots_are_reused_least_recently_used_never_from_a_running_row(tiny_mode
     assert not lora.acquire("a2", busy={"a3"})
     with pytest.raises(AdapterError, match="pinned adapters must leave one of the 2 slots free"):
         lora.add(read_adapter(AdapterRef("p2", str(adapter_dirs["a3"]), pinned=True), torch.float32, model.device))
+    with pytest.raises(ValueError, match=r"max_lora_rank \(--max-lora-rank\) is required"):
+        EngineConfig(model=str(tiny_model_dir), enable_lora=True)
 
 
 # -- adapter pushes by broadcast --------------------------------------------------------------------

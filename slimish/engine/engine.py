@@ -355,7 +355,6 @@ class Engine:
             await self.run(lambda: self.lora.remove(name))
         finally:
             del self.unloading[name]
-            self.adapter_users.pop(name, None)
 
     # ---- replies ------------------------------------------------------------------------------
 

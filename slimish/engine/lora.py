@@ -104,7 +104,12 @@ def read_adapter(ref: AdapterRef, dtype: torch.dtype, device: torch.device) -> A
     root = Path(ref.path)
     if not (root / CONFIG_FILE).is_file() or not (root / WEIGHTS_FILE).is_file():
         raise AdapterError(f"{where}: expected a PEFT adapter directory with {CONFIG_FILE} and {WEIGHTS_FILE}")
-    cfg = json.loads((root / CONFIG_FILE).read_text())
+    try:
+        cfg = json.loads((root / CONFIG_FILE).read_text())
+        rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+        tensors = {name: t.to(dtype=dtype, device=device).contiguous() for name, t in load_file(root / WEIGHTS_FILE).items()}
+    except Exception as exc:  # unreadable JSON, no `r`, a broken safetensors file: name the adapter and the cause
+        raise AdapterError(f"{where}: cannot read it ({type(exc).__name__}: {exc})") from None
     if cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{where}: peft_type is {cfg['peft_type']!r}; only LORA is served")
     unsupported = {"use_dora": False, "fan_in_fan_out": False, "lora_bias": False, "bias": "none", "modules_to_save": None,
@@ -112,9 +117,7 @@ def read_adapter(ref: AdapterRef, dtype: torch.dtype, device: torch.device) -> A
     for key, plain in unsupported.items():
         if cfg.get(key) not in (None, plain):
             raise AdapterError(f"{where}: {key}={cfg[key]!r} is not served by this engine (expected {plain!r})")
-    rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
     scaling = alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
-    tensors = {name: t.to(dtype=dtype, device=device).contiguous() for name, t in load_file(root / WEIGHTS_FILE).items()}
     adapter = Adapter(ref.name, ref.path, rank, scaling, tensors, ref.pinned)
     try:
         pairs = adapter.modules()
@@ -175,10 +178,7 @@ class LoraManager:
         if unknown := targets - set(kinds) - {ALL_TARGETS}:
             raise AdapterError(f"lora_target_modules: {sorted(unknown)} are not linear layers of this model; it has {kinds} (or all)")
         self.targets = kinds if ALL_TARGETS in targets else sorted(targets)
-        ranks = [a.rank for a in initial]
-        if cfg.max_lora_rank is None and not ranks:
-            raise AdapterError("max_lora_rank: set --max-lora-rank when no --lora-paths adapter gives the rank to reserve")
-        self.rank = cfg.max_lora_rank or max(ranks)
+        self.rank = cfg.max_lora_rank or max(a.rank for a in initial)  # the config requires one of them
         self._rows = _Rows()
         self.linears = {name: LoraLinear(m, self.max_slots + 1, self.rank, self._rows)
                         for name, m in linears.items() if name.split(".")[-1] in self.targets}  # fmt: skip

@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 from slimish.config import RouterConfig, add_config_arguments, config_from_args
 from slimish.protocol import ROUTING_KEY_HEADER, ChatCompletionRequest, CompletionRequest, GenerateReqInput
 from slimish.router.gate import apply_cap, check_key, check_prompt_length, parse_object, prompt_of, read_body
+from slimish.router.lora import adapters_of, lora_routes
 from slimish.router.metrics import RouterMetrics
 from slimish.router.policy import RouteInfo, make_policy
 from slimish.router.proxy import Proxy, RouterError, error_response
@@ -40,8 +41,8 @@ ENGINE_ADMIN = {
     **dict.fromkeys(("/pause_generation", "/continue_generation", "/abort_request", "/init_weights_update_group",
                      "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weights_from_disk",
                      "/begin_weight_update", "/end_weight_update", "/update_weight_version"), ("POST",)),
-    **dict.fromkeys(("/flush_cache", "/get_weights_by_name", "/release_memory_occupation", "/resume_memory_occupation",
-                     "/start_profile", "/stop_profile"), ("GET", "POST")),
+    **dict.fromkeys(("/flush_cache", "/get_weights_by_name", "/get_weight_version", "/release_memory_occupation",
+                     "/resume_memory_occupation", "/start_profile", "/stop_profile"), ("GET", "POST")),
 }  # fmt: skip
 
 
@@ -86,11 +87,13 @@ def create_app(cfg: RouterConfig) -> "_HotPaths":
 
     _registry_routes(app, cfg, workers, admin)
     _engine_admin_routes(app, cfg, workers, proxy, admin)
+    lora_routes(app, cfg, workers, proxy, admin)
     _health_routes(app, workers, metrics)
-    return _HotPaths(app, _serving_routes(cfg, proxy, policy, metrics), cfg, metrics)
+    return _HotPaths(app, _serving_routes(cfg, proxy, policy, metrics, workers), cfg, metrics)
 
 
-def _serving_routes(cfg: RouterConfig, proxy: Proxy, policy: Any, metrics: RouterMetrics) -> dict[str, tuple[Callable, tuple[str, ...]]]:
+def _serving_routes(cfg: RouterConfig, proxy: Proxy, policy: Any, metrics: RouterMetrics,
+                    workers: WorkerRegistry) -> dict[str, tuple[Callable, tuple[str, ...]]]:  # fmt: skip
     """The hot paths: each forwarded to a worker chosen by the policy."""
 
     def serve_post(route: str) -> Callable:
@@ -108,7 +111,7 @@ def _serving_routes(cfg: RouterConfig, proxy: Proxy, policy: Any, metrics: Route
                 headers = {"content-type": "application/json"}
                 if routing_key is not None:
                     headers[ROUTING_KEY_HEADER] = routing_key
-                info = RouteInfo(prompt_of(route, payload) if policy.needs_prompt else None, routing_key)
+                info = RouteInfo(prompt_of(route, payload) if policy.needs_prompt else None, routing_key, adapters_of(route, payload, workers.all()))
                 stream = payload.get("stream") is True
                 return await proxy.forward(route, started, request.method, route, body, headers, info, stream)
             except RouterError as exc:

@@ -16,10 +16,12 @@ from slimish.router.workers import Worker
 
 @dataclass(frozen=True)
 class RouteInfo:
-    """What a policy may use: the prompt (text, or token ids) and the session routing key."""
+    """What a policy may use: the prompt (text, or token ids) and the session routing key; and the
+    LoRA adapters the request needs (the proxy offers only workers that hold them)."""
 
     prompt: str | list[int] | None = None
     routing_key: str | None = None
+    adapters: frozenset[str] = frozenset()
 
 
 class Policy(Protocol):

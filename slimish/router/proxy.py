@@ -43,6 +43,20 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status, headers=headers)
 
 
+def holders(healthy: list[Worker], everyone: list[Worker], adapters: frozenset[str]) -> list[Worker]:
+    """The healthy workers that hold every adapter of a request; a RouterError naming what is missing."""
+    able = [w for w in healthy if adapters <= w.adapters]
+    if able:
+        return able
+    for name in sorted(adapters):
+        held_by = [w.url for w in everyone if name in w.adapters]
+        if not held_by:
+            raise RouterError(400, f"lora adapter {name!r} is not loaded on any worker; load it with POST /load_lora_adapter")
+        if not any(name in w.adapters for w in healthy):
+            raise RouterError(503, f"lora adapter {name!r} is held only by unhealthy workers ({', '.join(held_by)})")
+    raise RouterError(400, f"no healthy worker holds all of the lora adapters {sorted(adapters)}; a batch must name adapters one worker holds")
+
+
 class _Retry(Exception):
     """This attempt failed in a way another worker may not: try again if attempts are left.
     `retry_after` is set when the worker was full (503 with Retry-After)."""
@@ -74,6 +88,8 @@ class Proxy:
         healthy = self.workers.healthy()
         if not healthy:
             raise RouterError(503, self._no_worker_message())
+        if info.adapters:
+            healthy = holders(healthy, self.workers.all(), info.adapters)
         fresh = [w for w in healthy if w not in tried]
         return self.policy.pick(fresh or healthy, info)
 

@@ -41,6 +41,7 @@ class Worker:
     failures: int = 0  # consecutive failed health checks
     last_error: str = "not checked yet"
     metadata: dict[str, Any] = field(default_factory=dict)
+    adapters: set[str] = field(default_factory=set)  # LoRA adapters it holds (slimish/router/lora.py)
 
     def as_dict(self) -> dict[str, Any]:
         """The entry shape of sglang-router 0.3.x `GET /workers`."""
@@ -57,6 +58,7 @@ class Worker:
             "metadata": {k: self.metadata.get(k) for k in ("dp_size", "tp_size", "model_path")},
             "disable_health_check": False,
             "last_error": None if self.healthy else self.last_error,
+            "lora_adapters": sorted(self.adapters),
         }
 
 
@@ -124,7 +126,9 @@ class WorkerRegistry:
             if not worker.healthy:
                 log.info("worker %s is healthy", worker.url)
                 if not worker.metadata:
-                    worker.metadata = await self._server_info(worker)
+                    worker.metadata = await self._get_json(worker, "/server_info")
+                models = (await self._get_json(worker, "/v1/models")).get("data")  # back from a restart, it may hold none
+                worker.adapters = {m.get("id") for m in models or [] if isinstance(m, dict) and m.get("parent") is not None}
             worker.healthy, worker.failures = True, 0
             return True
         worker.failures += 1
@@ -147,11 +151,12 @@ class WorkerRegistry:
             for task in list(self._pending):
                 task.cancel()
 
-    async def _server_info(self, worker: Worker) -> dict[str, Any]:
-        """dp/tp size and model path for `GET /workers`; optional, as not every engine has it."""
+    async def _get_json(self, worker: Worker, path: str) -> dict[str, Any]:
+        """`/server_info` (dp/tp size and model path for `GET /workers`) or `/v1/models` (adapters);
+        optional, as not every engine has them: {} then."""
         assert self._session is not None
         try:
-            async with self._session.get(worker.url + "/server_info", timeout=self._timeout) as resp:
+            async with self._session.get(worker.url + path, timeout=self._timeout) as resp:
                 info = await resp.json() if resp.status == 200 else {}
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return {}
