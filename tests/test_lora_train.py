@@ -36,8 +36,8 @@ def lora_pool(model: Path, factory, rank: int = 4, modules: list[str] = MODULES)
     """One engine serving LoRA adapters (up to `rank`, on `modules`) and the router in front of
     it: (engine URL, router URL)."""
     flags = {"enable_lora": "true", "max_lora_rank": rank, "lora_target_modules": modules}
-    with running_engines(model, factory, n=1, **flags) as (engine,):
-        yield engine.url, engine.url  # TODO router part of lora-engine
+    with running_engines(model, factory, n=1, **flags) as (engine,), running_router(worker_urls=[engine.url]) as router:
+        yield engine.url, router
 
 
 def served(url: str, tensors: dict[str, torch.Tensor], adapter: str) -> dict[str, torch.Tensor]:
