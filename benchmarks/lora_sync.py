@@ -5,9 +5,10 @@ The `small` model (llama, ~30M parameters, fp32) under a rank-8 PEFT adapter on 
 `--enable-lora`, two ways, by the same `WeightSync` code the trainer runs: the full push
 (every base parameter, `/update_weights_from_distributed`) and the adapter push (`push_adapter`:
 the adapter's tensors alone, `lora_name` set; its first push also saves and loads the adapter
-directory, and is the warm-up). Rounds alternate full and adapter after one warm-up of each;
-medians are printed, then the adapter's share of the full push's bytes and seconds. Target:
-bytes <= 2% of the full push's.
+directory, and is the warm-up; an adapter always travels as one flattened buffer, the full push
+as `weight_sync.flattened` says: per tensor by default, flattened with `--flattened`). Rounds
+alternate full and adapter after one warm-up of each; medians are printed, then the adapter's
+share of the full push's bytes and seconds. Target: bytes <= 2% of the full push's.
 
     .venv/bin/python benchmarks/lora_sync.py               # ~1 min
     .venv/bin/python benchmarks/lora_sync.py --rounds 2    # smoke run
@@ -41,6 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds of each push (after a warm-up)")
+    parser.add_argument("--flattened", action="store_true", help="weight_sync.flattened for the full push too")
     parser.add_argument("--model-cache", type=Path, default=Path("runs/bench-models"))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -63,7 +65,7 @@ def main() -> None:
     try:
         start_all([engine], 300)
         router = router_process(LaunchConfig(), [engine.url], logs).start(60)
-        cfg = WeightSyncConfig(timeout_s=600)
+        cfg = WeightSyncConfig(timeout_s=600, flattened=args.flattened)
         with WeightSync(cfg, [engine.url]) as full_sync, WeightSync(cfg, [engine.url], adapter=ADAPTER, router_url=router.url) as lora_sync:
             fulls, adapters = [], []
             for r in range(args.rounds + 1):  # round 0 is the warm-up (and the adapter's load)
@@ -79,7 +81,8 @@ def main() -> None:
         rows.append((name, pushes[0]["bytes"], statistics.median(p["seconds"] for p in pushes),
                      statistics.median(p["seconds_transfer"] for p in pushes)))  # fmt: skip
     print(f"\n{sum(t.numel() for _, t in full) / 1e6:.1f}M base parameters, {sum(t.numel() for t in tensors.values()) / 1e6:.3f}M "
-          f"adapter parameters ({len(tensors)} tensors), fp32, 1 engine, medians of {args.rounds} rounds\n")  # fmt: skip
+          f"adapter parameters ({len(tensors)} tensors), fp32, 1 engine, full push {'flattened' if args.flattened else 'per tensor'}, "
+          f"medians of {args.rounds} rounds\n")  # fmt: skip
     print("| push | MB | push s | buckets s |")
     print("|---|---|---|---|")
     for name, nbytes, whole, transfer in rows:

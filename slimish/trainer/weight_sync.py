@@ -14,7 +14,7 @@ With `trainer.lora` (`push_adapter`) only the run's adapter travels, never the b
 first push saves it as a PEFT adapter directory and creates it on every engine with
 `/load_lora_adapter` through the router (which fans out; an adapter of that name left loaded by
 an earlier incarnation of the run is unloaded first), then broadcasts it with `lora_name`, which
-versions that adapter alone; later pushes only broadcast. `transport: disk` saves the directory
+versions that adapter alone (always as flattened buckets); later pushes only broadcast. `transport: disk` saves the directory
 and unloads and loads it every push. Runs that share engines each push their own adapter over
 their own group (`group_name` gets the adapter's name), and adapter pushes open no weight-update
 session: an engine has one, and another run's push may hold it.
@@ -293,19 +293,22 @@ class WeightSync:
             pass
 
     def _push_buckets(self, named: list[tuple[str, torch.Tensor]], version: str, lora_name: str | None = None) -> tuple[int, int]:
-        buckets = plan_buckets(named, self.cfg.bucket_mb, self.wire_dtype, self.cfg.flattened)
-        payload = self._pack(buckets[0], 0)
+        """An adapter always goes flattened: it is many small tensors (4 per adapted module), and
+        one broadcast each costs about a millisecond whatever its size (benchmarks/lora_sync.py)."""
+        flattened = self.cfg.flattened or lora_name is not None
+        buckets = plan_buckets(named, self.cfg.bucket_mb, self.wire_dtype, flattened)
+        payload = self._pack(buckets[0], 0, flattened)
         for k, bucket in enumerate(buckets):
             req = UpdateWeightsFromDistributedReq(
                 names=bucket.names, dtypes=[dtype_name(d) for d in bucket.dtypes],
                 shapes=[list(t.shape) for t in bucket.tensors], group_name=self.group_name,
-                load_format="flattened_bucket" if self.cfg.flattened else None,
+                load_format="flattened_bucket" if flattened else None,
                 weight_version=version if k == len(buckets) - 1 else None, lora_name=lora_name,
             )  # fmt: skip
             replies = self._start(lambda c, r: c.update_weights_from_distributed(r), [req] * len(self.clients))
             works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in payload]
             if k + 1 < len(buckets):  # overlaps the engines' receive and load of this bucket
-                payload = self._pack(buckets[k + 1], (k + 1) % 2)
+                payload = self._pack(buckets[k + 1], (k + 1) % 2, flattened)
             # Replies come after the engines received everything, so waiting on them first
             # turns an engine's refusal into an error here instead of a broadcast that hangs.
             self._check(self._wait(replies), f"/update_weights_from_distributed (bucket {k + 1}/{len(buckets)})")
@@ -313,9 +316,9 @@ class WeightSync:
                 work.wait()
         return sum(b.nbytes for b in buckets), len(buckets)
 
-    def _pack(self, bucket: Bucket, slot: int) -> list[torch.Tensor]:
+    def _pack(self, bucket: Bucket, slot: int, flattened: bool) -> list[torch.Tensor]:
         """The tensors to broadcast for `bucket`, from reused buffers where a copy is needed."""
-        if self.cfg.flattened:
+        if flattened:
             shapes = [t.shape for t in bucket.tensors]
             ranges = flattened_layout(bucket.names, bucket.dtypes, shapes)
             device = bucket.tensors[0].device
