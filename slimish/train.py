@@ -122,7 +122,7 @@ class Driver:
         """Every engine serves `version` after this. An engine of ours that died (the router has
         routed around it since) is started again first and joins a new weight-update group:
         it serves nothing until this push has set all its weights."""
-        restarted = self.servers.restart_dead(self.cfg.launch.start_timeout)
+        restarted = self.servers.restart_dead(self.cfg.launch.start_timeout, await_weights=not self.cfg.trainer.lora.enabled)
         if restarted:
             self.run_log.message(f"engines {', '.join(restarted)} had exited: restarted, they serve from version {version} on")
             self.sync.close()

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, quickstart_argv, run_quickstart, running_engines, running_router
+from conftest import ROOT, assert_run_survives_an_engine_kill, quickstart_argv, run_quickstart, running_engines, running_router
 from safetensors.torch import load_file
+from test_train_faults import SIGKILL_A_CHILD_ENGINE
 from test_trainer_torch import config, make_groups, with_rollout_logprobs
 
 from slimish.client import Client
@@ -116,6 +117,14 @@ def test_disk_fallback_reloads_the_saved_adapter_and_needs_a_versioned_load(tiny
         tensors = trainer.adapter_tensors()
         got = served(engine, tensors, "d")
         assert all(torch.equal(got[k], tensors[k]) for k in tensors)
+
+
+def test_an_engine_killed_mid_rollout_comes_back_and_gets_the_adapter(tmp_path: Path) -> None:
+    """A LoRA run's engine killed mid-rollout: the router retries its adapter requests on the
+    other engine, the run restarts it (serving its own base, which a LoRA run never pushes, so
+    without --await-weights) and the next push loads the adapter there: step 4 samples the
+    adapter pushed after step 3 on both engines, every prompt trained once."""
+    assert_run_survives_an_engine_kill(tmp_path, SIGKILL_A_CHILD_ENGINE, *LORA[:4])
 
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # configs/quickstart_lora.yaml's

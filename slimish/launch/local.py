@@ -82,13 +82,17 @@ class Servers:
     engine_urls: list[str]
     engines: list[ServerProcess] = field(default_factory=list)
 
-    def restart_dead(self, timeout: float) -> list[str]:
+    def restart_dead(self, timeout: float, await_weights: bool = True) -> list[str]:
         """Start again, on the same port, every engine of ours that exited; returns their URLs.
         Built-in ones come back with `--await-weights`: the router sees them unhealthy, and they
-        serve nothing, until the trainer's next push has set every parameter."""
+        serve nothing, until the trainer's next push has set every parameter. Not for a LoRA run
+        (`await_weights=False`): its base is never pushed, the engine's checkpoint is right, and
+        the router sends adapter requests only to engines that hold the adapter (the next push
+        loads it)."""
         dead = [e for e in self.engines if e.proc is not None and e.proc.poll() is not None]
         for engine in dead:
-            await_weights_on_relaunch(engine)
+            if await_weights:
+                await_weights_on_relaunch(engine)
             engine.launch()
         for engine in dead:
             engine.wait_healthy(timeout)

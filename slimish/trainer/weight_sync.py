@@ -12,12 +12,13 @@ the directory).
 
 With `trainer.lora` (`push_adapter`) only the run's adapter travels, never the base weights. The
 first push saves it as a PEFT adapter directory and creates it on every engine with
-`/load_lora_adapter` through the router (which fans out; an adapter of that name left loaded by
-an earlier incarnation of the run is unloaded first), then broadcasts it with `lora_name`, which
-versions that adapter alone (always as flattened buckets); later pushes only broadcast. `transport: disk` saves the directory
-and unloads and loads it every push. Runs that share engines each push their own adapter over
-their own group (`group_name` gets the adapter's name), and adapter pushes open no weight-update
-session: an engine has one, and another run's push may hold it.
+`/load_lora_adapter` through the router (which fans out, and so learns where it is; an adapter of
+that name left loaded by an earlier incarnation of the run is unloaded first), then broadcasts it
+with `lora_name`, which versions that adapter alone; later pushes only broadcast (always as
+flattened buckets). `transport: disk` saves the directory and unloads and loads it every push.
+Runs that share engines each push their own adapter over their own group (`group_name` gets the
+adapter's name), and adapter pushes open no weight-update session: an engine has one, and
+another run's push may hold it.
 
 The trainer is sync code; the HTTP side is the async `Client`, run on a private event-loop
 thread so that the calls to all engines are in flight together while this thread broadcasts.
@@ -112,6 +113,12 @@ def plan_buckets(
         nbytes = sum(t.numel() * dtype.itemsize for _, t, dtype in g)
         buckets.append(Bucket([x[0] for x in g], [x[1] for x in g], [x[2] for x in g], nbytes))
     return buckets
+
+
+def timings(seconds: float, transfer: float, nbytes: int, buckets: int) -> dict[str, float]:
+    """What a push returns (`WeightSync.push`)."""
+    return {"seconds": seconds, "seconds_transfer": transfer, "bytes": float(nbytes),
+            "gb_per_s": nbytes / transfer / 1e9 if transfer > 0 else 0.0, "buckets": float(buckets)}  # fmt: skip
 
 
 class WeightSync:
@@ -217,26 +224,24 @@ class WeightSync:
         if self.adapter is None:
             raise WeightSyncError("push_adapter: this WeightSync was made without an adapter name")
         named = [(name, t.detach()) for name, t in tensors.items()]
-
-        def send() -> tuple[int, int]:
-            if self.cfg.transport == "disk" or not self._adapter_loaded:
-                disk = self.cfg.transport == "disk"
-                path = write_adapter_dir(self._disk_dir() / f"{self.adapter}-{version}", config, tensors)
-                nbytes = self._load_adapter(path, version if disk else None)
-                if disk:
-                    return nbytes, 1
-            return self._push_buckets(named, version, lora_name=self.adapter)
-
-        return self._push(named, send)
+        disk = self.cfg.transport == "disk"
+        self._check_group()  # before the adapter is loaded for a broadcast that could not follow
+        if disk or not self._adapter_loaded:
+            # Not paused: the unload waits for the adapter's running requests, which a pause would
+            # hold forever; it refuses new ones meanwhile, so none sees a half-loaded adapter.
+            started = time.perf_counter()
+            path = write_adapter_dir(self._disk_dir() / f"{self.adapter}-{version}", config, tensors)
+            nbytes = self._load_adapter(path, version if disk else None)
+            if disk:
+                seconds = time.perf_counter() - started
+                return timings(seconds, seconds, nbytes, 1)
+        return self._push(named, lambda: self._push_buckets(named, version, lora_name=self.adapter))
 
     def _push(self, named: list[tuple[str, torch.Tensor]], send: Callable[[], tuple[int, int]]) -> dict[str, float]:
         """A push of `named` by `send` (its wire bytes and buckets) between pause and continue."""
         if not named:
             raise ValueError("push: no tensors")
-        if self.cfg.transport == "distributed" and self.group is None:
-            raise WeightSyncError("push before connect(): the weight-update group does not exist")
-        if self.broken:
-            raise WeightSyncError(f"an earlier push failed mid-broadcast ({self.broken}); the group is unusable, reconnect")
+        self._check_group()
         started = time.perf_counter()
         sending = False
         try:
@@ -252,8 +257,13 @@ class WeightSync:
             raise
         finally:
             self._finish()
-        return {"seconds": time.perf_counter() - started, "seconds_transfer": transfer, "bytes": float(nbytes),
-                "gb_per_s": nbytes / transfer / 1e9 if transfer > 0 else 0.0, "buckets": float(buckets)}  # fmt: skip
+        return timings(time.perf_counter() - started, transfer, nbytes, buckets)
+
+    def _check_group(self) -> None:
+        if self.cfg.transport == "distributed" and self.group is None:
+            raise WeightSyncError("push before connect(): the weight-update group does not exist")
+        if self.broken:
+            raise WeightSyncError(f"an earlier push failed mid-broadcast ({self.broken}); the group is unusable, reconnect")
 
     def _prepare(self) -> None:
         """Pause generation and open a weight-update session, both at once on every engine; the
