@@ -597,6 +597,41 @@ TRANSPORTS = ("distributed", "disk")
 PAUSE_MODES = ("abort", "retract", "in_place", "drain")
 
 
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA (`peft`) on the torch backend: only the adapter trains and only the adapter is pushed;
+    the engines serve it by name beside the base (and beside other runs' adapters)."""
+
+    enabled: bool = False
+    rank: int = 8
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    # Applied in the gradient passes only (SFT and RL updates): log-probs, old and reference, are
+    # always taken without it, as the engines sample.
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # The adapter's name on the engines (`lora_path` of every generate call of the run). Runs that
+    # share engines (launch.router_url) need different names.
+    name: str = "policy"
+    export_merged: bool = False  # also write merged HF weights at the end (RUN_DIR/hf/merged), beside the adapter
+
+    def __post_init__(self) -> None:
+        at_least(1, self, "trainer.lora.", "rank")
+        if self.alpha <= 0 or not 0 <= self.dropout < 1:
+            raise ValueError(f"trainer.lora.alpha must be > 0 and dropout in [0, 1), got {self.alpha}, {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("trainer.lora.target_modules must name at least one module (e.g. q_proj v_proj)")
+        if not LORA_NAME.fullmatch(self.name):
+            raise ValueError(f"trainer.lora.name must be letters, digits, '.', '_' or '-' (it is a URL and directory part), got {self.name!r}")
+
+    @property
+    def adapter(self) -> str | None:
+        """The adapter name generate calls carry; None without LoRA (the base model)."""
+        return self.name if self.enabled else None
+
+
 @dataclass
 class TrainerConfig:
     """The policy's optimiser and batching (slimish/trainer/base.py and the backends beside it)."""
@@ -629,9 +664,12 @@ class TrainerConfig:
     cpu_threads: int = 0
     ref_model: str | None = None  # None with kl_coef > 0: a frozen copy of the policy at its first RL step
     seed: int | None = None  # model initialisation (Megatron); None: the run's seed
+    lora: LoraConfig = field(default_factory=LoraConfig)  # off by default: full fine-tuning
 
     def __post_init__(self) -> None:
         one_of("trainer.backend", self.backend, ("torch", "megatron"))
+        if self.lora.enabled and self.backend != "torch":
+            raise ValueError(f"trainer.lora needs trainer.backend=torch, got {self.backend!r}: the Megatron backend trains every weight")
         if self.backend == "torch" and (self.tp, self.pp) != (1, 1):
             raise ValueError(f"trainer.tp and trainer.pp need trainer.backend=megatron, got tp={self.tp}, pp={self.pp}")
         one_of("trainer.megatron_spec", self.megatron_spec, ("local", "te"))
@@ -820,6 +858,9 @@ class RunConfig:
         if self.algorithm.advantage == "gae" and self.trainer.backend != "torch":
             raise ValueError(f"algorithm.advantage=gae (PPO with a critic) needs trainer.backend=torch, got {self.trainer.backend!r}: "
                              "the Megatron backend has no value model")  # fmt: skip
+        if self.algorithm.advantage == "gae" and self.trainer.lora.enabled:
+            raise ValueError("algorithm.advantage=gae with trainer.lora: the critic would be a second full model trained in full, "
+                             "which LoRA is meant to avoid; use a reward-only advantage (e.g. grpo) with LoRA")  # fmt: skip
         for section in (self.data, self.trainer):
             if section.seed is None:
                 section.seed = self.seed

@@ -35,7 +35,7 @@ import transformers
 
 from slimish.buffer import Buffer, Staleness
 from slimish.config import RunConfig, document_run_config, load_run_config
-from slimish.launch import Servers, check_push_targets, start_servers, teacher_servers
+from slimish.launch import Servers, check_push_targets, lora_launch, start_servers, teacher_servers
 from slimish.loop_thread import LoopThread
 from slimish.metrics import RunLog
 from slimish.rollout.api import RolloutRuntime
@@ -97,7 +97,8 @@ class Driver:
     def _weight_sync(self) -> WeightSync:
         """The push into the policy's engines, and only theirs (never the teacher's)."""
         check_push_targets(self.servers.engine_urls, self.teacher.engine_urls if self.teacher else [])
-        return WeightSync(self.cfg.weight_sync, self.servers.engine_urls, self.cfg.launch.api_key)
+        return WeightSync(self.cfg.weight_sync, self.servers.engine_urls, self.cfg.launch.api_key, self.cfg.trainer.lora.adapter,
+                          self.servers.router_url)  # fmt: skip
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """Times a phase of the step for view/timeline.jsonl (rollout, train, push, eval, checkpoint)."""
@@ -121,14 +122,17 @@ class Driver:
         """Every engine serves `version` after this. An engine of ours that died (the router has
         routed around it since) is started again first and joins a new weight-update group:
         it serves nothing until this push has set all its weights."""
-        restarted = self.servers.restart_dead(self.cfg.launch.start_timeout)
+        restarted = self.servers.restart_dead(self.cfg.launch.start_timeout, await_weights=not self.cfg.trainer.lora.enabled)
         if restarted:
             self.run_log.message(f"engines {', '.join(restarted)} had exited: restarted, they serve from version {version} on")
             self.sync.close()
             self.sync = self._weight_sync()
             self.sync.connect()
         with self.phase("push"):
-            pushed = self.sync.push(trainer.hf_tensors(), str(version))  # every rank takes part (Megatron gathers)
+            if self.cfg.trainer.lora.enabled:  # the adapter alone (every rank holds it whole)
+                pushed = self.sync.push_adapter(trainer.adapter_tensors(), trainer.adapter_config(), str(version))
+            else:
+                pushed = self.sync.push(trainer.hf_tensors(), str(version))  # every rank takes part (Megatron gathers)
         self.loop.run(self.manager.weights_pushed(version))
         return {"time/weight_push": pushed["seconds"], "launch/engines_restarted": float(len(restarted))}
 
@@ -182,7 +186,9 @@ class Driver:
 
     def done(self) -> None:
         self.run_log.message(f"done: {self.cfg.steps} steps; {self.run_log.summary()}")
-        self.run_log.message(f"HF export in {Path(self.cfg.run_dir) / 'hf'}")
+        lora = self.cfg.trainer.lora
+        what = "PEFT adapter" + (" (merged HF model in hf/merged)" if lora.export_merged else "") if lora.enabled else "HF export"
+        self.run_log.message(f"{what} in {Path(self.cfg.run_dir) / 'hf'}")
 
 
 class Follower:
@@ -282,7 +288,8 @@ def train(cfg: RunConfig) -> None:
     with ExitStack() as stack:
         trainer = make_trainer(cfg)
         if rank == 0:
-            servers = stack.enter_context(start_servers(cfg.launch, cfg.model, Path(cfg.run_dir) / "logs"))
+            launch = lora_launch(cfg.launch, cfg.trainer.lora)
+            servers = stack.enter_context(start_servers(launch, cfg.model, Path(cfg.run_dir) / "logs"))
             side: Driver | Follower = Driver(cfg, servers, stack, start_step, world)
         else:
             side = Follower()

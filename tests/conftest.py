@@ -142,15 +142,22 @@ def with_capture(url: str, tok: object, body, **kw: object):
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_quickstart(tmp_path: Path, *overrides: str, model: Path | None = None, timeout: float = 1200) -> list[dict]:
-    """`python -m slimish.train --config configs/quickstart.yaml`, shortened by `overrides`, on
-    `model` or a fresh tiny model as `make demo` builds it; its metrics rows (it must exit 0)."""
+def quickstart_argv(tmp_path: Path, *overrides: str, model: Path, config: str = "configs/quickstart.yaml") -> list[str]:
+    """The command line of a quickstart run in `tmp_path/run`, shortened by `overrides`."""
+    return [sys.executable, "-m", "slimish.train", "--config", str(ROOT / config), f"model={model}", f"run_dir={tmp_path / 'run'}",
+            "checkpoint.every=0", *overrides]  # fmt: skip
+
+
+def run_quickstart(tmp_path: Path, *overrides: str, model: Path | None = None, timeout: float = 1200,
+                   config: str = "configs/quickstart.yaml") -> list[dict]:  # fmt: skip
+    """`python -m slimish.train --config configs/quickstart.yaml` (or `config`), shortened by
+    `overrides`, on `model` or a fresh tiny model as `make demo` builds it; its metrics rows (it
+    must exit 0)."""
     from slimish.metrics import read_metrics
     from slimish.tiny_model import make_tiny_model
 
     model = model or make_tiny_model(tmp_path / "model", arch="llama", size="tiny", seed=0)
-    argv = [sys.executable, "-m", "slimish.train", "--config", str(ROOT / "configs/quickstart.yaml"),
-            f"model={model}", f"run_dir={tmp_path / 'run'}", "checkpoint.every=0", *overrides]  # fmt: skip
+    argv = quickstart_argv(tmp_path, *overrides, model=model, config=config)
     done = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return read_metrics(tmp_path / "run")

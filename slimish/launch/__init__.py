@@ -3,6 +3,7 @@ actors across a cluster (`launch.mode: ray`); built-in, SGLang or external engin
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -11,7 +12,22 @@ from typing import TYPE_CHECKING
 from slimish.launch.local import Servers, engines_only, local_servers
 
 if TYPE_CHECKING:
-    from slimish.config import LaunchConfig
+    from slimish.config import LaunchConfig, LoraConfig
+
+
+def lora_launch(launch: "LaunchConfig", lora: "LoraConfig") -> "LaunchConfig":
+    """`launch` with the flags engines it starts need to serve the run's adapter (`trainer.lora`):
+    LoRA on, its rank, its target modules (SGLang's flag names, for the built-in engine too). A
+    flag the user set already is left as set."""
+    if not lora.enabled:
+        return launch
+    flags = {"enable_lora": ["true"], "max_lora_rank": [str(lora.rank)], "lora_target_modules": list(lora.target_modules)}
+    given = {pair.split("=", 1)[0].lstrip("-").replace("-", "_") for pair in launch.engine_flag}
+    given_sglang = {arg.split("=", 1)[0].removeprefix("--sglang-").lstrip("-").replace("-", "_") for arg in launch.sglang_args}
+    engine_flag = [f"{name}={v}" for name, values in flags.items() if name not in given for v in values]
+    sglang_args = [arg for name, values in flags.items() if name not in given_sglang
+                   for arg in ["--" + name.replace("_", "-"), *(v for v in values if name != "enable_lora")]]  # fmt: skip
+    return dataclasses.replace(launch, engine_flag=[*launch.engine_flag, *engine_flag], sglang_args=[*launch.sglang_args, *sglang_args])
 
 
 def start_servers(launch: "LaunchConfig", model: str | Path, log_dir: str | Path) -> AbstractContextManager[Servers]:

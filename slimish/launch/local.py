@@ -39,7 +39,11 @@ def engine_server(launch: "LaunchConfig", model: str | Path, log_path: str | Pat
         from slimish.launch.sglang import sglang_process
 
         return sglang_process(model, launch.sglang_args, host, api_key=launch.api_key, log_path=log_path)
-    flags = dict(pair.split("=", 1) for pair in launch.engine_flag)
+    values: dict[str, list[str]] = {}
+    for pair in launch.engine_flag:  # a NAME given again adds a value: a list flag's values
+        name, value = pair.split("=", 1)
+        values.setdefault(name, []).append(value)
+    flags: dict[str, object] = {name: v[0] if len(v) == 1 else v for name, v in values.items()}
     if owned := {"model", "host", "port"} & set(flags):
         raise ValueError(f"launch.engine_flag: {', '.join(sorted(owned))} set by the launcher (the run's model; "
                          "127.0.0.1, or the node's address under launch.mode=ray; a free port); remove it")  # fmt: skip
@@ -78,13 +82,17 @@ class Servers:
     engine_urls: list[str]
     engines: list[ServerProcess] = field(default_factory=list)
 
-    def restart_dead(self, timeout: float) -> list[str]:
+    def restart_dead(self, timeout: float, await_weights: bool = True) -> list[str]:
         """Start again, on the same port, every engine of ours that exited; returns their URLs.
         Built-in ones come back with `--await-weights`: the router sees them unhealthy, and they
-        serve nothing, until the trainer's next push has set every parameter."""
+        serve nothing, until the trainer's next push has set every parameter. Not for a LoRA run
+        (`await_weights=False`): its base is never pushed, the engine's checkpoint is right, and
+        the router sends adapter requests only to engines that hold the adapter (the next push
+        loads it)."""
         dead = [e for e in self.engines if e.proc is not None and e.proc.poll() is not None]
         for engine in dead:
-            await_weights_on_relaunch(engine)
+            if await_weights:
+                await_weights_on_relaunch(engine)
             engine.launch()
         for engine in dead:
             engine.wait_healthy(timeout)

@@ -79,9 +79,10 @@ class RayServers(Servers):
             name=name, num_cpus=self.launch.engine_cpus, num_gpus=self.launch.engine_gpus, scheduling_strategy=strategy
         ).remote(self.launch, self.model, str(self.log_dir / f"engine{index}.log"))
 
-    def restart_dead(self, timeout: float) -> list[str]:
-        """Every engine whose actor died (or whose child exited) runs again, awaiting weights,
-        and is in the router's list under its new URL; returns those URLs."""
+    def restart_dead(self, timeout: float, await_weights: bool = True) -> list[str]:
+        """Every engine whose actor died (or whose child exited) runs again, awaiting weights
+        unless told not to (`Servers.restart_dead`), and is in the router's list under its new
+        URL; returns those URLs."""
         assert self.launch is not None
         states = [_running(actor) for actor in self.actors]
         dead = [i for i, running in enumerate(states) if not running]
@@ -90,7 +91,7 @@ class RayServers(Servers):
                 ray.kill(self.actors[i])
                 self.replaced[i] += 1
                 self.actors[i] = self.spawn(i)
-        urls = ray.get([self.actors[i].start.remote(True, timeout) for i in dead], timeout=timeout + CALL_TIMEOUT)
+        urls = ray.get([self.actors[i].start.remote(await_weights, timeout) for i in dead], timeout=timeout + CALL_TIMEOUT)
         for i, url in zip(dead, urls):
             replace_worker(self.router_url, self.engine_urls[i], url, self.launch.api_key)
             self.engine_urls[i] = url

@@ -103,6 +103,9 @@ class RolloutRuntime:
         self.capture: CaptureServer | None = None  # the agent gateway, started by the first session
         self._capture_lock = asyncio.Lock()
         self.key = uuid.uuid4().hex[:8]  # this run's part of every routing key
+        # trainer.lora: every generate call of the run (training, evaluation, the gateway) names
+        # the run's adapter; the teacher's calls go through their own client and never do.
+        self.lora = {"lora_path": cfg.trainer.lora.adapter} if cfg.trainer.lora.enabled else {}
 
     def chat_tokens(self, tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> ChatTokens:
         """The chat template in token space for a tool list; template kwargs over the run's."""
@@ -121,7 +124,7 @@ class RolloutRuntime:
             if self.capture is None:
                 r = self.cfg.rollout
                 capture = CaptureServer(self.client.base_url, self.format, self.cfg.launch.api_key, self.sampling_params,
-                                        r.chat_template_kwargs, r.history, r.realign_tokens)  # fmt: skip
+                                        r.chat_template_kwargs, r.history, r.realign_tokens, self.lora)  # fmt: skip
                 await capture.start()
                 self.capture = capture
         return self.capture
@@ -215,7 +218,8 @@ class RolloutContext:
         if self.aborting:
             return GenerateResult([], [], "", "abort", weight_version=-1, prompt_tokens=len(input_ids))  # nothing was asked
         params.setdefault("no_stop_trim", True)  # rollout code parses the text: a matched stop string stays in it
-        out = await self.client.generate(routing_key=self._routing_key, input_ids=list(input_ids), sampling_params=params, return_logprob=True)
+        out = await self.client.generate(routing_key=self._routing_key, input_ids=list(input_ids), sampling_params=params, return_logprob=True,
+                                         **self.runtime.lora)  # fmt: skip
         assert isinstance(out, GenerateResponse)
         return to_result(out)
 

@@ -61,16 +61,20 @@ class CaptureServer:
     """Serves every protocol under `{url}/sessions/{id}` and, for key-addressed sessions, at `{url}`."""
 
     def __init__(self, router_url: str, fmt: ModelFormat, api_key: str | None = None, default_sampling: dict | None = None,
-                 chat_template_kwargs: dict | None = None, history: str = "exact", realign_tokens: int = 8) -> None:  # fmt: skip
+                 chat_template_kwargs: dict | None = None, history: str = "exact", realign_tokens: int = 8,
+                 lora: dict[str, str] | None = None) -> None:  # fmt: skip
         """`api_key` is the router's; agents may send any key (it names their session when the
         URL does not). `default_sampling` (native names) and `chat_template_kwargs` apply to
         every call; what a request sets explicitly overrides them. `history` is
-        `rollout.history` (exact | template), `realign_tokens` `rollout.realign_tokens`."""
+        `rollout.history` (exact | template), `realign_tokens` `rollout.realign_tokens`.
+        `lora` (`{"lora_path": NAME}`, trainer.lora) goes on every turn whatever model the agent
+        names: an agent's calls are the policy's, and the policy is that adapter."""
         self.client = Client(router_url, api_key=api_key)
         self.format, self.tokenizer = fmt, fmt.tokenizer
         self.default_sampling = dict(default_sampling or {})
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.history, self.realign_tokens = history, realign_tokens
+        self.lora = dict(lora or {})
         self.sessions: dict[str, TrajectoryTree] = {}
         self.session_sampling: dict[str, dict[str, Any]] = {}  # per-session defaults (ctx's: eval lowers the temperature)
         self.url = ""
@@ -124,7 +128,7 @@ class CaptureServer:
         if self.format.parses(req.tools, req.separate_reasoning):
             params["skip_special_tokens"] = False
         out = await self.client.generate(input_ids=at.prompt_ids, sampling_params=params, return_logprob=True,
-                                         top_logprobs_num=req.top_logprobs)  # fmt: skip
+                                         top_logprobs_num=req.top_logprobs, **self.lora)  # fmt: skip
         assert isinstance(out, GenerateResponse)
         meta = out.meta_info
         reason = meta.finish_reason.type if meta.finish_reason else "abort"

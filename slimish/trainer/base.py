@@ -552,6 +552,14 @@ class Trainer(ABC):
         """(HF name, full tensor) of every parameter, a tied one once: what the engines' weight
         loaders take. Complete on rank 0; other ranks may yield nothing (but must iterate)."""
 
+    def adapter_tensors(self) -> dict[str, Tensor]:
+        """trainer.lora: the adapter's tensors under their PEFT state-dict names (what is pushed)."""
+        raise NotImplementedError(f"trainer.lora: {type(self).__name__} has no adapters")
+
+    def adapter_config(self) -> dict[str, Any]:
+        """trainer.lora: the adapter's `adapter_config.json` (what the engines load it with)."""
+        raise NotImplementedError(f"trainer.lora: {type(self).__name__} has no adapters")
+
     def join_export(self) -> None:
         """A follower rank's part of an export (weight push or HF save): run the collectives
         `hf_tensors` takes part in, keeping none of the tensors (rank 0 has them all)."""

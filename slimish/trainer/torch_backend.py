@@ -5,14 +5,17 @@ this backend runs the micro-batches through the HF model. DDP averages gradients
 each micro-batch's loss share is scaled by the world size.
 
 No dropout anywhere (the model stays in eval mode): the logprobs the loss uses must be those of
-the policy the engines sample from.
+the policy the engines sample from. With `trainer.lora` the model is under a PEFT adapter
+(lora.py): only the adapter trains, and only the adapter is saved, pushed and exported.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 from slimish.config import RunConfig
 from slimish.trainer.algorithms import chunked_logprobs, entropy_from_logits, logprobs_from_logits
 from slimish.trainer.base import LossFn, Trainer, lr_factor, micro_batches, response_index
+from slimish.trainer.lora import AdaptersOff, adapter_config, adapter_tensors, add_adapter, dropout_on, load_adapter_tensors
 from slimish.types import Sample
 
 
@@ -46,6 +50,9 @@ class TorchTrainer(Trainer):
         self.dp_rank, self.dp_size = self.rank, self.world
         self._setup(cfg, AutoTokenizer.from_pretrained(cfg.model), int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
         self.model = self._load(cfg.model)
+        self.lora = tc.lora.enabled
+        if self.lora:
+            self.model = add_adapter(self.model, tc.lora)
         # forward_sync_buffers=False: DDP's forward then runs no collective, so ranks may run
         # different numbers of forwards (micro-batches, no-grad passes).
         self.ddp = DDP(self.model, forward_sync_buffers=False) if self.world > 1 else None
@@ -55,6 +62,8 @@ class TorchTrainer(Trainer):
             self.optimizer, lambda step: lr_factor(tc.lr_schedule, tc.warmup_steps, total, step)
         )
         self.ref: torch.nn.Module | None = self._load(tc.ref_model, frozen=True) if tc.ref_model else None
+        if self.ref is None and self.lora:  # the base: the adapter switched off, no second copy
+            self.ref = AdaptersOff(self.model)
         if cfg.algorithm.advantage == "gae":
             self.critic = self._load_critic(cfg.critic.model or cfg.model)
             self.critic_ddp = DDP(self.critic, forward_sync_buffers=False) if self.world > 1 else None
@@ -84,7 +93,8 @@ class TorchTrainer(Trainer):
 
     def _new_optimizer(self, lr: float) -> torch.optim.Optimizer:
         tc = self.cfg.trainer
-        return torch.optim.AdamW(self.model.parameters(), lr=lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+        params = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter's
+        return torch.optim.AdamW(params, lr=lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
 
     def _updates_done(self) -> int:
         return self.scheduler.last_epoch
@@ -169,7 +179,8 @@ class TorchTrainer(Trainer):
         return logprobs, ent
 
     def _accumulate(self, batch: list[Sample], idx: list[int], loss_fn: LossFn, entropy: bool | None) -> dict[str, float]:
-        return self._backward(self.model, self.ddp, batch, idx, lambda net, rows: self._forward(net, rows, entropy), loss_fn)
+        with dropout_on(self.model) if self.lora and self.cfg.trainer.lora.dropout else nullcontext():
+            return self._backward(self.model, self.ddp, batch, idx, lambda net, rows: self._forward(net, rows, entropy), loss_fn)
 
     def _backward(self, model: torch.nn.Module, ddp: DDP | None, batch: list[Sample], idx: list[int], forward: Callable[..., tuple[Tensor, ...]],
                   loss_fn: Callable[..., tuple[Tensor, dict[str, Tensor]]]) -> dict[str, float]:  # fmt: skip
@@ -240,17 +251,31 @@ class TorchTrainer(Trainer):
         for name, p in self.model.named_parameters():
             yield name, p.detach()
 
+    def adapter_tensors(self) -> dict[str, Tensor]:
+        """trainer.lora: the adapter under its PEFT names (what the engines load and are pushed)."""
+        return adapter_tensors(self.model)
+
+    def adapter_config(self) -> dict[str, Any]:
+        """trainer.lora: the adapter's `adapter_config.json`."""
+        return adapter_config(self.model)
+
     def state_dict(self) -> dict[str, Any]:
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict()}  # fmt: skip
-        if self.ref is not None and not self.cfg.trainer.ref_model:  # a copy of the policy: not on disk
+        weights = {"adapter": self.adapter_tensors()} if self.lora else {"model": self.model.state_dict()}
+        state = {**weights, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.ref is not None and not self.cfg.trainer.ref_model and not self.lora:  # a copy of the policy: not on disk
             state["ref"] = self.ref.state_dict()
         if self.critic is not None:
             state["critic"] = {"model": self.critic.state_dict(), "optimizer": self.critic_optimizer.state_dict()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        if ("adapter" in state) != self.lora:
+            raise ValueError(f"trainer.lora.enabled={self.lora}, but the checkpoint was saved by a run "
+                             f"{'with' if 'adapter' in state else 'without'} LoRA; resume with the setting it was saved with")  # fmt: skip
+        if self.lora:
+            load_adapter_tensors(self.model, state["adapter"])
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if "ref" in state:
@@ -262,6 +287,13 @@ class TorchTrainer(Trainer):
             self.critic_optimizer.load_state_dict(state["critic"]["optimizer"])
 
     def save_hf(self, path: str) -> None:
-        if self.rank == 0:
-            self.model.save_pretrained(path)
-            self.tokenizer.save_pretrained(path)
+        """With LoRA: a PEFT adapter directory, and with `trainer.lora.export_merged` the merged HF
+        model in `path/merged` (merged in a copy: the policy keeps its adapter)."""
+        if self.rank != 0:
+            return
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        if self.lora and self.cfg.trainer.lora.export_merged:
+            merged = copy.deepcopy(self.model).merge_and_unload()
+            merged.save_pretrained(Path(path) / "merged")
+            self.tokenizer.save_pretrained(Path(path) / "merged")

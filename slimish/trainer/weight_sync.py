@@ -10,6 +10,16 @@ and its last bucket carries the weight version. `transport: disk` writes the ten
 safetensors file and posts `/update_weights_from_disk` instead (no group; the engines must see
 the directory).
 
+With `trainer.lora` (`push_adapter`) only the run's adapter travels, never the base weights. The
+first push saves it as a PEFT adapter directory and creates it on every engine with
+`/load_lora_adapter` through the router (which fans out, and so learns where it is; an adapter of
+that name left loaded by an earlier incarnation of the run is unloaded first), then broadcasts it
+with `lora_name`, which versions that adapter alone; later pushes only broadcast (always as
+flattened buckets). `transport: disk` saves the directory and unloads and loads it every push.
+Runs that share engines each push their own adapter over their own group (`group_name` gets the
+adapter's name), and adapter pushes open no weight-update session: an engine has one, and
+another run's push may hold it.
+
 The trainer is sync code; the HTTP side is the async `Client`, run on a private event-loop
 thread so that the calls to all engines are in flight together while this thread broadcasts.
 """
@@ -33,8 +43,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from slimish.client import Client
+from slimish.client import Client, ServerError
 from slimish.config import WeightSyncConfig
+from slimish.trainer.lora import ADAPTER_WEIGHTS, write_adapter_dir
 from slimish.distributed import (
     ProcessGroup,
     destroy_custom_process_group,
@@ -45,7 +56,7 @@ from slimish.distributed import (
 )
 from slimish.loop_thread import LoopThread
 from slimish.net import free_port
-from slimish.protocol import InitWeightsUpdateGroupReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq
+from slimish.protocol import InitWeightsUpdateGroupReq, LoadLoraAdapterReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq
 
 T = TypeVar("T")
 
@@ -104,11 +115,24 @@ def plan_buckets(
     return buckets
 
 
+def timings(seconds: float, transfer: float, nbytes: int, buckets: int) -> dict[str, float]:
+    """What a push returns (`WeightSync.push`)."""
+    return {"seconds": seconds, "seconds_transfer": transfer, "bytes": float(nbytes),
+            "gb_per_s": nbytes / transfer / 1e9 if transfer > 0 else 0.0, "buckets": float(buckets)}  # fmt: skip
+
+
 class WeightSync:
-    def __init__(self, cfg: WeightSyncConfig, engine_urls: list[str], api_key: str | None = None) -> None:
+    def __init__(self, cfg: WeightSyncConfig, engine_urls: list[str], api_key: str | None = None, adapter: str | None = None,
+                 router_url: str | None = None) -> None:  # fmt: skip
+        """`adapter` (trainer.lora's name): pushes are `push_adapter`s of that adapter, created
+        through `router_url`."""
         if not engine_urls:
             raise ValueError("engine_urls: weight sync needs at least one engine")
+        if adapter is not None and router_url is None:
+            raise ValueError(f"adapter {adapter!r}: an adapter push needs the router_url that loads it on every engine")
         self.cfg = cfg
+        self.adapter = adapter
+        self.group_name = cfg.group_name if adapter is None else f"{cfg.group_name}-{adapter}"
         self.urls = [u.rstrip("/") for u in engine_urls]
         self.wire_dtype = parse_dtype(cfg.dtype) if cfg.dtype else None
         self.backend = cfg.backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -121,6 +145,8 @@ class WeightSync:
         self._flat: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2  # double buffer
         self._disk_root: Path | None = None
         self._disk_last: Path | None = None
+        self.router = Client(router_url, api_key=api_key, timeout=cfg.timeout_s) if router_url else None
+        self._adapter_loaded = False  # by this run's first adapter push
         self._closed = False
         self.broken: str | None = None  # why the group became unusable
 
@@ -137,7 +163,7 @@ class WeightSync:
         offsets = [1 + sum(tp[:e]) for e in range(len(tp))]
         reqs = [
             InitWeightsUpdateGroupReq(master_address=self.cfg.master_address, master_port=port, rank_offset=off,
-                                      world_size=world, group_name=self.cfg.group_name, backend=self.backend)
+                                      world_size=world, group_name=self.group_name, backend=self.backend)
             for off in offsets
         ]  # fmt: skip
         # The engines block in their init until rank 0 joins, so join while their calls are in
@@ -145,7 +171,7 @@ class WeightSync:
         joined = self._start(lambda c, r: c.init_weights_update_group(r), reqs)
         group = _in_thread(
             init_custom_process_group, self.backend, f"tcp://{self.cfg.master_address}:{port}", world, 0,
-            self.cfg.group_name, timedelta(seconds=self.timeout),
+            self.group_name, timedelta(seconds=self.timeout),
         )  # fmt: skip
         self._check(self._wait(joined), "/init_weights_update_group")
         self.group = group.result(timeout=self.timeout)
@@ -158,7 +184,7 @@ class WeightSync:
         try:
             if self.group is not None:
                 try:
-                    self._all(lambda c: c.destroy_weights_update_group(self.cfg.group_name))
+                    self._all(lambda c: c.destroy_weights_update_group(self.group_name))
                 except Exception:  # an engine that is gone has no group left to destroy
                     pass
                 group, self.group = [self.group], None
@@ -170,6 +196,8 @@ class WeightSync:
                 else:
                     destroy_custom_process_group(group.pop())
             self._wait(self._start(lambda c, _: c.close(), [None] * len(self.clients)))
+            if self.router is not None:
+                self._loop.submit(self.router.close()).result(timeout=self.timeout)
         finally:
             self._loop.close()
             if self._disk_root is not None and self.cfg.disk_dir is None:
@@ -183,22 +211,43 @@ class WeightSync:
         Returns timings: `seconds` (the whole push), `seconds_transfer` (the buckets or the
         disk write and load), `bytes` (one engine's share), `gb_per_s` (bytes / seconds_transfer)
         and `buckets`."""
+        if self.adapter is not None:
+            raise WeightSyncError(f"push: this run trains adapter {self.adapter!r}; its pushes are push_adapter (never the base weights)")
         named = [(name, t.detach()) for name, t in named_tensors]
+        disk = self.cfg.transport == "disk"
+        return self._push(named, lambda: (self._push_disk(named, version), 1) if disk else self._push_buckets(named, version))
+
+    def push_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: str) -> dict[str, float]:
+        """trainer.lora: every engine serves the run's adapter as `tensors` (its PEFT state-dict
+        names) and reports `version` for it once this returns; the base and other adapters are
+        untouched. `config` is its `adapter_config.json`. Returns `push`'s timings."""
+        if self.adapter is None:
+            raise WeightSyncError("push_adapter: this WeightSync was made without an adapter name")
+        named = [(name, t.detach()) for name, t in tensors.items()]
+        disk = self.cfg.transport == "disk"
+        self._check_group()  # before the adapter is loaded for a broadcast that could not follow
+        if disk or not self._adapter_loaded:
+            # Not paused: the unload waits for the adapter's running requests, which a pause would
+            # hold forever; it refuses new ones meanwhile, so none sees a half-loaded adapter.
+            started = time.perf_counter()
+            path = write_adapter_dir(self._disk_dir() / f"{self.adapter}-{version}", config, tensors)
+            nbytes = self._load_adapter(path, version if disk else None)
+            if disk:
+                seconds = time.perf_counter() - started
+                return timings(seconds, seconds, nbytes, 1)
+        return self._push(named, lambda: self._push_buckets(named, version, lora_name=self.adapter))
+
+    def _push(self, named: list[tuple[str, torch.Tensor]], send: Callable[[], tuple[int, int]]) -> dict[str, float]:
+        """A push of `named` by `send` (its wire bytes and buckets) between pause and continue."""
         if not named:
             raise ValueError("push: no tensors")
-        if self.cfg.transport == "distributed" and self.group is None:
-            raise WeightSyncError("push before connect(): the weight-update group does not exist")
-        if self.broken:
-            raise WeightSyncError(f"an earlier push failed mid-broadcast ({self.broken}); the group is unusable, reconnect")
+        self._check_group()
         started = time.perf_counter()
         sending = False
         try:
             self._prepare()
             t0, sending = time.perf_counter(), True
-            if self.cfg.transport == "disk":
-                nbytes, buckets = self._push_disk(named, version), 1
-            else:
-                nbytes, buckets = self._push_buckets(named, version)
+            nbytes, buckets = send()
             transfer = time.perf_counter() - t0
         except BaseException as exc:
             if sending and self.cfg.transport == "distributed":
@@ -208,14 +257,19 @@ class WeightSync:
             raise
         finally:
             self._finish()
-        return {"seconds": time.perf_counter() - started, "seconds_transfer": transfer, "bytes": float(nbytes),
-                "gb_per_s": nbytes / transfer / 1e9 if transfer > 0 else 0.0, "buckets": float(buckets)}  # fmt: skip
+        return timings(time.perf_counter() - started, transfer, nbytes, buckets)
+
+    def _check_group(self) -> None:
+        if self.cfg.transport == "distributed" and self.group is None:
+            raise WeightSyncError("push before connect(): the weight-update group does not exist")
+        if self.broken:
+            raise WeightSyncError(f"an earlier push failed mid-broadcast ({self.broken}); the group is unusable, reconnect")
 
     def _prepare(self) -> None:
         """Pause generation and open a weight-update session, both at once on every engine; the
         first push finds out whether the engines have sessions (older SGLang does not)."""
         pause = self.cfg.pause_mode != "drain"
-        begin = self.cfg.transport == "distributed" and self.sessions is not False
+        begin = self.cfg.transport == "distributed" and self.sessions is not False and self.adapter is None
 
         async def prepare(c: Client) -> bool | None:
             calls = [c.pause(self.cfg.pause_mode)] if pause else []
@@ -231,7 +285,7 @@ class WeightSync:
     def _finish(self) -> None:
         """Close the session (it is per engine, not per group: always) and continue generation.
         When an error is already on its way out, a failure here does not replace it."""
-        end = self.cfg.transport == "distributed" and self.sessions
+        end = self.cfg.transport == "distributed" and self.sessions and self.adapter is None
         resume = self.cfg.pause_mode != "drain"
 
         async def finish(c: Client) -> None:
@@ -248,20 +302,23 @@ class WeightSync:
         except Exception:
             pass
 
-    def _push_buckets(self, named: list[tuple[str, torch.Tensor]], version: str) -> tuple[int, int]:
-        buckets = plan_buckets(named, self.cfg.bucket_mb, self.wire_dtype, self.cfg.flattened)
-        payload = self._pack(buckets[0], 0)
+    def _push_buckets(self, named: list[tuple[str, torch.Tensor]], version: str, lora_name: str | None = None) -> tuple[int, int]:
+        """An adapter always goes flattened: it is many small tensors (4 per adapted module), and
+        one broadcast each costs about a millisecond whatever its size (benchmarks/lora_sync.py)."""
+        flattened = self.cfg.flattened or lora_name is not None
+        buckets = plan_buckets(named, self.cfg.bucket_mb, self.wire_dtype, flattened)
+        payload = self._pack(buckets[0], 0, flattened)
         for k, bucket in enumerate(buckets):
             req = UpdateWeightsFromDistributedReq(
                 names=bucket.names, dtypes=[dtype_name(d) for d in bucket.dtypes],
-                shapes=[list(t.shape) for t in bucket.tensors], group_name=self.cfg.group_name,
-                load_format="flattened_bucket" if self.cfg.flattened else None,
-                weight_version=version if k == len(buckets) - 1 else None,
+                shapes=[list(t.shape) for t in bucket.tensors], group_name=self.group_name,
+                load_format="flattened_bucket" if flattened else None,
+                weight_version=version if k == len(buckets) - 1 else None, lora_name=lora_name,
             )  # fmt: skip
             replies = self._start(lambda c, r: c.update_weights_from_distributed(r), [req] * len(self.clients))
             works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in payload]
             if k + 1 < len(buckets):  # overlaps the engines' receive and load of this bucket
-                payload = self._pack(buckets[k + 1], (k + 1) % 2)
+                payload = self._pack(buckets[k + 1], (k + 1) % 2, flattened)
             # Replies come after the engines received everything, so waiting on them first
             # turns an engine's refusal into an error here instead of a broadcast that hangs.
             self._check(self._wait(replies), f"/update_weights_from_distributed (bucket {k + 1}/{len(buckets)})")
@@ -269,9 +326,9 @@ class WeightSync:
                 work.wait()
         return sum(b.nbytes for b in buckets), len(buckets)
 
-    def _pack(self, bucket: Bucket, slot: int) -> list[torch.Tensor]:
+    def _pack(self, bucket: Bucket, slot: int, flattened: bool) -> list[torch.Tensor]:
         """The tensors to broadcast for `bucket`, from reused buffers where a copy is needed."""
-        if self.cfg.flattened:
+        if flattened:
             shapes = [t.shape for t in bucket.tensors]
             ranges = flattened_layout(bucket.names, bucket.dtypes, shapes)
             device = bucket.tensors[0].device
@@ -292,12 +349,15 @@ class WeightSync:
             payload.append(buf.copy_(t))
         return payload
 
-    def _push_disk(self, named: list[tuple[str, torch.Tensor]], version: str) -> int:
+    def _disk_dir(self) -> Path:
+        """Where pushes are written (`weight_sync.disk_dir`, else a temporary directory)."""
         if self._disk_root is None:
-            root = self.cfg.disk_dir or tempfile.mkdtemp(prefix="slimish-weights-")
-            self._disk_root = Path(root)
+            self._disk_root = Path(self.cfg.disk_dir or tempfile.mkdtemp(prefix="slimish-weights-"))
             self._disk_root.mkdir(parents=True, exist_ok=True)
-        target = self._disk_root / f"weights-{version}"
+        return self._disk_root
+
+    def _push_disk(self, named: list[tuple[str, torch.Tensor]], version: str) -> int:
+        target = self._disk_dir() / f"weights-{version}"
         target.mkdir(exist_ok=True)
         state = {}
         for name, t in named:
@@ -306,10 +366,46 @@ class WeightSync:
         save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
         req = UpdateWeightsFromDiskReq(model_path=str(target), weight_version=version)
         self._check(self._all(lambda c: c.update_weights_from_disk(req)), "/update_weights_from_disk")
+        self._written(target)
+        return sum(t.numel() * t.element_size() for t in state.values())
+
+    def _load_adapter(self, path: Path, version: str | None) -> int:
+        """Create the run's adapter from the directory `path` on every engine (the router fans the
+        calls out): unloaded first, so that a restarted run or a disk push replaces it. A disk
+        push versions it with `weight_version` on the load (a slimish extension: the load is its
+        only call), checked on every engine. Returns the bytes of its weights file."""
+        assert self.router is not None and self.adapter is not None
+        name, router = self.adapter, self.router
+
+        async def reload() -> None:
+            try:
+                await router.unload_lora_adapter(name)
+            except ServerError:  # not loaded yet: the usual first push
+                pass
+            if version is None:
+                await router.load_lora_adapter(name, str(path))
+            else:
+                body = LoadLoraAdapterReq(lora_name=name, lora_path=str(path)).model_dump()
+                await router.request("POST", "/load_lora_adapter", {**body, "weight_version": version})
+
+        try:
+            self._loop.submit(reload()).result(timeout=self.timeout)
+        except ServerError as exc:
+            raise WeightSyncError(f"/load_lora_adapter {name!r} from {path} failed: {exc.message}") from exc
+        self._adapter_loaded = True
+        if version is not None:
+            served = self._all(lambda c: c.get_weight_version(name))
+            if any(v != version for v in served):
+                raise WeightSyncError(f"adapter {name!r} loaded from disk as version {version}, but the engines report "
+                                      f"{dict(zip(self.urls, served))}: they ignore `weight_version` on /load_lora_adapter")  # fmt: skip
+        self._written(path)
+        return (path / ADAPTER_WEIGHTS).stat().st_size
+
+    def _written(self, target: Path) -> None:
+        """`target` is what the engines load from now on: the previous push's files go."""
         if self._disk_last is not None and self._disk_last != target:
             shutil.rmtree(self._disk_last, ignore_errors=True)
         self._disk_last = target
-        return sum(t.numel() * t.element_size() for t in state.values())
 
     # -- HTTP on the loop thread -------------------------------------------------------------
 

@@ -1,0 +1,93 @@
+"""LoRA in the torch trainer (trainer.lora): only the adapter trains, the KL reference is the base
+with the adapter off, checkpoints and exports hold the adapter, config errors name the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from test_trainer_torch import config, make_groups, with_rollout_logprobs
+from transformers import AutoModelForCausalLM
+
+from slimish.trainer import checkpoint
+from slimish.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from slimish.trainer.torch_backend import TorchTrainer
+
+LORA = ("trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.lora.alpha=8", "trainer.lr=1e-2")
+
+
+def test_config_errors_name_the_field(tiny_model_dir):
+    for override, message in [("trainer.backend=megatron", "trainer.lora needs trainer.backend=torch"),
+                              ("algorithm.advantage=gae", "algorithm.advantage=gae with trainer.lora"),
+                              ("trainer.lora.rank=0", "trainer.lora.rank must be >= 1"),
+                              ("trainer.lora.dropout=1.0", "trainer.lora.alpha must be > 0 and dropout in"),
+                              ("trainer.lora.target_modules=[]", "trainer.lora.target_modules must name"),
+                              ("trainer.lora.name=a/b", "trainer.lora.name must be")]:  # fmt: skip
+        with pytest.raises(SystemExit, match=message):
+            config(tiny_model_dir, "trainer.lora.enabled=true", override)
+
+
+def test_only_the_adapter_trains_and_the_reference_is_the_base(tiny_model_dir):
+    """Two RL steps with KL on: the base weights stay bit-equal, the adapter moves, the optimiser
+    holds the adapter's parameters alone, and the reference log-probs are those of the plain HF
+    model (no second copy of it: the reference has no parameters of its own)."""
+    trainer = TorchTrainer(config(tiny_model_dir, *LORA, "algorithm.kl_coef=0.1"))
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    optimised = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    assert {id(p) for p in optimised} == {id(p) for n, p in trainer.model.named_parameters() if n in trainable}
+    assert list(trainer.ref.parameters()) == []  # the base under the adapter, switched off
+    base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if n not in trainable}
+    adapter = {n: t.clone() for n, t in trainer.adapter_tensors().items()}
+    for step, seed in ((1, 0), (2, 1)):
+        metrics = trainer.train_step(with_rollout_logprobs(trainer, make_groups(seed), noise=0.1, seed=seed), step)
+    assert metrics["train/kl"] > 0  # the adapter moved the policy away from the base
+    assert all(torch.equal(base[n], p) for n, p in trainer.model.named_parameters() if n in base)
+    after = trainer.adapter_tensors()
+    assert after.keys() == adapter.keys() and all(k.startswith("base_model.model.") for k in after)
+    assert max((after[k] - adapter[k]).abs().max().item() for k in after) > 1e-3
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    groups = make_groups(2)
+    samples = [s for g in groups for s in g]
+    for ref, hf in zip(trainer.logprobs(samples, trainer.ref), trainer.logprobs(samples, plain)):
+        torch.testing.assert_close(ref, hf, atol=1e-5, rtol=0)
+    policy = trainer.logprobs(samples)
+    assert max((p - r).abs().max().item() for p, r in zip(policy, trainer.logprobs(samples, plain))) > 1e-3
+
+
+def test_checkpoint_round_trip_and_exports(tiny_model_dir, tmp_path):
+    """The checkpoint holds the adapter (not the base) and its optimiser state: a trainer resumed
+    from it takes a bit-identical next step. The export is a PEFT adapter directory that PEFT
+    loads to the same log-probs, and with export_merged a plain HF model that gives them too."""
+    overrides = (*LORA, "trainer.lora.export_merged=true")
+    trainer = TorchTrainer(config(tiny_model_dir, *overrides))
+    batches = [with_rollout_logprobs(trainer, make_groups(seed), noise=0.1, seed=seed) for seed in (0, 1)]
+    trainer.train_step(batches[0], 1)
+    state = trainer.state_dict()
+    assert "model" not in state and state["adapter"].keys() == trainer.adapter_tensors().keys()
+    saved_at = checkpoint.save(tmp_path / "run", 1, {"trainer": state}, keep=0)
+    resumed = TorchTrainer(config(tiny_model_dir, *overrides))
+    resumed.load_state_dict(checkpoint.load(saved_at)["trainer"])
+    saved, loaded = trainer.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k]["exp_avg_sq"], loaded[k]["exp_avg_sq"]) for k in saved)
+    m, mr = trainer.train_step(batches[1], 2), resumed.train_step(batches[1], 2)
+    assert m["train/loss"] == mr["train/loss"]
+    a, b = trainer.adapter_tensors(), resumed.adapter_tensors()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="trainer.lora.enabled=False, but the checkpoint was saved by a run with LoRA"):
+        TorchTrainer(config(tiny_model_dir)).load_state_dict(state)
+
+    out = tmp_path / "hf"
+    trainer.save_hf(str(out))
+    assert json.loads((out / ADAPTER_CONFIG).read_text())["r"] == 4
+    assert load_file(out / ADAPTER_WEIGHTS).keys() == a.keys()
+    samples = [s for g in make_groups(3) for s in g]
+    expected = trainer.logprobs(samples)
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out).eval()
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+    for model in (peft_model, merged):
+        for got, want in zip(trainer.logprobs(samples, model), expected):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
