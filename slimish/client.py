@@ -212,8 +212,8 @@ class Client:
     # ---- LoRA adapters ------------------------------------------------------------------------
     # Failures raise ServerError (400) with the server's `error_message`.
 
-    async def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> LoraUpdateResult:
-        body = LoadLoraAdapterReq(lora_name=name, lora_path=path, pinned=pinned).model_dump()
+    async def load_lora_adapter(self, name: str, path: str, pinned: bool = False, weight_version: str | None = None) -> LoraUpdateResult:
+        body = LoadLoraAdapterReq(lora_name=name, lora_path=path, pinned=pinned, weight_version=weight_version).model_dump(exclude_none=True)
         return LoraUpdateResult.model_validate(await self.request("POST", "/load_lora_adapter", body))
 
     async def unload_lora_adapter(self, name: str) -> LoraUpdateResult:

@@ -308,6 +308,9 @@ class LoadLoraAdapterReq(_Strict):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)  # a PEFT adapter directory on the engine's machine
     pinned: bool = False  # never evicted from the batch slots once in one
+    # slimish extension: the loaded adapter's weight version, for a trainer's disk push (its only
+    # call); left out of the body when None, so SGLang gets its own body
+    weight_version: str | None = None
 
 
 class UnloadLoraAdapterReq(_Strict):

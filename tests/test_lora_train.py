@@ -24,7 +24,7 @@ from slimish.config import WeightSyncConfig
 from slimish.metrics import read_metrics
 from slimish.rollout.api import RolloutContext, RolloutRuntime
 from slimish.trainer.torch_backend import TorchTrainer
-from slimish.trainer.weight_sync import WeightSync, WeightSyncError
+from slimish.trainer.weight_sync import WeightSync
 from slimish.types import Sample
 
 MODULES = ["q_proj", "v_proj"]
@@ -101,22 +101,22 @@ def test_adapter_push_lands_versioned_and_rollouts_sample_the_adapter(tiny_model
         assert (policy - base).abs().max() > 1e-2  # the adapter, not the base, was sampled
 
 
-def test_disk_fallback_reloads_the_saved_adapter_and_needs_a_versioned_load(tiny_model_dir: Path, tmp_path_factory, tmp_path) -> None:
+def test_disk_fallback_reloads_the_saved_adapter_versioned(tiny_model_dir: Path, tmp_path_factory, tmp_path) -> None:
     """weight_sync.transport=disk: a push saves the adapter directory and reloads it on every
     engine (unload + load through the router), no process group formed. The load carries the
-    push's version (`weight_version`, asked of lora-engine); an engine that does not take it
-    fails the push naming that, instead of serving samples the buffer would drop as stale."""
+    push's version (`weight_version` on /load_lora_adapter, a slimish extension), so samples
+    report it and the buffer does not drop them as stale."""
     trainer = TorchTrainer(config(tiny_model_dir, *LORA))
     with lora_pool(tiny_model_dir, tmp_path_factory) as (engine, router):
         with WeightSync(WeightSyncConfig(transport="disk", disk_dir=str(tmp_path), timeout_s=60), [engine], adapter="d",
                         router_url=router) as sync:  # fmt: skip
             trainer.train_step(with_rollout_logprobs(trainer, make_groups(1), noise=0.1, seed=1), 1)
-            with pytest.raises(WeightSyncError, match="they ignore `weight_version` on /load_lora_adapter"):
-                sync.push_adapter(trainer.adapter_tensors(), trainer.adapter_config(), "1")
+            sync.push_adapter(trainer.adapter_tensors(), trainer.adapter_config(), "1")
             assert sync.group is None and [p.name for p in tmp_path.iterdir()] == ["d-1"]
         tensors = trainer.adapter_tensors()
         got = served(engine, tensors, "d")
         assert all(torch.equal(got[k], tensors[k]) for k in tensors)
+        assert (version(engine, "d"), version(engine)) == ("1", "default")
 
 
 def test_an_engine_killed_mid_rollout_comes_back_and_gets_the_adapter(tmp_path: Path) -> None:

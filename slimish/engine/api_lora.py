@@ -28,7 +28,7 @@ def build_lora_router(engine: Engine) -> APIRouter:
     async def load_lora_adapter(request: Request) -> JSONResponse:
         req = await parse(request, LoadLoraAdapterReq, empty_ok=False)
         try:
-            await engine.load_adapter(AdapterRef(req.lora_name, req.lora_path, req.pinned))
+            await engine.load_adapter(AdapterRef(req.lora_name, req.lora_path, req.pinned), req.weight_version)
         except (AdapterError, OSError) as exc:
             return result(exc)
         return result(None)

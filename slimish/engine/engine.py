@@ -336,11 +336,14 @@ class Engine:
             return req.versions[-1] if req.versions else self.scheduler.weight_version
         return self.scheduler.version_of(req.lora)
 
-    async def load_adapter(self, ref: AdapterRef) -> None:
-        """Read the adapter off the event loop, then add it on the scheduler thread (between steps)."""
+    async def load_adapter(self, ref: AdapterRef, version: str | None = None) -> None:
+        """Read the adapter off the event loop, then add it on the scheduler thread (between steps),
+        versioned `version` (a disk push's) or the default."""
         if self.lora is None:
             raise AdapterError("LoRA is not enabled on this engine (start it with --enable-lora)")
         adapter = await asyncio.to_thread(read_adapter, ref, self.lora.dtype, self.lora.device)
+        if version is not None:
+            adapter.version = version
         await self.run(lambda: self.lora.add(adapter))
 
     async def unload_adapter(self, name: str) -> None:

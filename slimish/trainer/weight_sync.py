@@ -56,7 +56,7 @@ from slimish.distributed import (
 )
 from slimish.loop_thread import LoopThread
 from slimish.net import free_port
-from slimish.protocol import InitWeightsUpdateGroupReq, LoadLoraAdapterReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq
+from slimish.protocol import InitWeightsUpdateGroupReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq
 
 T = TypeVar("T")
 
@@ -382,11 +382,7 @@ class WeightSync:
                 await router.unload_lora_adapter(name)
             except ServerError:  # not loaded yet: the usual first push
                 pass
-            if version is None:
-                await router.load_lora_adapter(name, str(path))
-            else:
-                body = LoadLoraAdapterReq(lora_name=name, lora_path=str(path)).model_dump()
-                await router.request("POST", "/load_lora_adapter", {**body, "weight_version": version})
+            await router.load_lora_adapter(name, str(path), weight_version=version)
 
         try:
             self._loop.submit(reload()).result(timeout=self.timeout)
@@ -397,7 +393,8 @@ class WeightSync:
             served = self._all(lambda c: c.get_weight_version(name))
             if any(v != version for v in served):
                 raise WeightSyncError(f"adapter {name!r} loaded from disk as version {version}, but the engines report "
-                                      f"{dict(zip(self.urls, served))}: they ignore `weight_version` on /load_lora_adapter")  # fmt: skip
+                                      f"{dict(zip(self.urls, served))}: they ignore `weight_version` on /load_lora_adapter "
+                                      "(a slimish extension; SGLang engines need the broadcast push)")  # fmt: skip
         self._written(path)
         return (path / ADAPTER_WEIGHTS).stat().st_size
 
