@@ -25,6 +25,7 @@ def build_info_router(engine: Engine, cfg: EngineConfig) -> APIRouter:
     router = APIRouter()
     _health_routes(router, engine)
     _info_routes(router, engine, cfg)
+    _models_routes(router, engine)
     _tokenizer_routes(router, engine)
     _profile_routes(router, engine)
     for path, why in UNSERVED.items():  # never a bare 404 for an SGLang route
@@ -111,6 +112,14 @@ def _info_routes(router: APIRouter, engine: Engine, cfg: EngineConfig) -> None:
             "launch_command": "slimish engine",
         }  # fmt: skip
 
+    @router.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(engine.metrics.render(engine.scheduler), media_type=CONTENT_TYPE_LATEST)
+
+
+def _models_routes(router: APIRouter, engine: Engine) -> None:
+    """`/v1/models`: the base model and each loaded LoRA adapter."""
+
     def card() -> dict[str, Any]:
         name = engine.served_model_name
         return {"id": name, "object": "model", "created": int(engine.started_at), "owned_by": "sglang",
@@ -133,10 +142,6 @@ def _info_routes(router: APIRouter, engine: Engine, cfg: EngineConfig) -> None:
             return JSONResponse(adapter)
         error = {"message": f"The model '{model}' does not exist", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
         return JSONResponse({"error": error}, status_code=404)
-
-    @router.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(engine.metrics.render(engine.scheduler), media_type=CONTENT_TYPE_LATEST)
 
 
 def _tokenizer_routes(router: APIRouter, engine: Engine) -> None:
