@@ -139,7 +139,9 @@ def _final_ids(events: list[str]) -> list[int]:
 
 
 def test_killed_worker_is_retried_marked_unhealthy_and_comes_back(urls, engines, tiny_model_dir, tmp_path):
-    body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 200}}
+    # Long enough (about a second each) that all 7 are still running when the loads are read: at
+    # 200 tokens a request could end before the last was dispatched, and the wait below timed out.
+    body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 1000}}
     expected = httpx.post(urls[0] + "/generate", json=body, timeout=60).json()["output_ids"]
     with running_router(worker_urls=urls, policy="round_robin", max_retries=2) as router:
         stream = httpx.Client(timeout=60).send(httpx.Request("POST", router + "/generate", json={**body, "stream": True}), stream=True)
