@@ -35,6 +35,10 @@ from slimish.protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
 log = logging.getLogger(__name__)
 
 
+# (KV namespace, the ids to prefill, the first prompt position whose logits are needed)
+PrefillKey = tuple[Hashable, tuple[int, ...], int | None]
+
+
 @dataclass
 class LogprobWish:
     """What a request asked to get back besides tokens."""
@@ -220,11 +224,11 @@ class Scheduler:
         self._admitting = joined  # off `waiting`, not yet `running`: a failing step must fail these too
         slabs: list[KVSlab] = []
         held: list[Request] = []  # no adapter slot free this round
-        shared: dict[Hashable, PrefillOutput] = {}  # this round's prefills, by what makes them identical
+        shared: dict[PrefillKey, PrefillOutput] = {}  # this round's prefills, by what makes them identical
         while self.waiting and len(self.running) + len(joined) < self.max_running:
             req = self.waiting[0]
             key = self._prefill_key(req)
-            cost = 0 if self.share_prefills and key in shared else self._prefill_cost(req)
+            cost = 0 if self.share_prefills and key in shared else self._prefill_cost(key)
             if joined and cost > budget:
                 break
             self.waiting.popleft()
@@ -273,25 +277,28 @@ class Scheduler:
         """A retracted request resumes: its last output token is not in the cache yet."""
         return req.input_ids + req.output_ids[:-1] if req.output_ids else req.input_ids
 
-    def _prefill_key(self, req: Request) -> Hashable:
+    def _prefill_key(self, req: Request) -> PrefillKey:
+        """(KV namespace, the ids to prefill, the first position whose logits are needed): what
+        makes two prefills identical, and all a prefill needs."""
         return (self.kv_namespace(req), tuple(self._prefill_ids(req)), self._logits_from(req))
 
-    def _prefill_cost(self, req: Request) -> int:
-        ids = self._prefill_ids(req)
-        return len(ids) - self.runner.cached_prefix(self.kv_namespace(req), ids, self._logits_from(req))
+    def _prefill_cost(self, key: PrefillKey) -> int:
+        namespace, ids, logits_from = key
+        return len(ids) - self.runner.cached_prefix(namespace, list(ids), logits_from)
 
-    def _prefill(self, req: Request, key: Hashable, shared: dict[Hashable, PrefillOutput]) -> KVSlab | None:
+    def _prefill(self, req: Request, key: PrefillKey, shared: dict[PrefillKey, PrefillOutput]) -> KVSlab | None:
         """Prefill one request (or take an identical one's prefill from this round); its KV if it
         joins the batch."""
+        namespace, ids, logits_from = key
         out = shared.get(key) if self.share_prefills else None
-        cached = len(self._prefill_ids(req))  # a shared prefill: this request computed none
+        cached = len(ids)  # a shared prefill: this request computed none
         if out is None:
-            out = shared[key] = self.runner.prefill(self._prefill_ids(req), self._logits_from(req), self.kv_namespace(req), req.lora)
+            out = shared[key] = self.runner.prefill(list(ids), logits_from, namespace, req.lora)
             cached = out.cached_tokens
         if req.output_ids:  # resumed: what its first prefill found stays reported
             return out.slab
         req.cached_tokens = cached
-        if self._logits_from(req) is not None:
+        if logits_from is not None:
             self._input_logprobs(req, out.logits)
         if req.params.max_new_tokens == 0:  # prompt scoring: input logprobs only
             self._finish(req, {"type": "length", "length": 0})
