@@ -12,7 +12,7 @@ exactly, on a machine with no datasets. Every task here is a pure function of a 
   to the goal. A warm start on demonstrations teaches the format (and for list tasks, that the
   answer is made of the listed items); the goal is left for RL to find, so a reward curve that
   rises shows RL at work, not SFT. (Guesses of any digit 0-9 teach the format too, but then a tiny
-  model spends hundreds of RL steps discovering that the answer is in the prompt: notes/h5-quickstart.md.)
+  model spends hundreds of RL steps discovering that the answer is in the prompt.)
 
 Prompts are plain text (the rollout layer wraps them into a user message); digits and list items
 are separated by spaces because the tiny tokenizer gives each digit its own token.
