@@ -7,8 +7,8 @@ Samples are built directly (no engines): random tokens, with multi-turn loss mas
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing as mp
-import os
 import random
 import time
 
@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from slimish.config import load_run_config
-from slimish.net import free_port
 from slimish.trainer.base import lr_factor, micro_batches, shard, split_minibatches
 from slimish.trainer.torch_backend import TorchTrainer
 from slimish.types import Sample
@@ -138,10 +137,13 @@ def test_micro_batch_split_gives_the_full_batch_gradient(tiny_model_dir):
     assert results[0][1]["train/clip_frac"] > 0  # the noise made some ratios clip
 
 
-def _rank_main(rank: int, world: int, port: int, model_dir: str, out: str, extra: tuple[str, ...]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_main(rank: int, world: int, store: str, model_dir: str, out: str, extra: tuple[str, ...]) -> None:
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    # A CI run hung here for 300 s (cause not seen: only the parent's stacks were dumped). A file
+    # store takes out one way to hang, a TCP store on a picked port that something else took
+    # before rank 0 bound it; the timeout turns any other hang into an error the test shows.
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=120))
     try:
         torch.manual_seed(0)  # a critic's fresh value head: the same as the single rank's
         trainer = TorchTrainer(config(model_dir, "trainer.micro_batch_tokens=40", *FEATURES, *extra))
@@ -168,7 +170,7 @@ def two_steps_batches(trainer: TorchTrainer) -> list[list[list[Sample]]]:
 def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path, extra):
     out = tmp_path / "rank0.pt"
     ctx = torch.multiprocessing.start_processes(
-        _rank_main, args=(2, free_port(), str(tiny_model_dir), str(out), extra), nprocs=2, join=False, start_method="spawn"
+        _rank_main, args=(2, str(tmp_path / "store"), str(tiny_model_dir), str(out), extra), nprocs=2, join=False, start_method="spawn"
     )
     try:
         torch.manual_seed(0)
