@@ -554,6 +554,12 @@ class AlgorithmConfig:
     # KL loss term times pi/pi_old per token: DeepSeek-V3.2's unbiased KL gradient (TRL's default)
     kl_importance_weight: bool = False
     entropy_coef: float = 0.0
+    # InstructGPT's PPO-ptx: each optimiser step also trains on `sft.batch_size` demonstrations
+    # (`sft.source`, else `data.source`'s), their token-mean NLL times ptx_coef added to the loss.
+    # Why: RL alone can drive an answer's probability to 0 on the prompts it is right for, and a
+    # token never sampled is never rewarded; the demonstrations keep pulling every answer they
+    # show. 0 = off.
+    ptx_coef: float = 0.0
     tis_cap: float | None = None  # truncated importance sampling against rollout logprobs
     mis_cap: float | None = None  # masked importance sampling: tokens whose weight exceeds it are dropped
     recompute_old_logprobs: bool = False  # else the rollout's logprobs are the old policy
@@ -586,7 +592,7 @@ class AlgorithmConfig:
                 raise ValueError(f"algorithm.{name} must be > 0, got {getattr(self, name)}")
         if self.tis_cap is not None and self.mis_cap is not None:
             raise ValueError("algorithm.tis_cap and algorithm.mis_cap: set one importance-sampling correction, not both")
-        at_least(0, self, "algorithm.", "advantage_eps", "kl_coef")
+        at_least(0, self, "algorithm.", "advantage_eps", "kl_coef", "ptx_coef")
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"algorithm.{name} must be in [0, 1], got {getattr(self, name)}")

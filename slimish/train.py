@@ -45,7 +45,7 @@ from slimish.rollout.loader import LoadError, load_functions
 from slimish.rollout.manager import RolloutFailing, RolloutManager, RolloutStalled
 from slimish.trainer import checkpoint, make_trainer
 from slimish.trainer.base import Trainer
-from slimish.trainer.sft import sft_batches
+from slimish.trainer.sft import ptx_batches, sft_batches
 from slimish.trainer.weight_sync import WeightSync
 from slimish.types import Sample
 from slimish.view import ViewWriter
@@ -287,6 +287,7 @@ def train(cfg: RunConfig) -> None:
     start_step = state["step"] if state else 0
     with ExitStack() as stack:
         trainer = make_trainer(cfg)
+        ptx = ptx_batches(cfg, trainer.tokenizer) if cfg.algorithm.ptx_coef > 0 else None  # bad demonstrations fail here
         if rank == 0:
             launch = lora_launch(cfg.launch, cfg.trainer.lora)
             servers = stack.enter_context(start_servers(launch, cfg.model, Path(cfg.run_dir) / "logs"))
@@ -311,7 +312,7 @@ def train(cfg: RunConfig) -> None:
             groups, metrics = side.rollout(step - 1)
             groups = broadcast(groups, world)
             with side.phase("train"):
-                metrics.update(trainer.train_step(groups, step))
+                metrics.update(trainer.train_step(groups, step, ptx(step) if ptx else None))
             metrics.update(side.push(trainer, step))
             side.record_trained(step, groups)
             if due(step, cfg.eval.every, cfg.steps):

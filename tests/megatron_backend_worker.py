@@ -29,6 +29,11 @@ def batches(spec: dict) -> list[list[list[Sample]]]:
     return [[[Sample.from_dict(s) for s in group] for group in batch] for batch in spec["batches"]]
 
 
+def demos(spec: dict, step: int) -> list[Sample]:
+    """Step `step`'s ptx demonstrations (the spec's overrides set algorithm.ptx_coef)."""
+    return [Sample.from_dict(s) for s in spec["demos"][step - 1]]
+
+
 def export(trainer: MegatronTrainer) -> dict[str, torch.Tensor]:
     return {name: t.clone() for name, t in trainer.hf_tensors()}  # collective: every rank iterates
 
@@ -40,13 +45,13 @@ def run_layout(spec: dict, layout: dict, out: Path) -> dict:
     name, rank = layout["name"], dist.get_rank()
     trainer = MegatronTrainer(cfg)
     first, second = batches(spec)
-    result: dict = {"metrics": [trainer.train_step(first, 1)]}
+    result: dict = {"metrics": [trainer.train_step(first, 1, demos(spec, 1))]}
     weights = export(trainer)
     if layout.get("resume"):
         state = trainer.state_dict()  # collective; complete on rank 0
         if rank == 0:
             torch.save(state, out / f"{name}_state.pt")
-    result["metrics"].append(trainer.train_step(second, 2))
+    result["metrics"].append(trainer.train_step(second, 2, demos(spec, 2)))
     final = export(trainer)
     if rank == 0:
         torch.save(weights, out / f"{name}_step1.pt")
@@ -55,7 +60,7 @@ def run_layout(spec: dict, layout: dict, out: Path) -> dict:
         dist.barrier()
         resumed = MegatronTrainer(cfg)
         resumed.load_state_dict(torch.load(out / f"{name}_state.pt", weights_only=False))  # every rank, as train.py
-        result["resumed_metrics"] = resumed.train_step(batches(spec)[1], 2)
+        result["resumed_metrics"] = resumed.train_step(batches(spec)[1], 2, demos(spec, 2))
         again = export(resumed)
         if rank == 0:
             result["resume_diff"] = max((again[n] - final[n]).abs().max().item() for n in final)

@@ -21,7 +21,7 @@ if importlib.util.find_spec("megatron.core") is None:  # find_spec: no ~12 s Meg
     pytest.skip("megatron-core is not installed (pip install -e '.[dev]')", allow_module_level=True)
 
 from safetensors.torch import load_file  # noqa: E402
-from test_trainer_torch import FEATURES, config, two_steps_batches  # noqa: E402
+from test_trainer_torch import FEATURES, config, ptx_demos, two_steps_batches  # noqa: E402
 from conftest import run_quickstart, torchrun_ranks  # noqa: E402
 from test_weight_sync import served  # noqa: E402
 
@@ -30,11 +30,11 @@ from slimish.trainer.torch_backend import TorchTrainer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)  # the worker launch is ~60 s alone, several times that on a loaded machine
 WORKER = Path(__file__).with_name("megatron_backend_worker.py")
-OVERRIDES = ["trainer.micro_batch_tokens=40", *FEATURES]
+OVERRIDES = ["trainer.micro_batch_tokens=40", *FEATURES, "algorithm.ptx_coef=0.5"]
 LAYOUTS = ("tp1_dp2", "tp2", "pp2")
 TOL = 1e-5
 METRICS = ("train/loss", "train/policy_loss", "train/grad_norm", "train/kl", "train/entropy", "train/clip_frac",
-           "train/mismatch", "train/ratio", "train/tis", "reward/mean")  # fmt: skip
+           "train/mismatch", "train/ratio", "train/tis", "train/ptx_loss", "reward/mean")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +43,12 @@ def reference(tiny_model_dir) -> dict:
     trainer = TorchTrainer(config(tiny_model_dir, *OVERRIDES))
     steps = two_steps_batches(trainer)
     plain = [[[s.to_dict() for s in group] for group in batch] for batch in steps]
+    demos = [ptx_demos(trainer, step) for step in (1, 2)]
     metrics, weights = [], []
     for step, batch in enumerate(steps, 1):
-        metrics.append(trainer.train_step(batch, step))
+        metrics.append(trainer.train_step(batch, step, demos[step - 1]))
         weights.append({n: t.clone() for n, t in trainer.hf_tensors()})
-    return {"batches": plain, "metrics": metrics, "weights": weights}
+    return {"batches": plain, "demos": [[s.to_dict() for s in d] for d in demos], "metrics": metrics, "weights": weights}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def run(reference, tiny_model_dir, engine_url, tmp_path_factory) -> tuple[dict, 
     out = tmp_path_factory.mktemp("megatron_backend")
     layouts = [{"name": "tp1_dp2", "tp": 1, "pp": 1}, {"name": "tp2", "tp": 2, "pp": 1, "resume": True, "engine_url": engine_url},
                {"name": "pp2", "tp": 1, "pp": 2}]  # fmt: skip
-    spec = {"batches": reference["batches"], "layouts": layouts,
+    spec = {"batches": reference["batches"], "demos": reference["demos"], "layouts": layouts,
             "overrides": [f"model={tiny_model_dir}", "data.source=unused", "trainer.lr=1e-4", "steps=4", *OVERRIDES]}  # fmt: skip
     (out / "spec.json").write_text(json.dumps(spec))
     return torchrun_ranks(WORKER, [str(out / "spec.json"), str(out)], out)[0], out

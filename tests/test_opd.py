@@ -291,6 +291,7 @@ def test_student_distils_a_grpo_teacher_without_task_reward(tmp_path: Path, quic
     student = tmp_path / "student"
     rows = run_quickstart(student, f"steps={STUDENT_STEPS}", f"eval.every={STUDENT_STEPS}", f"eval.n_prompts={EVAL_PROMPTS}",
                           "sft.steps=0", "trainer.lr=4e-3", "algorithm.opd.coef=1.0", "algorithm.opd.task_reward=false",
+                          "algorithm.ptx_coef=0",  # the teacher alone trains it, not the quickstart's demonstrations
                           "rollout.filter_fn=null", f"launch.teacher.model={teacher / 'run' / 'hf'}", model=quickstart_sft)  # fmt: skip
     before, after = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
     kl = [r["train/teacher_kl"] for r in rows[1:]]

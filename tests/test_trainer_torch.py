@@ -147,8 +147,7 @@ def _rank_main(rank: int, world: int, store: str, model_dir: str, out: str, extr
     try:
         torch.manual_seed(0)  # a critic's fresh value head: the same as the single rank's
         trainer = TorchTrainer(config(model_dir, "trainer.micro_batch_tokens=40", *FEATURES, *extra))
-        batches = two_steps_batches(trainer)
-        m1, m2 = trainer.train_step(batches[0], 1), trainer.train_step(batches[1], 2)
+        m1, m2 = two_steps(trainer)
         if rank == 0:
             torch.save({"params": params(trainer), "metrics": [m1, m2], "critic": params(trainer, critic=True)}, out)
         torch.distributed.barrier()  # tear down together: a rank leaving while its peer's gloo pairs are live can abort
@@ -165,8 +164,18 @@ def two_steps_batches(trainer: TorchTrainer) -> list[list[list[Sample]]]:
     return [first, with_rollout_logprobs(trainer, small, noise=0.3, seed=2)]
 
 
+def ptx_demos(trainer: TorchTrainer, step: int) -> list[Sample] | None:
+    """With ptx_coef, 3 demonstrations per step: fewer than 2 ranks x 2 updates, so some rank's
+    update has none."""
+    return make_groups(10 + step, n_groups=1, group_size=3)[0] if trainer.cfg.algorithm.ptx_coef > 0 else None
+
+
+def two_steps(trainer: TorchTrainer) -> list[dict[str, float]]:
+    return [trainer.train_step(batch, step, ptx_demos(trainer, step)) for step, batch in enumerate(two_steps_batches(trainer), 1)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("algorithm.advantage=gae", "critic.lr=1e-3")], ids=["grpo", "ppo_critic"])
+@pytest.mark.parametrize("extra", [(), ("algorithm.advantage=gae", "critic.lr=1e-3"), ("algorithm.ptx_coef=0.5",)], ids=["grpo", "ppo_critic", "ptx"])
 def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path, extra):
     out = tmp_path / "rank0.pt"
     ctx = torch.multiprocessing.start_processes(
@@ -176,8 +185,7 @@ def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path, extra):
         torch.manual_seed(0)
         single = TorchTrainer(config(tiny_model_dir, "trainer.micro_batch_tokens=40", *FEATURES, *extra))
         before = params(single)
-        batches = two_steps_batches(single)
-        m1, m2 = single.train_step(batches[0], 1), single.train_step(batches[1], 2)
+        m1, m2 = two_steps(single)
         deadline = time.monotonic() + 300
         while not ctx.join(timeout=5):
             assert time.monotonic() < deadline, "the 2-rank run did not finish within 300 s"
@@ -188,12 +196,15 @@ def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path, extra):
     two = torch.load(out)
     assert moved(before, two["params"]) > 5e-5
     assert_close(params(single), two["params"], atol=1e-5)
-    if extra:
+    with_critic = "algorithm.advantage=gae" in extra
+    if with_critic:
         assert_close(params(single, critic=True), two["critic"], atol=1e-5)
     for mine, theirs in zip([m1, m2], two["metrics"]):
         critic = sorted(k for k in mine if k.startswith("critic/"))
-        assert len(critic) == (6 if extra else 0) and critic == sorted(k for k in theirs if k.startswith("critic/"))
-        for key in ("train/loss", "train/grad_norm", "train/kl", "train/entropy", "train/mismatch", "reward/mean", *critic):
+        assert len(critic) == (6 if with_critic else 0) and critic == sorted(k for k in theirs if k.startswith("critic/"))
+        assert ("train/ptx_loss" in mine) == ("algorithm.ptx_coef=0.5" in extra)
+        for key in ("train/loss", "train/grad_norm", "train/kl", "train/entropy", "train/mismatch", "reward/mean", *critic,
+                    *[k for k in mine if k == "train/ptx_loss"]):  # fmt: skip
             assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
 
 
@@ -241,6 +252,50 @@ def test_sft_steps_lower_the_loss(tiny_model_dir):
     losses = [trainer.sft_step(batch)["sft/loss"] for _ in range(5)]
     assert losses[-1] < 0.8 * losses[0], losses
     assert trainer.scheduler.last_epoch == 0  # the RL optimiser and schedule are untouched
+
+
+def test_ptx_adds_coef_times_the_sft_gradient(tiny_model_dir):
+    """With every advantage 0 the RL loss has no gradient: what the optimiser gets is the
+    demonstrations' alone, ptx_coef times what an SFT step on them gets."""
+    demos = [s for g in make_groups(8, n_groups=2) for s in g]
+    grads = []
+    for overrides, step in ((("algorithm.ptx_coef=0.3",), "rl"), ((), "sft")):
+        torch.manual_seed(0)
+        trainer = TorchTrainer(config(tiny_model_dir, *overrides))
+        nll = -sum(float((lp * torch.tensor(s.loss_mask)).sum()) for s, lp in zip(demos, trainer.logprobs(demos)))
+        nll /= sum(sum(s.loss_mask) for s in demos)
+        optimizer_step = trainer._optimizer_step
+
+        def recorded(optimizer, trainer=trainer, optimizer_step=optimizer_step):
+            grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+            return optimizer_step(optimizer)
+
+        trainer._optimizer_step = recorded
+        if step == "rl":
+            groups = with_rollout_logprobs(trainer, make_groups(9), 0.0, 9)
+            for s in (s for g in groups for s in g):
+                s.reward = 1.0  # no spread: every advantage is 0
+            metrics = trainer.train_step(groups, 1, demos)
+            assert metrics["train/ptx_loss"] == pytest.approx(0.3 * nll, rel=1e-5)
+            with pytest.raises(ValueError, match="ptx_coef > 0"):
+                trainer.train_step(groups, 2)  # the demonstrations are missing
+        else:
+            assert trainer.sft_step(demos)["sft/loss"] == pytest.approx(nll, rel=1e-5)
+    assert_close(grads[0], {n: 0.3 * g for n, g in grads[1].items()}, atol=1e-7)
+    assert max(g.abs().max().item() for g in grads[1].values()) > 1e-3
+
+
+def test_ptx_batches_depend_on_seed_and_step_alone(tiny_model_dir):
+    """What every rank and a resumed run draw for a step: the same demonstrations."""
+    from transformers import AutoTokenizer
+
+    from slimish.trainer.sft import ptx_batches
+
+    cfg = config(tiny_model_dir, "data.source=task:max_digit", "sft.batch_size=4")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    a, b = ptx_batches(cfg, tok), ptx_batches(cfg, tok)
+    assert [s.tokens for s in a(3)] == [s.tokens for s in b(3)] != [s.tokens for s in a(4)]
+    assert len(a(3)) == 4 and all(s.train_mask == [1] * s.response_length and s.tokens[-1] == tok.eos_token_id for s in a(3))
 
 
 def test_hf_tensors_tied_once(tiny_qwen2_dir):

@@ -40,7 +40,7 @@ from slimish.types import Sample
 # Additive statistics summed over micro-batches, updates and ranks (rl_loss's, plus ours).
 STAT_KEYS = ("loss/policy", "loss/kl", "loss/entropy", "tokens", "clip_low", "clip_high", "dual_clip",
              "ratio", "tis", "kl", "entropy", "mismatch", "mismatch_tokens", "mismatch_fresh", "mismatch_fresh_tokens",
-             "teacher_kl", "loss/value", "value_clip")  # fmt: skip
+             "teacher_kl", "loss/value", "value_clip", "loss/ptx")  # fmt: skip
 
 # (sample indices, response logprobs [B, R], entropies [B, R] or None) -> (loss share, stats)
 LossFn = Callable[[list[int], Tensor, Tensor | None], tuple[Tensor, dict[str, Tensor]]]
@@ -140,6 +140,7 @@ class _Batch:
     returns: Tensor | None = None  # gae: what the critic is trained towards [B, R]
     critic_only: bool = False  # critic.warmup_steps: this step trains the critic alone
     critic_metrics: dict[str, float] = field(default_factory=dict)
+    demos: list[Sample] = field(default_factory=list)  # algorithm.ptx_coef's demonstrations
 
 
 class Trainer(ABC):
@@ -194,14 +195,15 @@ class Trainer(ABC):
 
     # -- RL ----------------------------------------------------------------------------------
 
-    def train_step(self, groups: list[list[Sample]], step: int) -> dict[str, float]:
+    def train_step(self, groups: list[list[Sample]], step: int, demos: list[Sample] | None = None) -> dict[str, float]:
         with self._threads():
-            return self._train_step(groups, step)
+            return self._train_step(groups, step, demos)
 
-    def _train_step(self, groups: list[list[Sample]], step: int) -> dict[str, float]:
+    def _train_step(self, groups: list[list[Sample]], step: int, demos: list[Sample] | None) -> dict[str, float]:
         """One rollout batch: `trainer.updates_per_step` optimiser steps. `step` is the RL step
         (1-based); it must follow the optimiser's history, which catches a resume that did not
-        restore the trainer's state."""
+        restore the trainer's state. `demos` (every rank the same): `algorithm.ptx_coef`'s
+        demonstrations, shared out over the updates."""
         started = time.perf_counter()
         done, per_step = self._updates_done(), self.cfg.trainer.updates_per_step
         if done != (step - 1) * per_step:
@@ -209,7 +211,11 @@ class Trainer(ABC):
                              f"{(step - 1) * per_step}; load its state_dict when resuming")  # fmt: skip
         if not groups or not all(groups):
             raise ValueError(f"train_step: groups must be non-empty lists of samples, got sizes {[len(g) for g in groups]}")
+        if (demos is not None) != (self.cfg.algorithm.ptx_coef > 0):
+            raise ValueError(f"train_step: demos are trained on when and only when algorithm.ptx_coef > 0 "
+                             f"(it is {self.cfg.algorithm.ptx_coef}, demos {'given' if demos is not None else 'not given'})")  # fmt: skip
         batch = self._prepare(groups, step)
+        batch.demos = demos or []
         grad_norms, lrs = self._update(batch)
         totals = dict(zip(STAT_KEYS, self._all_reduce(torch.tensor([batch.stats[k] for k in STAT_KEYS], dtype=torch.float64,
                                                                     device=self.device)).tolist()))  # fmt: skip
@@ -315,6 +321,7 @@ class Trainer(ABC):
         grad_norms: list[float] = []
         lrs: list[float] = []
         critic_norms: list[float] = []
+        demo_minis = split_minibatches(len(b.demos), len(b.minis)) if b.demos else [[] for _ in b.minis]
         for u, (mini, share) in enumerate(zip(b.minis, b.shares)):
             n_tokens = sum(sum(samples[i].train_mask) for i in mini)
             lrs.append(self._lr())
@@ -358,6 +365,8 @@ class Trainer(ABC):
             entropy = True if algo.entropy_coef > 0 else None  # else measured without gradient
             for key, value in self._accumulate([samples[i] for i in share], share, loss_fn, entropy).items():
                 b.stats[key] += value
+            if demo_minis[u]:
+                b.stats["loss/ptx"] += self._nll([b.demos[i] for i in demo_minis[u]], algo.ptx_coef).get("nll", 0.0)
             grad_norms.append(self._optimizer_step(self.optimizer))
             self._scheduler_step()
         if critic_norms:
@@ -400,7 +409,7 @@ class Trainer(ABC):
         updates = max(len(grad_norms), 1)
         tokens = max(t["tokens"], 1.0)
         out = {
-            "train/loss": (t["loss/policy"] + t["loss/kl"] + t["loss/entropy"]) / updates,
+            "train/loss": (t["loss/policy"] + t["loss/kl"] + t["loss/entropy"] + t["loss/ptx"]) / updates,
             "train/policy_loss": t["loss/policy"] / updates,
             "train/entropy": t["entropy"] / tokens,
             "train/clip_frac": (t["clip_low"] + t["clip_high"]) / tokens,
@@ -423,6 +432,8 @@ class Trainer(ABC):
             out["train/mismatch_stale"] = (t["mismatch"] - t["mismatch_fresh"]) / stale_tokens
         if with_ref:
             out["train/kl"] = t["kl"] / tokens
+        if self.cfg.algorithm.ptx_coef > 0:  # ptx_coef x the demonstrations' NLL per token
+            out["train/ptx_loss"] = t["loss/ptx"] / updates
         if self.cfg.algorithm.opd.coef > 0:  # mean over trained tokens of log pi_old - log pi_teacher
             out["train/teacher_kl"] = t["teacher_kl"] / tokens
         if self.cfg.algorithm.dual_clip_c is not None:
@@ -443,22 +454,27 @@ class Trainer(ABC):
         check_samples(samples)
         if self.sft_optimizer is None:
             self.sft_optimizer = self._new_optimizer(self.cfg.sft.lr)
-        n_tokens = sum(sum(s.train_mask) for s in samples)
-        if not n_tokens:
+        if not any(any(s.train_mask) for s in samples):
             raise ValueError("sft_step: the batch has no loss-mask-1 token to train on")
-        normalizer = float(n_tokens)
+        stats = self._nll(samples, 1.0)
+        grad_norm = self._optimizer_step(self.sft_optimizer)
+        loss, tokens = self._all_reduce(torch.tensor([stats.get("nll", 0.0), stats.get("tokens", 0.0)],
+                                                     dtype=torch.float64, device=self.device)).tolist()  # fmt: skip
+        return {"sft/loss": loss, "sft/grad_norm": grad_norm, "sft/tokens": tokens}
+
+    def _nll(self, samples: list[Sample], coef: float) -> dict[str, float]:
+        """Adds the gradient of coef x the token-mean NLL of `samples`' trained tokens (every rank
+        passes the same samples and trains its share); this rank's parts of that term (`nll`) and
+        of the token count."""
+        normalizer = float(sum(sum(s.train_mask) for s in samples))
         share = shard([len(s.tokens) for s in samples], self.dp_size)[self.dp_rank]
 
         def loss_fn(idx: list[int], logprobs: Tensor, _: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
             mask = self._pad([self._mask(samples[i]) for i in idx])
-            loss = sft_loss(logprobs, mask, normalizer)
-            return loss, {"loss/policy": loss.detach(), "tokens": mask.sum()}
+            loss = coef * sft_loss(logprobs, mask, normalizer)
+            return loss, {"nll": loss.detach(), "tokens": mask.sum()}
 
-        stats = self._accumulate([samples[i] for i in share], share, loss_fn, entropy=False)
-        grad_norm = self._optimizer_step(self.sft_optimizer)
-        loss, tokens = self._all_reduce(torch.tensor([stats.get("loss/policy", 0.0), stats.get("tokens", 0.0)],
-                                                     dtype=torch.float64, device=self.device)).tolist()  # fmt: skip
-        return {"sft/loss": loss, "sft/grad_norm": grad_norm, "sft/tokens": tokens}
+        return self._accumulate([samples[i] for i in share], share, loss_fn, entropy=False)
 
     # -- micro-batches and tensors of samples --------------------------------------------------
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from slimish.config import RunConfig
@@ -50,37 +50,62 @@ def demonstrations(cfg: RunConfig) -> list[Demonstration]:
     return out
 
 
+class Rendered:
+    """The demonstrations as token ids, rendered once each, on demand (rollouts' rendering)."""
+
+    def __init__(self, cfg: RunConfig, tokenizer: Any) -> None:
+        self.pairs = demonstrations(cfg)
+        if not self.pairs:
+            raise SystemExit("sft: no demonstrations")
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.fmt = ModelFormat(tokenizer, cfg.model, cfg.rollout.tool_call_parser, cfg.rollout.reasoning_parser)
+        self._ids = functools.cache(self._render)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def _render(self, i: int) -> tuple[list[int], list[int]]:
+        d, tokenizer = self.pairs[i], self.tokenizer
+        if isinstance(d.prompt, str):
+            text = d.response if isinstance(d.response, str) else d.response.get("content") or ""
+            return self.fmt.prompt_ids(d.prompt), tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        chat = self.fmt.chat(d.tools, **self.cfg.rollout.chat_template_kwargs)
+        message = {"role": "assistant", "content": d.response} if isinstance(d.response, str) else d.response
+        return chat.prompt_ids(d.prompt), chat.assistant_ids(d.prompt, message)
+
+    def sample(self, i: int) -> Sample:
+        """Demonstration `i` as a sample whose every response token is trained on."""
+        prompt_ids, ids = self._ids(i)
+        sample = Sample(prompt=self.pairs[i].prompt)
+        sample.set_prompt(prompt_ids)
+        sample.append_model(ids, [0.0] * len(ids))
+        return sample
+
+
 def sft_batches(cfg: RunConfig, tokenizer: Any) -> Iterator[list[Sample]]:
     """`sft.steps` batches of `sft.batch_size` samples, every response token trained on. A chat
     prompt's response is the assistant turn as the template renders it, up to the token that
     ends the turn (a GLM-style template's next-turn opener included); a text prompt's is the
     response's tokens and EOS."""
-    pairs = demonstrations(cfg)
-    if not pairs:
-        raise SystemExit("sft: no demonstrations")
-    fmt = ModelFormat(tokenizer, cfg.model, cfg.rollout.tool_call_parser, cfg.rollout.reasoning_parser)
-
-    @functools.cache
-    def rendered(i: int) -> tuple[list[int], list[int]]:
-        d = pairs[i]
-        if isinstance(d.prompt, str):
-            text = d.response if isinstance(d.response, str) else d.response.get("content") or ""
-            return fmt.prompt_ids(d.prompt), tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-        chat = fmt.chat(d.tools, **cfg.rollout.chat_template_kwargs)
-        message = {"role": "assistant", "content": d.response} if isinstance(d.response, str) else d.response
-        return chat.prompt_ids(d.prompt), chat.assistant_ids(d.prompt, message)
-
+    demos = Rendered(cfg, tokenizer)
     rng = random.Random(cfg.seed)
     order: list[int] = []
     for _ in range(cfg.sft.steps):
         batch = []
         for _ in range(cfg.sft.batch_size):
             if not order:  # epochs without replacement
-                order = rng.sample(range(len(pairs)), len(pairs))
-            i = order.pop()
-            prompt_ids, ids = rendered(i)
-            sample = Sample(prompt=pairs[i].prompt)
-            sample.set_prompt(prompt_ids)
-            sample.append_model(ids, [0.0] * len(ids))
-            batch.append(sample)
+                order = rng.sample(range(len(demos)), len(demos))
+            batch.append(demos.sample(order.pop()))
         yield batch
+
+
+def ptx_batches(cfg: RunConfig, tokenizer: Any) -> Callable[[int], list[Sample]]:
+    """`algorithm.ptx_coef`: the `sft.batch_size` demonstrations RL step `step` trains on beside
+    its rollouts. Drawn by (seed, step) alone, so every rank and a resumed run draw the same."""
+    demos = Rendered(cfg, tokenizer)
+
+    def batch(step: int) -> list[Sample]:
+        rng = random.Random(f"{cfg.seed}/ptx/{step}")
+        return [demos.sample(rng.randrange(len(demos))) for _ in range(cfg.sft.batch_size)]
+
+    return batch
