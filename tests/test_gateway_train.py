@@ -88,4 +88,6 @@ def test_anthropic_sdk_agent_learns_a_toy_tool_task(tmp_path: Path) -> None:
     assert accuracy[0] < 0.3, f"SFT alone should leave held-out accuracy near chance, got {accuracy[0]}"
     assert accuracy[-1] >= accuracy[0] + 0.1, f"held-out accuracy {accuracy} over 12 steps"
     steps = [r for r in metrics if r["step"] >= 1 and "rollout/groups_failed" in r]
-    assert all(r["rollout/groups_failed"] == 0 for r in steps) and all(r["rollout/segments_per_trajectory"] == 1.0 for r in steps)
+    failures = [line for line in done.stderr.splitlines() if "groups failed" in line]
+    assert all(r["rollout/groups_failed"] == 0 for r in steps), failures[:3]
+    assert all(r["rollout/segments_per_trajectory"] == 1.0 for r in steps)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -200,6 +201,27 @@ def test_bad_reward_and_filter_fns_fail_the_group_with_the_error(servers: Server
 
     message, m = run_manager(cfg, servers.router_url, short_rollout, body, reward_fn, filter_fn)
     assert error in message and m.counters["groups_failed"] == 1 and m.counters["failed"] == 2 and accounted(m)
+
+
+async def reward_raises_on_even_groups(ctx, sample):
+    if sample.group_id % 2 == 0:
+        raise KeyError("judge unavailable")
+    return float(sample.index)
+
+
+def test_a_batch_past_failed_groups_says_why_they_failed(servers: Servers, tiny_model_dir: Path, prompts: str, caplog) -> None:
+    """The run goes on without the failed groups, and its console says why they failed (the
+    metrics only count them)."""
+    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2", "rollout.max_prompts_factor=4")
+
+    async def body(m: RolloutManager) -> Any:
+        return await m.next_batch(0)
+
+    with caplog.at_level(logging.WARNING, logger="slimish.rollout.manager"):
+        groups, metrics = run_manager(cfg, servers.router_url, short_rollout, body, reward_raises_on_even_groups)
+    assert len(groups) == 2 and all(g[0].group_id % 2 == 1 for g in groups) and metrics["rollout/groups_failed"] >= 1
+    said = [r.getMessage() for r in caplog.records if "groups failed" in r.getMessage()]
+    assert len(said) == 1 and "reward fn: KeyError: 'judge unavailable'" in said[0], said
 
 
 def test_dict_rewards_with_a_reward_key_are_kept(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:

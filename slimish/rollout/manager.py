@@ -240,6 +240,9 @@ class RolloutManager:
         return batch, stats
 
     def _batch_metrics(self, groups: list[list[Sample]], stats: dict[str, Any], version: int, waited: float) -> dict[str, float]:
+        if stats["errors"]:  # the counts are in the metrics; the reasons are said here
+            log.warning("rollout: %d groups failed, %d samples failed on infrastructure (retried) since the last batch; first errors: %s",
+                        stats["groups_failed"], stats["infra_failed"], "; ".join(stats["errors"][:3]))  # fmt: skip
         metrics = {f"rollout/{k}": float(v) for k, v in stats.items() if isinstance(v, (int, float)) and k != "seconds"}
         for reason, count in stats["filter_reasons"].items():
             metrics[f"rollout/filtered/{reason}"] = float(count)
