@@ -123,9 +123,10 @@ def test_tool_agent_sample_is_engine_ids_interleaved_with_tool_ids(servers: Serv
 
 async def chat_then_follow_up(ctx: RolloutContext, sample: Sample) -> Sample:
     """Two turns without tools: the first runs out of tokens (its turn is closed by env ids),
-    then a user follow-up."""
+    then a user follow-up. `min_new_tokens`: the fitted model may end its turn sooner (with one
+    dependency set it answered `5<|im_end|>`)."""
     messages = list(sample.prompt)
-    first = await ctx.chat(messages, sampling_params={"max_new_tokens": 5})
+    first = await ctx.chat(messages, sampling_params={"max_new_tokens": 5, "min_new_tokens": 5})
     assert first.finish_reason == "length" and sample.status == SampleStatus.TRUNCATED
     messages += [first.message, {"role": "user", "content": "Say it again."}]
     await ctx.chat(messages, sampling_params={"max_new_tokens": 6})
@@ -139,7 +140,7 @@ def test_chat_closes_a_cut_off_turn_and_records_a_user_turn_with_mask_0(servers:
     tok = AutoTokenizer.from_pretrained(tool_model)
     chat = ModelFormat(tok).chat()
     prompt = chat.prompt_ids(QUESTION)
-    first, first_lps = engine_turn(servers.engine_urls[0], prompt, 5)
+    first, first_lps = engine_turn(servers.engine_urls[0], prompt, 5, min_new_tokens=5)
     env = chat.env_ids([{"role": "user", "content": "Say it again."}], last_token=first[-1])
     assert env[0] == chat.close_id  # the cut-off turn is closed as the template closes it
     second, second_lps = engine_turn(servers.engine_urls[0], prompt + first + env, 6)

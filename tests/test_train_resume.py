@@ -110,7 +110,7 @@ from slimish.trainer.weight_sync import WeightSync
 if point == "rollout":  # while the step's second group is being taken: the first is in flight
     wrap(RolloutManager, "_take", before=lambda self, v: self.next_group_id == (at - 1) * {groups} + 1)
 elif point == "train":  # the step's gradients applied, nothing pushed or saved
-    wrap(TorchTrainer, "train_step", after=lambda self, groups, step: step == at)
+    wrap(TorchTrainer, "train_step", after=lambda self, groups, step, demos=None: step == at)
 elif point == "push":  # the engines paused, the broadcast not begun
     wrap(WeightSync, "_push_buckets", before=lambda self, named, version: version == str(at))
 elif point == "checkpoint":  # the state written to the temporary directory, not yet renamed
