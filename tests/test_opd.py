@@ -234,13 +234,14 @@ def test_a_teacher_equal_to_the_start_has_zero_kl_until_the_policy_moves(tmp_pat
     """The teacher is the policy's own starting model, served by engines of its own: the first
     step's samples (version 0) have teacher_kl 0 up to engine numerics; once the policy has
     moved it is not 0, and no sample failed, so the teacher was never pushed to (its pinned
-    weight version would have failed its samples)."""
+    weight version would have failed its samples). No ptx: on this random model the
+    quickstart's demonstrations would drive the first step (async once moved it 4e-6 in KL)."""
     from slimish.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", arch="llama", size="tiny", seed=0)
     rows = run_quickstart(tmp_path, "steps=3", "sft.steps=0", "eval.every=0", "rollout.rollout_batch_size=4",
                           "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8", "rollout.filter_fn=null",
-                          "algorithm.opd.coef=1.0", f"launch.teacher.model={model}", *mode, model=model)  # fmt: skip
+                          "algorithm.opd.coef=1.0", "algorithm.ptx_coef=0", f"launch.teacher.model={model}", *mode, model=model)  # fmt: skip
     kl = [r["train/teacher_kl"] for r in rows[1:]]
     assert abs(kl[0]) < 1e-5, kl
     assert max(abs(k) for k in kl[1:]) > 1e-4, kl
@@ -259,7 +260,7 @@ def test_a_run_with_its_teacher_served_by_name_on_the_policy_router(tmp_path: Pa
     model = make_tiny_model(tmp_path / "model", arch="llama", size="tiny", seed=0)
     rows = run_quickstart(tmp_path, "steps=3", "sft.steps=0", "eval.every=0", "rollout.rollout_batch_size=2",
                           "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8", "rollout.filter_fn=null",
-                          "algorithm.opd.coef=1.0", f"launch.teacher.model={model}", "launch.teacher.served_name=teacher",
+                          "algorithm.opd.coef=1.0", "algorithm.ptx_coef=0", f"launch.teacher.model={model}", "launch.teacher.served_name=teacher",
                           model=model)  # fmt: skip
     kl = [r["train/teacher_kl"] for r in rows[1:]]
     assert abs(kl[0]) < 1e-5 and max(abs(k) for k in kl[1:]) > 1e-4, kl
