@@ -83,12 +83,11 @@ def serve_backend(port: int) -> None:
 
 
 def serve_slimish_router(port: int, worker_url: str) -> None:
-    import uvicorn
-
     from slimish.router import RouterConfig, create_app
+    from slimish.router.wire import bind, run
 
-    app = create_app(RouterConfig(worker_urls=[worker_url], policy="round_robin"))
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, proxy_headers=False)
+    router = create_app(RouterConfig(worker_urls=[worker_url], policy="round_robin"))
+    run(router.serve([bind("127.0.0.1", port, reuse_port=False)], signals=True))
 
 
 # ---- the load generator -----------------------------------------------------------------------

@@ -341,6 +341,7 @@ class LaunchConfig:
     engines: int = 1  # built-in engines started when router_url is None
     engine_flag: list[str] = field(default_factory=list)  # NAME=VALUE passed to every engine
     policy: str = "least_inflight"  # the embedded router's policy
+    router_workers: int = 1  # processes of the embedded router on its port (`slimish router --workers`)
     api_key: str | None = None  # sent to the router / engines when they need one
     start_timeout: float = 300.0
     # Where the engines run: local (child processes of rank 0) | ray (Ray actors, one placement
@@ -370,6 +371,8 @@ class LaunchConfig:
             raise ValueError(f"launch.engine_urls needs launch.engine_kind=external, got {self.engine_kind!r}")
         if self.mode == "ray" and (self.engine_kind == "external" or self.router_url):
             raise ValueError("launch.mode=ray places engines it starts: not with engine_kind=external or router_url")
+        if self.router_workers < 1:
+            raise ValueError(f"launch.router_workers must be >= 1 (router processes on one port), got {self.router_workers}")
         if self.engines < 1 or self.engine_cpus < 0 or self.engine_gpus < 0:
             raise ValueError(f"launch.engines must be >= 1 and engine_cpus/engine_gpus >= 0, got "
                              f"{self.engines}, {self.engine_cpus}, {self.engine_gpus}")  # fmt: skip

@@ -94,11 +94,24 @@ def serving(app, what: str) -> Iterator[str]:
 def running_router(**settings) -> Iterator[str]:
     """The slimish router in a thread of the test process (fast to start): its URL. Health
     checks run often, so tests that kill a worker see it marked down quickly."""
+    import asyncio
+
     from slimish.router import RouterConfig, create_app
+    from slimish.router.wire import bind
 
     cfg = RouterConfig(**{"health_check_interval": 0.2, "health_failure_threshold": 1, **settings})
-    with serving(create_app(cfg), "router") as url:
-        yield url
+    router, sock = create_app(cfg), bind("127.0.0.1", 0, reuse_port=False)
+    loop, ready = asyncio.new_event_loop(), threading.Event()
+    stop = asyncio.Event()
+    thread = threading.Thread(target=lambda: loop.run_until_complete(router.serve([sock], ready=ready.set, stop=stop)), daemon=True)
+    thread.start()
+    assert ready.wait(30), "router did not start within 30 s"
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+        loop.close()
 
 
 def run_plugin(rollout, model_dir: Path, url: str, tok, sample, sampling_params: dict):

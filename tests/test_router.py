@@ -1,7 +1,7 @@
 """The slimish router in front of two real built-in engines: policies, streaming, retries on a
 killed engine, registry, fan-out, keys, limits, metrics, and the openai SDK as a client.
 
-The router runs in this process on a real port (uvicorn in a thread), one per test with the
+The router runs in this process on a real port (its own event loop in a thread), one per test with the
 settings it needs; the engines are real child processes shared by the module. Which worker
 served a reply is read from the router's `x-slimish-worker` header.
 """

@@ -41,7 +41,7 @@ def test_serve_starts_engines_and_router_and_stops_them_all(tiny_model_dir, tmp_
         r = httpx.post(router + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 3
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 128 + signal.SIGTERM  # uvicorn re-raises the signal after its graceful stop
+        assert proc.wait(timeout=30) == 0  # a graceful stop: requests in flight finished, engines stopped
         out = proc.stdout.read().decode()
         assert f"router at {router}" in out
         for url in [router, *engines]:

@@ -134,6 +134,16 @@ def test_least_inflight_balances_with_per_process_counts(urls, tmp_path):
     assert set(by_engine) == set(urls) and abs(by_engine[urls[0]] - by_engine[urls[1]]) <= PROCESSES, by_engine
 
 
+def test_a_run_starts_its_router_with_launch_router_workers(urls, tmp_path):
+    from slimish.config import LaunchConfig
+    from slimish.launch.local import router_process
+
+    with router_process(LaunchConfig(router_workers=PROCESSES, policy="round_robin"), urls, tmp_path).start(60) as proc:
+        seen: set[str] = set()
+        wait_for(lambda: seen.add(httpx.get(proc.url + "/v1/models").headers[PROCESS_HEADER]) or len(seen) == PROCESSES,
+                 "every router process to take connections")  # fmt: skip
+
+
 def test_router_processes_die_with_the_parent(urls, tmp_path):
     with router(tmp_path, urls) as r:
         assert r.proc is not None

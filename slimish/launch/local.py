@@ -66,7 +66,7 @@ def await_weights_on_relaunch(engine: ServerProcess) -> None:
 def router_process(launch: "LaunchConfig", worker_urls: list[str], log_dir: Path) -> ServerProcess:
     """The run's router, in front of `worker_urls`, not started."""
     port = free_port()
-    argv = ["router", "--port", str(port), "--policy", launch.policy, "--worker-urls", *worker_urls]
+    argv = ["router", "--port", str(port), "--policy", launch.policy, "--workers", str(launch.router_workers), "--worker-urls", *worker_urls]
     if launch.api_key:
         argv += ["--api-key", launch.api_key]
     return ServerProcess(argv, port=port, log_path=log_dir / "router.log")

@@ -7,19 +7,18 @@ process in front of them. Ctrl-C or SIGTERM stops the router, then every engine:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import signal
 import sys
 import tempfile
 from pathlib import Path
-
-import uvicorn
 
 from slimish.launch.local import engine_process
 from slimish.launch.process import ServerProcess, start_all
 from slimish.config import RouterConfig, ServeConfig, add_config_arguments, config_from_args
 from slimish.router.app import add_arguments as add_router_arguments
 from slimish.router.app import create_app
+from slimish.router.wire import bind
+from slimish.router.wire import run as run_loop
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(serve.log_dir or tempfile.mkdtemp(prefix="slimish-serve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     flags = engine_flags(serve.engine_flag)
-    # SIGTERM while engines start must still reach the `finally` that stops them (uvicorn
-    # installs its own handlers once the router runs).
+    # SIGTERM while engines start must still reach the `finally` that stops them (the router
+    # installs its own handlers once it runs: a graceful stop, exit 0).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     engines: list[ServerProcess] = [
         engine_process(serve.model, log_path=log_dir / f"engine{i}.log", **flags) for i in range(serve.engines)
@@ -54,24 +53,11 @@ def run(args: argparse.Namespace) -> int:
         for e in engines:
             print(f"slimish serve: engine ready at {e.url}", flush=True)
         cfg = config_from_args(RouterConfig, args, worker_urls=[e.url for e in engines])
-        server = uvicorn.Server(
-            uvicorn.Config(create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                           access_log=False, proxy_headers=False)
-        )
-        asyncio.run(_serve(server, f"http://{cfg.host}:{cfg.port}", serve.engines))
+        sock = bind(cfg.host, cfg.port, reuse_port=False)
+        url = f"http://{cfg.host}:{sock.getsockname()[1]}"
+        ready = f"slimish serve: router at {url} in front of {serve.engines} engine(s); Ctrl-C to stop"
+        run_loop(create_app(cfg).serve([sock], signals=True, ready=lambda: print(ready, flush=True)))
     finally:
         for e in engines:
             e.stop()
     return 0
-
-
-async def _serve(server: uvicorn.Server, url: str, n: int) -> None:
-    """Run the router and say where it is once it is listening."""
-    task = asyncio.create_task(server.serve())
-    while not server.started and not task.done():
-        await asyncio.sleep(0.05)
-    if server.started:
-        print(f"slimish serve: router at {url} in front of {n} engine(s); Ctrl-C to stop", flush=True)
-    await task
-    if not server.started:
-        sys.exit(f"slimish serve: the router could not start on {url}")

@@ -4,7 +4,7 @@
 sglang-router 0.3.x's worker registry (and the legacy `/add_worker` family slime uses), fan-out
 control for the trainer, and health/metrics. One process, one event loop; with `--workers N`,
 N such processes on one port (scaleout.py), each built here as a follower of the parent's
-registry (shared.py).
+registry (shared.py). The serving routes run straight on wire.py's server; the rest on FastAPI.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import argparse
 import asyncio
 import json
 import logging
+import socket
 import time
 from contextlib import asynccontextmanager
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 from urllib.parse import urlencode
 
 from fastapi import FastAPI, Request
@@ -24,7 +25,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 from slimish.config import RouterConfig, add_config_arguments, config_from_args
 from slimish.protocol import ROUTING_KEY_HEADER, AddWorkerReq, ChatCompletionRequest, CompletionRequest, GenerateReqInput, describe_validation_error
@@ -33,9 +33,13 @@ from slimish.router.lora import adapters_of, lora_routes
 from slimish.router.metrics import RouterMetrics
 from slimish.router.policy import RouteInfo, make_policy
 from slimish.router.proxy import PROCESS_HEADER, Proxy, RouterError, error_response
+from slimish.router import wire
 from slimish.router.shared import Follower
 from slimish.serving import document_bodies, warn_if_exposed
 from slimish.router.workers import Worker, WorkerRegistry
+
+log = logging.getLogger("slimish.router")
+HotRoute = Callable[[wire.Request, wire.Connection], Awaitable[None]]
 
 SERVING_POST = ("/generate", "/v1/completions", "/v1/chat/completions")
 SERVING_GET = ("/v1/models", "/model_info", "/get_model_info", "/server_info", "/get_server_info")
@@ -50,7 +54,7 @@ ENGINE_ADMIN = {
 }  # fmt: skip
 
 
-def create_app(cfg: RouterConfig, follower: Follower | None = None) -> "_HotPaths":
+def create_app(cfg: RouterConfig, follower: Follower | None = None) -> "Router":
     """The router; with `follower`, one of `--workers N` processes: it serves the serving and
     health routes itself over the parent's registry, and passes every other route to the parent."""
     workers = WorkerRegistry(cfg)
@@ -61,7 +65,7 @@ def create_app(cfg: RouterConfig, follower: Follower | None = None) -> "_HotPath
     metrics = RouterMetrics(workers)
     proxy = Proxy(cfg, workers, policy, metrics)
     if follower is not None:
-        proxy.reply_headers[PROCESS_HEADER] = str(follower.index)
+        proxy.reply_headers.append((PROCESS_HEADER, str(follower.index)))
     admin_key = cfg.admin_api_key if cfg.admin_api_key is not None else cfg.api_key
 
     @asynccontextmanager
@@ -82,15 +86,15 @@ def create_app(cfg: RouterConfig, follower: Follower | None = None) -> "_HotPath
     document_bodies(app, {"/generate": GenerateReqInput, "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
 
     @app.exception_handler(RouterError)
-    async def _router_error(request: Request, exc: RouterError) -> JSONResponse:
+    async def _router_error(request: Request, exc: RouterError) -> Response:
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
 
     @app.exception_handler(RequestValidationError)
-    async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _bad_request(request: Request, exc: RequestValidationError) -> Response:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         return error_response(400, f"{request.method} {request.url.path}: {problems}")
 
@@ -104,25 +108,25 @@ def create_app(cfg: RouterConfig, follower: Follower | None = None) -> "_HotPath
         lora_routes(app, cfg, workers, proxy, admin)
     else:
         follower.pass_the_rest(app, cfg, proxy)
-    return _HotPaths(app, _serving_routes(cfg, proxy, policy, metrics, workers), cfg, metrics, workers, refresh)
+    return Router(app, _serving_routes(cfg, proxy, policy, metrics, workers), cfg, metrics, workers, refresh)
 
 
 def _serving_routes(cfg: RouterConfig, proxy: Proxy, policy: Any, metrics: RouterMetrics,
-                    workers: WorkerRegistry) -> dict[str, tuple[Callable, tuple[str, ...]]]:  # fmt: skip
+                    workers: WorkerRegistry) -> dict[str, tuple[HotRoute, tuple[str, ...]]]:  # fmt: skip
     """The hot paths: each forwarded to a worker chosen by the policy."""
 
-    def serve_post(route: str) -> Callable:
-        async def handler(request: Request) -> Response:
+    def serve_post(route: str) -> HotRoute:
+        async def handler(request: wire.Request, out: wire.Connection) -> None:
             started = time.perf_counter()
             try:
                 check_key(request, cfg.api_key, "--api-key")
-                body = await read_body(request, cfg.max_body_bytes)
+                body = request.body  # the server held it to --max-body-bytes
                 payload = parse_object(body)
                 if cfg.max_prompt_tokens is not None:
                     check_prompt_length(route, payload, cfg.max_prompt_tokens)
                 if cfg.max_new_tokens_cap is not None and apply_cap(route, payload, cfg.max_new_tokens_cap):
                     body = json.dumps(payload).encode()
-                routing_key = request.headers.get(ROUTING_KEY_HEADER)
+                routing_key = request.headers.get(ROUTING_KEY_HEADER.lower())
                 headers = {"content-type": "application/json"}
                 if routing_key is not None:
                     headers[ROUTING_KEY_HEADER] = routing_key
@@ -130,22 +134,22 @@ def _serving_routes(cfg: RouterConfig, proxy: Proxy, policy: Any, metrics: Route
                 info = RouteInfo(prompt_of(route, payload) if policy.needs_prompt else None, routing_key,
                                  adapters_of(route, payload, workers.all()), route, model)  # fmt: skip
                 stream = payload.get("stream") is True
-                return await proxy.forward(route, started, request.method, route, body, headers, info, stream)
+                await proxy.forward(out, route, started, request.method, body, headers, info, stream)
             except RouterError as exc:
                 metrics.observe(route, exc.status, time.perf_counter() - started)
-                return exc.response()
+                exc.write(out)
 
         return handler
 
-    def serve_get(route: str) -> Callable:
-        async def handler(request: Request) -> Response:
+    def serve_get(route: str) -> HotRoute:
+        async def handler(request: wire.Request, out: wire.Connection) -> None:
             started = time.perf_counter()
             try:
                 check_key(request, cfg.api_key, "--api-key")
-                return await proxy.forward(route, started, "GET", route, None, {})
+                await proxy.forward(out, route, started, "GET", None, {})
             except RouterError as exc:
                 metrics.observe(route, exc.status, time.perf_counter() - started)
-                return exc.response()
+                exc.write(out)
 
         return handler
 
@@ -286,37 +290,41 @@ def _health_routes(app: FastAPI, workers: WorkerRegistry, metrics: RouterMetrics
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-class _HotPaths:
-    """Serving routes dispatched straight from ASGI, past the middleware stack and the route scan
-    (measured: ~1.4x the req/s at concurrency 64). Everything else goes to the FastAPI app.
+class Router:
+    """The router app: serving routes dispatched straight from wire.py's server, everything else
+    through FastAPI (`app`).
 
     Here too the concurrency limit: `active` counts serving requests from arrival until their
-    response (a stream's last byte) is sent; checked and counted with no await between, so the
+    reply (a stream's last byte) is written; checked and counted with no await between, so the
     limit is exact (per process with `--workers N`). `refresh`, in a follower, first takes the
     parent's registry if it changed."""
 
-    def __init__(self, app: FastAPI, routes: dict[str, tuple[Callable, tuple[str, ...]]], cfg: RouterConfig, metrics: RouterMetrics,
+    def __init__(self, app: FastAPI, routes: dict[str, tuple[HotRoute, tuple[str, ...]]], cfg: RouterConfig, metrics: RouterMetrics,
                  workers: WorkerRegistry, refresh: Callable[[], None] | None = None) -> None:  # fmt: skip
         self.app, self.routes, self.cfg, self.metrics, self.workers, self.refresh = app, routes, cfg, metrics, workers, refresh
+        self.lifespan = app.router.lifespan_context(app)  # kept: `app` may be wrapped (scaleout.py)
         self.active = 0
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def handle(self, request: wire.Request, out: wire.Connection) -> None:
         if self.refresh is not None:
             self.refresh()
-        if scope["type"] == "http" and (hit := self.routes.get(scope["path"])) and scope["method"] in hit[1]:
-            if self.active >= self.cfg.max_concurrent_requests:
-                self.metrics.observe(scope["path"], 429, 0.0)
-                message = (f"the router is full: {self.active} requests in flight, the limit is "
-                           f"{self.cfg.max_concurrent_requests} (--max-concurrent-requests); retry after {self.cfg.retry_after_s} s")  # fmt: skip
-                return await RouterError(429, message, str(self.cfg.retry_after_s)).response()(scope, receive, send)
-            self.active += 1
-            try:
-                response = await hit[0](Request(scope, receive))
-                await response(scope, receive, send)
-            finally:
-                self.active -= 1
-        else:
-            await self.app(scope, receive, send)
+        if not ((hit := self.routes.get(request.path)) and request.method in hit[1]):
+            return await wire.asgi(self.app, request, out)
+        if self.active >= self.cfg.max_concurrent_requests:
+            self.metrics.observe(request.path, 429, 0.0)
+            message = (f"the router is full: {self.active} requests in flight, the limit is "
+                       f"{self.cfg.max_concurrent_requests} (--max-concurrent-requests); retry after {self.cfg.retry_after_s} s")  # fmt: skip
+            return RouterError(429, message, str(self.cfg.retry_after_s)).write(out)
+        self.active += 1
+        try:
+            await hit[0](request, out)
+        finally:
+            self.active -= 1
+
+    async def serve(self, sockets: list[socket.socket], **kw: Any) -> int | None:
+        """Serve on `sockets` (wire.serve's keywords: ready, stop, signals), once: the startup
+        health checks run before the first request is taken."""
+        return await wire.serve(self.handle, sockets, max_body=self.cfg.max_body_bytes, lifespan=self.lifespan, **kw)
 
 
 # ---- CLI: `slimish router` ----------------------------------------------------------------------
@@ -329,8 +337,7 @@ def add_arguments(parser: argparse.ArgumentParser, worker_urls: bool = True) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    """Serve until SIGTERM or Ctrl-C: requests in flight finish first (exit 0)."""
     cfg = config_from_args(RouterConfig, args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     warn_if_exposed("router", cfg.host, cfg.api_key)
@@ -338,8 +345,7 @@ def run(args: argparse.Namespace) -> int:
         from slimish.router.scaleout import serve
 
         return serve(cfg)
-    uvicorn.run(
-        create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-        access_log=False, proxy_headers=False,
-    )
+    sock = wire.bind(cfg.host, cfg.port, reuse_port=False)
+    url = f"http://{cfg.host}:{sock.getsockname()[1]}"
+    wire.run(create_app(cfg).serve([sock], signals=True, ready=lambda: log.info("slimish router serving on %s", url)))
     return 0

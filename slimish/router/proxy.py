@@ -5,10 +5,8 @@ A request is retried on another worker when it could not connect, when the conne
 before the reply was complete, or on a 5xx: in all three cases before any byte reached the
 client. A timeout is not retried (the work may still be running there); it is a 504.
 
-Upstream client: aiohttp, measured against httpx on this 2-core box (loopback backend that
-answers at once, 3000 requests; req/s and p50):
-    httpx 0.29   concurrency 1:  ~460 req/s, 2.0 ms    concurrency 64:  ~200 req/s, 210 ms
-    aiohttp 3.14 concurrency 1: ~2100 req/s, 0.43 ms   concurrency 64: ~2000-3100 req/s, 20-30 ms
+Serving requests go out through upstream.py's lean client and their replies are written straight
+to the client's connection (wire.py); control requests and fan-outs use aiohttp.
 """
 
 from __future__ import annotations
@@ -19,12 +17,13 @@ import time
 from typing import Any
 
 import aiohttp
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
 
 from slimish.config import RouterConfig
 from slimish.router.metrics import RouterMetrics
 from slimish.router.policy import Policy, RouteInfo
+from slimish.router.upstream import ConnectFailed, Disconnected, Reply, Upstream
+from slimish.router.wire import Connection, error_body
 from slimish.router.workers import Worker, WorkerRegistry, describe_exc
 
 WORKER_HEADER = "x-slimish-worker"  # which worker served the reply: for logs and tests
@@ -36,12 +35,16 @@ class RouterError(Exception):
         super().__init__(message)
         self.status, self.message, self.retry_after = status, message, retry_after
 
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, {"Retry-After": self.retry_after} if self.retry_after else None)
+    def response(self) -> Response:
+        return error_response(self.status, self.message, {"retry-after": self.retry_after} if self.retry_after else None)
+
+    def write(self, out: Connection) -> None:
+        headers = [("content-type", "application/json")] + ([("retry-after", self.retry_after)] if self.retry_after else [])
+        out.reply(self.status, error_body(self.status, self.message), headers)
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status, headers=headers)
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return Response(error_body(status, message), status, headers=headers, media_type="application/json")
 
 
 def holders(healthy: list[Worker], everyone: list[Worker], adapters: frozenset[str]) -> list[Worker]:
@@ -115,10 +118,10 @@ class _Retry(Exception):
 class Proxy:
     def __init__(self, cfg: RouterConfig, workers: WorkerRegistry, policy: Policy, metrics: RouterMetrics) -> None:
         self.cfg, self.workers, self.policy, self.metrics = cfg, workers, policy, metrics
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # control requests, health checks, fan-outs
+        self.upstream = Upstream(cfg.connect_timeout, cfg.keepalive_timeout)  # serving requests
         self._timeout = aiohttp.ClientTimeout(total=cfg.request_timeout, connect=cfg.connect_timeout)
-        self._stream_timeout = aiohttp.ClientTimeout(connect=cfg.connect_timeout, sock_read=cfg.request_timeout)
-        self.reply_headers: dict[str, str] = {}  # added to every forwarded reply
+        self.reply_headers: list[tuple[str, str]] = []  # added to every forwarded reply
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.cfg.keepalive_timeout)
@@ -126,6 +129,7 @@ class Proxy:
         self.workers.bind(self.session)
 
     async def close(self) -> None:
+        self.upstream.close()
         if self.session is not None:
             await self.session.close()
 
@@ -151,17 +155,11 @@ class Proxy:
     # ---- one request, one worker (with retries) ------------------------------------------------
 
     async def forward(
-        self,
-        route: str,
-        started: float,
-        method: str,
-        path: str,
-        body: bytes | None,
-        headers: dict[str, str],
-        info: RouteInfo = RouteInfo(),
-        stream: bool = False,
-    ) -> Response:
-        """The worker's reply as a Response; RouterError when no worker could give one."""
+        self, out: Connection, route: str, started: float, method: str, body: bytes | None, headers: dict[str, str],
+        info: RouteInfo = RouteInfo(), stream: bool = False,
+    ) -> None:  # fmt: skip
+        """The worker's reply, written to `out`; RouterError, with nothing written, when no
+        worker could give one."""
         tried: list[Worker] = []
         failure = _Retry("")
         for _ in range(self.cfg.max_retries + 1):
@@ -170,7 +168,7 @@ class Proxy:
             worker = self.choose(info, tried)
             tried.append(worker)
             try:
-                return await self._attempt(route, started, worker, method, path, body, headers, stream)
+                return await self._attempt(out, route, started, worker, method, body, headers, stream)
             except _Retry as exc:
                 failure = exc
         gave_up = f"{failure} (gave up after {len(tried)} attempt{'s' * (len(tried) > 1)})"
@@ -179,47 +177,52 @@ class Proxy:
         raise RouterError(502, gave_up)
 
     async def _attempt(
-        self, route: str, started: float, worker: Worker, method: str, path: str, body: bytes | None,
+        self, out: Connection, route: str, started: float, worker: Worker, method: str, body: bytes | None,
         headers: dict[str, str], stream: bool,
-    ) -> Response:
-        assert self.session is not None, "proxy not started"
+    ) -> None:  # fmt: skip
         self.metrics.sent(worker.url)
         worker.inflight += 1
-        resp: aiohttp.ClientResponse | None = None
-        handed_off = False
+        reply: Reply | None = None
+        timeout = self.cfg.request_timeout
         try:
-            resp = await self.session.request(
-                method, worker.url + path, data=body, headers=headers,
-                timeout=self._stream_timeout if stream else self._timeout,
-            )
-            if resp.status >= 500:
-                detail = (await resp.read())[:500].decode(errors="replace")
-                self.metrics.errors.labels(worker.url, f"status_{resp.status}").inc()
-                raise _Retry(f"worker {worker.url} replied {resp.status}: {detail}", resp.headers.get("retry-after"))
-            if stream and resp.content_type == "text/event-stream":
-                handed_off = True  # the relay owns the response and the in-flight count now
-                return _Relay(self, route, started, worker, resp)
-            data = await resp.read()
-        except aiohttp.ConnectionTimeoutError as exc:
-            raise self._unreachable(worker, "connect_timeout", f"cannot connect within {self.cfg.connect_timeout:g} s") from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise self._unreachable(worker, "connect", describe_exc(exc, self.cfg.connect_timeout)) from exc
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
+            reply = await self.upstream.send(worker.url, method, route, body, headers, timeout)
+            if reply.status >= 500:
+                detail = (await reply.read(timeout))[:500].decode(errors="replace")
+                self.metrics.errors.labels(worker.url, f"status_{reply.status}").inc()
+                raise _Retry(f"worker {worker.url} replied {reply.status}: {detail}", reply.headers.get("retry-after"))
+            said = [("content-type", reply.headers.get("content-type", "application/json")), (WORKER_HEADER, worker.url), *self.reply_headers]
+            if stream and reply.content_type == "text/event-stream":
+                return await self._relay(out, route, started, worker, reply, said)
+            data = await reply.read(max(0.0, started + timeout - time.perf_counter()))
+        except ConnectFailed as exc:
+            raise self._unreachable(worker, "connect_timeout" if exc.timed_out else "connect", str(exc)) from exc
+        except Disconnected as exc:
             self.metrics.errors.labels(worker.url, "disconnect").inc()
-            raise _Retry(f"worker {worker.url} broke the connection before replying: {describe_exc(exc, 0)}") from exc
+            raise _Retry(f"worker {worker.url} broke the connection before replying: {exc}") from exc
         except asyncio.TimeoutError as exc:
             self.metrics.errors.labels(worker.url, "timeout").inc()
-            raise RouterError(504, f"worker {worker.url} did not answer {path} within {self.cfg.request_timeout:g} s (--request-timeout)") from exc
-        except aiohttp.ClientError as exc:
-            self.metrics.errors.labels(worker.url, "client").inc()
-            raise RouterError(502, f"worker {worker.url} failed on {path}: {describe_exc(exc, 0)}") from exc
+            raise RouterError(504, f"worker {worker.url} did not answer {route} within {timeout:g} s (--request-timeout)") from exc
         finally:
-            if not handed_off:
-                worker.inflight -= 1
-                if resp is not None:
-                    resp.release()
-        self.metrics.observe(route, resp.status, time.perf_counter() - started)
-        return Response(data, resp.status, headers={WORKER_HEADER: worker.url, **self.reply_headers}, media_type=resp.headers.get("content-type"))
+            worker.inflight -= 1
+            if reply is not None:
+                reply.release()  # whole: back to the pool; cut short (client gone, error): closed, so the engine aborts
+        self.metrics.observe(route, reply.status, time.perf_counter() - started)
+        out.reply(reply.status, data, said)
+
+    async def _relay(self, out: Connection, route: str, started: float, worker: Worker, reply: Reply, headers: list[tuple[str, str]]) -> None:
+        """An upstream SSE stream passed through chunk by chunk; a worker failing mid-stream ends
+        it with an error event naming the worker."""
+        out.start(reply.status, headers)
+        try:
+            async for chunk in reply.chunks(self.cfg.request_timeout):
+                await out.send(chunk)
+        except (Disconnected, asyncio.TimeoutError) as exc:
+            cause = describe_exc(exc, self.cfg.request_timeout)
+            self.metrics.errors.labels(worker.url, "stream").inc()
+            await out.send(sse_error(f"worker {worker.url} failed mid-stream: {cause}", 502))
+        finally:
+            self.metrics.observe(route, reply.status, time.perf_counter() - started)
+        out.end()
 
     def _unreachable(self, worker: Worker, cause: str, message: str) -> _Retry:
         self.metrics.errors.labels(worker.url, cause).inc()
@@ -272,40 +275,3 @@ def sse_error(message: str, code: int) -> bytes:
     """An error as SGLang streams it (PROTOCOL.md 1.4), then the end of the stream."""
     event = {"error": {"message": message, "type": "router_error", "code": code, "retryable": False}}
     return b"\n\ndata: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
-
-
-class _Relay(StreamingResponse):
-    """An upstream SSE stream passed through chunk by chunk.
-
-    Owns the upstream response and the worker's in-flight count until the stream ends or the
-    client goes away (then the upstream connection is dropped, so the engine aborts the work).
-    A worker failing mid-stream ends the stream with an error event naming it.
-    """
-
-    def __init__(self, proxy: Proxy, route: str, started: float, worker: Worker, resp: aiohttp.ClientResponse) -> None:
-        self._proxy, self._route, self._started, self._worker, self._resp = proxy, route, started, worker, resp
-        super().__init__(
-            self._chunks(), status_code=resp.status, media_type=resp.headers.get("content-type"),
-            headers={WORKER_HEADER: worker.url, **proxy.reply_headers},
-        )
-
-    async def _chunks(self):
-        try:
-            async for chunk in self._resp.content.iter_any():
-                yield chunk
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            cause = describe_exc(exc, self._proxy.cfg.request_timeout)
-            self._proxy.metrics.errors.labels(self._worker.url, "stream").inc()
-            yield sse_error(f"worker {self._worker.url} failed mid-stream: {cause}", 502)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if self._resp.content.at_eof():
-                self._resp.release()
-            else:
-                self._resp.close()  # the client left early: drop the connection, the engine aborts
-            self._worker.inflight -= 1
-            self._proxy.metrics.observe(self._route, self._resp.status, time.perf_counter() - self._started)
-

@@ -27,12 +27,11 @@ from multiprocessing.connection import wait
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 
-import uvicorn
-
 from slimish.config import RouterConfig
 from slimish.launch.process import die_with_parent
 from slimish.router.app import create_app
 from slimish.router.shared import Follower, Publisher
+from slimish.router.wire import bind, run
 
 log = logging.getLogger("slimish.router")
 
@@ -46,41 +45,27 @@ def serve(cfg: RouterConfig) -> int:
     bind(cfg.host, cfg.port, reuse_port=False).close()  # taken by anyone, even another slimish router: say so now
     state_dir = Path(tempfile.mkdtemp(prefix="slimish-router-"))
     try:
-        return asyncio.run(_supervise(cfg, state_dir / "workers.json"))
+        return run(_supervise(cfg, state_dir / "workers.json"))
     finally:
         shutil.rmtree(state_dir, ignore_errors=True)
-
-
-def bind(host: str, port: int, reuse_port: bool) -> socket.socket:
-    """A TCP socket bound to host:port (not listening yet); a clear error naming the flag."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise SystemExit(f"--port {port}: cannot listen on {host}:{port}: {exc.strerror}") from None
-    return sock
 
 
 async def _supervise(cfg: RouterConfig, state: Path) -> int:
     ctx = mp.get_context("spawn")
     version = ctx.RawValue("Q", 0)
-    hot = create_app(cfg)
-    publisher = Publisher(hot.workers, state, version)
+    router = create_app(cfg)
+    publisher = Publisher(router.workers, state, version)
     publisher.publish()
+    router.app = publisher.wrap(router.app)  # type: ignore[assignment]
     control = bind("127.0.0.1", 0, reuse_port=False)
     parent_url = f"http://127.0.0.1:{control.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(publisher.wrap(hot), log_level=cfg.log_level, access_log=False, proxy_headers=False))
-    for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn re-raises its signal after shutdown: land here, stop the children
-        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
-    serving = asyncio.create_task(server.serve(sockets=[control]))
-    while not server.started:  # lifespan done: the first health checks are in, as in one process
-        if serving.done():
-            return 1
-        await asyncio.sleep(0.01)
+    stop, ready = asyncio.Event(), asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    serving = asyncio.create_task(router.serve([control], ready=ready.set, stop=stop))
+    await asyncio.wait({serving, asyncio.ensure_future(ready.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    if serving.done():  # the startup health checks are in before ready, as in one process
+        return 1
     children = [
         ctx.Process(target=_child, args=(cfg, i, parent_url, str(state), version, os.getpid()), name=f"slimish-router-{i}", daemon=True)
         for i in range(cfg.workers)
@@ -95,7 +80,7 @@ async def _supervise(cfg: RouterConfig, state: Path) -> int:
         gone = next(c for c in children if not c.is_alive())
         log.error("router process %s exited with %s: stopping the router", gone.name, gone.exitcode)
         print(f"slimish router: process {gone.name} exited with {gone.exitcode}; stopping", file=sys.stderr, flush=True)
-        server.should_exit = True
+        stop.set()
         await serving
         return 1
     finally:
@@ -116,5 +101,4 @@ def _child(cfg: RouterConfig, index: int, parent_url: str, state: str, version: 
         return
     logging.basicConfig(level=cfg.log_level.upper(), format=f"%(asctime)s %(name)s[{index}] %(levelname)s %(message)s")
     sock = bind(cfg.host, cfg.port, reuse_port=True)
-    app = create_app(cfg, Follower(index, parent_url, Path(state), version))
-    uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, access_log=False, proxy_headers=False)).run(sockets=[sock])
+    run(create_app(cfg, Follower(index, parent_url, Path(state), version)).serve([sock], signals=True))

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from slimish.config import RouterConfig
+from slimish.router.upstream import ConnectFailed, Disconnected
 
 log = logging.getLogger("slimish.router")
 
@@ -197,5 +198,7 @@ def describe_exc(exc: BaseException, timeout: float) -> str:
         return f"cannot connect ({exc.os_error.strerror or exc.os_error})"
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return "the worker closed the connection"
+    if isinstance(exc, (ConnectFailed, Disconnected)):
+        return str(exc)
     return f"{type(exc).__name__}: {exc}"
 

@@ -1,0 +1,196 @@
+"""The router's own HTTP/1.1 server and upstream client (wire.py, upstream.py) at the byte level:
+pipelining, limits, `Expect: 100-continue`, malformed input, a client that leaves, a worker that
+drops a kept-alive connection, and a graceful stop.
+
+The router runs on this test's event loop in front of a raw-asyncio worker whose behaviour each
+request's body picks: answer at once, answer after a delay, never answer, or close the kept-alive
+connection without answering. Clients are raw sockets, so every byte on the wire is the test's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from slimish.router import RouterConfig, create_app
+from slimish.router.wire import bind
+
+REPLY = b'{"text": "a", "output_ids": [5], "meta_info": {"id": "0"}}'
+
+
+class Worker(asyncio.Protocol):
+    """A worker that keeps its connections alive; `seen` counts /generate requests per connection."""
+
+    connections: list["Worker"] = []
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.transport, self.buf, self.generates, self.gone = transport, b"", 0, asyncio.Event()
+        Worker.connections.append(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gone.set()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while (end := self.buf.find(b"\r\n\r\n")) >= 0:
+            head = self.buf[:end].decode("latin-1").lower()
+            length = int(head.split("content-length:")[1].split("\r\n")[0]) if "content-length:" in head else 0
+            if len(self.buf) < end + 4 + length:
+                return
+            body, self.buf = self.buf[end + 4 : end + 4 + length], self.buf[end + 4 + length :]
+            if not head.startswith("post /generate"):
+                self.answer(b"{}")
+                continue
+            self.generates += 1
+            how = json.loads(body).get("how", "now")
+            if how == "now":
+                self.answer(REPLY)
+            elif how == "later":
+                asyncio.get_running_loop().call_later(0.3, self.answer, REPLY)
+            elif how == "drop-second" and self.generates == 2:
+                self.transport.close()  # as a worker closing an idle kept-alive connection does
+            elif how == "drop-second":
+                self.answer(REPLY)
+            # "never": no answer
+
+    def answer(self, body: bytes) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def post(body: bytes, extra: bytes = b"") -> bytes:
+    return b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+async def read_reply(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+    return int(head.split(b" ")[1]), await asyncio.wait_for(reader.readexactly(length), 10)
+
+
+def with_router(test, **settings):
+    """Run `test(router_port)` on one event loop with the router and a fresh worker."""
+
+    async def main():
+        Worker.connections = []
+        loop = asyncio.get_running_loop()
+        worker = await loop.create_server(Worker, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{worker.sockets[0].getsockname()[1]}"
+        sock = bind("127.0.0.1", 0, reuse_port=False)
+        stop, ready = asyncio.Event(), asyncio.Event()
+        router = create_app(RouterConfig(worker_urls=[url], **settings))
+        serving = asyncio.create_task(router.serve([sock], ready=ready.set, stop=stop))
+        await asyncio.wait_for(ready.wait(), 30)
+        try:
+            return await test(sock.getsockname()[1], stop, serving)
+        finally:
+            stop.set()
+            await asyncio.wait_for(serving, 30)
+            worker.close()
+
+    return asyncio.run(main())
+
+
+def test_pipelined_requests_are_answered_in_order_on_one_connection():
+    async def test(port, *_):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post(b'{"how": "later"}') + b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n" + post(b'{"how": "now"}'))
+        first, second, third = [await read_reply(reader) for _ in range(3)]
+        writer.close()
+        return first, second, third
+
+    first, second, third = with_router(test)
+    assert first == (200, REPLY) and second == (200, b"OK") and third == (200, REPLY)
+
+
+def test_bodies_over_the_limit_are_refused_whole_or_chunked():
+    async def test(port, *_):
+        replies = []
+        for request in (
+            post(b'{"how": "now", "pad": "' + b"x" * 200 + b'"}'),
+            b"POST /generate HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n" + b"80\r\n" + b"x" * 128 + b"\r\n80\r\n" + b"x" * 128 + b"\r\n0\r\n\r\n",
+        ):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request)
+            replies.append((await read_reply(reader), await asyncio.wait_for(reader.read(), 10)))
+            writer.close()
+        return replies
+
+    for (status, body), rest in with_router(test, max_body_bytes=200):
+        assert status == 413 and "--max-body-bytes" in json.loads(body)["error"]["message"]
+        assert rest == b""  # and the connection is closed
+    assert sum(w.generates for w in Worker.connections) == 0
+
+
+def test_expect_continue_is_answered_before_the_body_is_sent():
+    async def test(port, *_):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        request = post(b'{"how": "now"}', b"expect: 100-continue\r\n")
+        head, body = request.split(b"\r\n\r\n", 1)
+        writer.write(head + b"\r\n\r\n")
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        writer.write(body)
+        return interim, await read_reply(reader)
+
+    interim, reply = with_router(test)
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n" and reply == (200, REPLY)
+
+
+def test_a_malformed_request_gets_a_400_and_the_connection_closes():
+    async def test(port, *_):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /generate HTTP/1.1\r\ncontent-length: nope\r\n\r\n")
+        return await read_reply(reader), await asyncio.wait_for(reader.read(), 10)
+
+    (status, body), rest = with_router(test)
+    assert status == 400 and "malformed HTTP request" in json.loads(body)["error"]["message"] and rest == b""
+
+
+def test_a_client_that_leaves_drops_its_upstream_request():
+    async def test(port, *_):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post(b'{"how": "never"}'))
+        while not Worker.connections or Worker.connections[-1].generates == 0:
+            await asyncio.sleep(0.01)
+        writer.close()
+        await asyncio.wait_for(Worker.connections[-1].gone.wait(), 10)  # the engine would abort the request now
+
+    with_router(test)
+
+
+def test_a_kept_alive_connection_the_worker_dropped_is_retried_on_a_fresh_one():
+    async def test(port, *_):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        replies = []
+        for _ in range(2):
+            writer.write(post(b'{"how": "drop-second"}'))
+            replies.append(await read_reply(reader))
+        writer.write(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        metrics = await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+        return replies, metrics.decode()
+
+    replies, metrics = with_router(test)
+    assert replies == [(200, REPLY), (200, REPLY)]
+    assert [w.generates for w in Worker.connections if w.generates] == [2, 1]  # the second went out again, alone
+    assert "slimish_router_retries_total{" not in metrics and "slimish_router_upstream_errors_total{" not in metrics
+
+
+def test_a_stop_lets_requests_in_flight_finish_and_takes_no_new_ones():
+    async def test(port, stop, serving):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post(b'{"how": "later"}'))
+        while not Worker.connections or Worker.connections[-1].generates == 0:
+            await asyncio.sleep(0.01)
+        stop.set()
+        reply = await read_reply(reader)
+        await asyncio.wait_for(serving, 30)
+        try:
+            await asyncio.open_connection("127.0.0.1", port)
+            refused = False
+        except OSError:
+            refused = True
+        return reply, refused
+
+    reply, refused = with_router(test)
+    assert reply == (200, REPLY) and refused
