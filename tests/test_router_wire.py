@@ -1,5 +1,5 @@
 """The router's own HTTP/1.1 server and upstream client (wire.py, upstream.py) at the byte level:
-pipelining, limits, `Expect: 100-continue`, malformed input, a client that leaves, a worker that
+pipelining, limits on bodies and headers, `Expect: 100-continue`, malformed input, a client that leaves, a worker that
 drops a kept-alive connection, and a graceful stop.
 
 The router runs on this test's event loop in front of a raw-asyncio worker whose behaviour each
@@ -120,6 +120,16 @@ def test_bodies_over_the_limit_are_refused_whole_or_chunked():
         assert status == 413 and "--max-body-bytes" in json.loads(body)["error"]["message"]
         assert rest == b""  # and the connection is closed
     assert sum(w.generates for w in Worker.connections) == 0
+
+
+def test_headers_over_the_limit_are_refused():
+    async def test(port, *_):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post(b'{"how": "now"}', b"".join(b"x-pad-%d: %s\r\n" % (i, b"y" * 1000) for i in range(80))))
+        return await read_reply(reader), await asyncio.wait_for(reader.read(), 10)
+
+    (status, body), rest = with_router(test)
+    assert status == 431 and "exceed 65536 bytes" in json.loads(body)["error"]["message"] and rest == b""
 
 
 def test_expect_continue_is_answered_before_the_body_is_sent():

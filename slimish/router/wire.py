@@ -34,6 +34,7 @@ log = logging.getLogger("slimish.router")
 KEEPALIVE_S = 5.0  # idle client connections are closed after this, as uvicorn does: clients drop theirs sooner
 GRACE_S = 10.0  # on stop, requests in flight get this long to finish before they are cancelled
 PIPELINE = 8  # requests a client may queue on one connection before reading pauses
+MAX_HEAD = 64 << 10  # bytes of request line and headers
 PHRASES = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 
@@ -103,12 +104,19 @@ class Connection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._size += len(url)
+        if self._size > MAX_HEAD:
+            self._refuse(431, f"request line and headers exceed {MAX_HEAD} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._size += len(name) + len(value)
+        if self._size > MAX_HEAD:
+            return self._refuse(431, f"request line and headers exceed {MAX_HEAD} bytes")
         key, text = name.decode("latin-1").lower(), value.decode("latin-1")
         self._headers[key] = f"{self._headers[key]}, {text}" if key in self._headers else text
 
     def on_headers_complete(self) -> None:
+        self._size = 0  # from here on, the body's
         declared = self._headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.server.max_body:
             return self._refuse(413, f"request body is {declared} bytes; the router accepts at most {self.server.max_body} (--max-body-bytes)")
@@ -171,7 +179,9 @@ class Connection(asyncio.Protocol):
         if self._refused:
             return
         self._refused = True
-        if self._task is None and self.transport is not None and not self.transport.is_closing():
+        if self._task is not None:  # a reply is being written: no more reading; closed after it
+            self.transport.pause_reading()  # type: ignore[union-attr]
+        elif self.transport is not None and not self.transport.is_closing():
             self._keep_alive, self._state = False, "idle"
             self.reply(status, error_body(status, message), [("content-type", "application/json")])
             self.transport.close()
