@@ -51,7 +51,24 @@ class Worker(asyncio.Protocol):
                 self.transport.close()  # as a worker closing an idle kept-alive connection does
             elif how == "drop-second":
                 self.answer(REPLY)
+            elif how.startswith("stream"):
+                self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                asyncio.get_running_loop().create_task(self.stream(how))
             # "never": no answer
+
+    async def stream(self, how: str) -> None:
+        """Events 0, 1, ...: `stream` sends 3 and ends; `stream-break` breaks the connection after
+        2; `stream-slow` goes on (every 20 ms, 500 at most) until the client side is gone."""
+        for i in range({"stream": 3, "stream-break": 2, "stream-slow": 500}[how]):
+            if self.transport.is_closing():
+                return
+            event = b"data: %d\n\n" % i
+            self.transport.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await asyncio.sleep(0.02 if how == "stream-slow" else 0)
+        if how == "stream-break":
+            self.transport.abort()
+        else:
+            self.transport.write(b"0\r\n\r\n")
 
     def answer(self, body: bytes) -> None:
         if not self.transport.is_closing():
@@ -164,6 +181,44 @@ def test_a_client_that_leaves_drops_its_upstream_request():
             await asyncio.sleep(0.01)
         writer.close()
         await asyncio.wait_for(Worker.connections[-1].gone.wait(), 10)  # the engine would abort the request now
+
+    with_router(test)
+
+
+async def read_stream(reader: asyncio.StreamReader) -> bytes:
+    """A chunked reply's body, whole."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower(), head
+    body = b""
+    while size := int(await asyncio.wait_for(reader.readuntil(b"\r\n"), 10), 16):
+        body += (await reader.readexactly(size + 2))[:-2]
+    await reader.readexactly(2)
+    return body
+
+
+def test_a_stream_passes_through_and_a_worker_breaking_it_ends_it_with_an_error_event():
+    async def test(port, *_):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        bodies = []
+        for how in (b"stream", b"stream-break", b"stream"):  # the connection serves on after each
+            writer.write(post(b'{"stream": true, "how": "%s"}' % how))
+            bodies.append(await read_stream(reader))
+        return bodies
+
+    whole, broken, again = with_router(test)
+    assert whole == again == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    assert broken.startswith(b"data: 0\n\ndata: 1\n\n") and broken.endswith(b"data: [DONE]\n\n")
+    error = json.loads(broken.split(b"data: ")[3])["error"]
+    assert error["code"] == 502 and "failed mid-stream" in error["message"]
+
+
+def test_a_client_that_leaves_a_stream_drops_it_upstream():
+    async def test(port, *_):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post(b'{"stream": true, "how": "stream-slow"}'))
+        await asyncio.wait_for(reader.readuntil(b"data: 1\n\n"), 10)
+        writer.close()
+        await asyncio.wait_for(Worker.connections[-1].gone.wait(), 10)  # long before its 500 events
 
     with_router(test)
 
