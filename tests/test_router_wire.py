@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from slimish.router import RouterConfig, create_app
 from slimish.router.wire import bind
 
@@ -120,33 +122,22 @@ def test_pipelined_requests_are_answered_in_order_on_one_connection():
     assert first == (200, REPLY) and second == (200, b"OK") and third == (200, REPLY)
 
 
-def test_bodies_over_the_limit_are_refused_whole_or_chunked():
-    async def test(port, *_):
-        replies = []
-        for request in (
-            post(b'{"how": "now", "pad": "' + b"x" * 200 + b'"}'),
-            b"POST /generate HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n" + b"80\r\n" + b"x" * 128 + b"\r\n80\r\n" + b"x" * 128 + b"\r\n0\r\n\r\n",
-        ):
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(request)
-            replies.append((await read_reply(reader), await asyncio.wait_for(reader.read(), 10)))
-            writer.close()
-        return replies
-
-    for (status, body), rest in with_router(test, max_body_bytes=200):
-        assert status == 413 and "--max-body-bytes" in json.loads(body)["error"]["message"]
-        assert rest == b""  # and the connection is closed
-    assert sum(w.generates for w in Worker.connections) == 0
-
-
-def test_headers_over_the_limit_are_refused():
+@pytest.mark.parametrize("request_bytes, status, says", [
+    (post(b'{"how": "now", "pad": "' + b"x" * 200 + b'"}'), 413, "--max-body-bytes"),
+    (b"POST /generate HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n80\r\n" + b"x" * 128 + b"\r\n80\r\n" + b"x" * 128
+     + b"\r\n0\r\n\r\n", 413, "--max-body-bytes"),
+    (post(b'{"how": "now"}', b"".join(b"x-pad-%d: %s\r\n" % (i, b"y" * 1000) for i in range(80))), 431, "exceed 65536 bytes"),
+    (b"POST /generate HTTP/1.1\r\ncontent-length: nope\r\n\r\n", 400, "malformed HTTP request"),
+], ids=["body", "chunked body", "headers", "malformed"])  # fmt: skip
+def test_a_refused_request_gets_a_4xx_naming_why_and_the_connection_closes(request_bytes, status, says):
     async def test(port, *_):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(post(b'{"how": "now"}', b"".join(b"x-pad-%d: %s\r\n" % (i, b"y" * 1000) for i in range(80))))
+        writer.write(request_bytes)
         return await read_reply(reader), await asyncio.wait_for(reader.read(), 10)
 
-    (status, body), rest = with_router(test)
-    assert status == 431 and "exceed 65536 bytes" in json.loads(body)["error"]["message"] and rest == b""
+    (got, body), rest = with_router(test, max_body_bytes=200)
+    assert got == status and says in json.loads(body)["error"]["message"] and rest == b""
+    assert sum(w.generates for w in Worker.connections) == 0
 
 
 def test_expect_continue_is_answered_before_the_body_is_sent():
@@ -161,16 +152,6 @@ def test_expect_continue_is_answered_before_the_body_is_sent():
 
     interim, reply = with_router(test)
     assert interim == b"HTTP/1.1 100 Continue\r\n\r\n" and reply == (200, REPLY)
-
-
-def test_a_malformed_request_gets_a_400_and_the_connection_closes():
-    async def test(port, *_):
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /generate HTTP/1.1\r\ncontent-length: nope\r\n\r\n")
-        return await read_reply(reader), await asyncio.wait_for(reader.read(), 10)
-
-    (status, body), rest = with_router(test)
-    assert status == 400 and "malformed HTTP request" in json.loads(body)["error"]["message"] and rest == b""
 
 
 def test_a_client_that_leaves_drops_its_upstream_request():
