@@ -82,14 +82,6 @@ def serve_backend(port: int) -> None:
     asyncio.run(main())
 
 
-def serve_slimish_router(port: int, worker_url: str) -> None:
-    from slimish.router import RouterConfig, create_app
-    from slimish.router.wire import bind, run
-
-    router = create_app(RouterConfig(worker_urls=[worker_url], policy="round_robin"))
-    run(router.serve([bind("127.0.0.1", port, reuse_port=False)], signals=True))
-
-
 # ---- the load generator -----------------------------------------------------------------------
 
 
@@ -193,9 +185,13 @@ def main() -> None:
     backend_port, slimish_port, sglang_port, scaled_port = free_port(), free_port(), free_port(), free_port()
     backend = f"http://127.0.0.1:{backend_port}"
     procs: list = [ctx.Process(target=serve_backend, args=(backend_port,), daemon=True)]
-    procs.append(ctx.Process(target=serve_slimish_router, args=(slimish_port, backend), daemon=True))
-    for p in procs:
-        p.start()
+    procs[0].start()
+
+    def slimish_router(port: int, workers: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "slimish.cli", "router", "--workers", str(workers), "--port", str(port),
+                                 "--worker-urls", backend, "--policy", "round_robin"])  # fmt: skip
+
+    procs.append(slimish_router(slimish_port, 1))
     procs.append(
         subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(sglang_port),
@@ -203,12 +199,7 @@ def main() -> None:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
     )
-    procs.append(
-        subprocess.Popen(
-            [sys.executable, "-m", "slimish.cli", "router", "--workers", str(args.workers), "--port", str(scaled_port),
-             "--worker-urls", backend, "--policy", "round_robin"],
-        )
-    )
+    procs.append(slimish_router(scaled_port, args.workers))
     scaled = f"slimish-w{args.workers}"
     targets = {
         "direct": backend, "slimish": f"http://127.0.0.1:{slimish_port}", scaled: f"http://127.0.0.1:{scaled_port}",

@@ -321,10 +321,10 @@ class Router:
         finally:
             self.active -= 1
 
-    async def serve(self, sockets: list[socket.socket], **kw: Any) -> int | None:
+    async def serve(self, sockets: list[socket.socket], **kw: Any) -> None:
         """Serve on `sockets` (wire.serve's keywords: ready, stop, signals), once: the startup
         health checks run before the first request is taken."""
-        return await wire.serve(self.handle, sockets, max_body=self.cfg.max_body_bytes, lifespan=self.lifespan, **kw)
+        await wire.serve(self.handle, sockets, max_body=self.cfg.max_body_bytes, lifespan=self.lifespan, **kw)
 
 
 # ---- CLI: `slimish router` ----------------------------------------------------------------------

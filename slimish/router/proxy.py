@@ -39,8 +39,7 @@ class RouterError(Exception):
         return error_response(self.status, self.message, {"retry-after": self.retry_after} if self.retry_after else None)
 
     def write(self, out: Connection) -> None:
-        headers = [("content-type", "application/json")] + ([("retry-after", self.retry_after)] if self.retry_after else [])
-        out.reply(self.status, error_body(self.status, self.message), headers)
+        out.error(self.status, self.message, [("retry-after", self.retry_after)] if self.retry_after else ())
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
@@ -187,13 +186,13 @@ class Proxy:
         try:
             reply = await self.upstream.send(worker.url, method, route, body, headers, timeout)
             if reply.status >= 500:
-                detail = (await reply.read(timeout))[:500].decode(errors="replace")
+                detail = (await reply.read())[:500].decode(errors="replace")
                 self.metrics.errors.labels(worker.url, f"status_{reply.status}").inc()
                 raise _Retry(f"worker {worker.url} replied {reply.status}: {detail}", reply.headers.get("retry-after"))
             said = [("content-type", reply.headers.get("content-type", "application/json")), (WORKER_HEADER, worker.url), *self.reply_headers]
             if stream and reply.content_type == "text/event-stream":
                 return await self._relay(out, route, started, worker, reply, said)
-            data = await reply.read(max(0.0, started + timeout - time.perf_counter()))
+            data = await reply.read()
         except ConnectFailed as exc:
             raise self._unreachable(worker, "connect_timeout" if exc.timed_out else "connect", str(exc)) from exc
         except Disconnected as exc:

@@ -47,6 +47,7 @@ class Reply(asyncio.Protocol):
         self._waiter: asyncio.Future | None = None
         self._streaming = False
         self._error: Exception | None = None
+        self._deadline = 0.0  # of the whole reply (loop time); set when the request is sent
 
     # ---- protocol callbacks -------------------------------------------------------------------
 
@@ -110,11 +111,11 @@ class Reply(asyncio.Protocol):
             expire.cancel()
             self._waiter = None
 
-    async def read(self, timeout: float) -> bytes:
-        """The whole body."""
+    async def read(self) -> bytes:
+        """The whole body, within the timeout `Upstream.send` was given."""
         self._streaming = False
         while not self.complete:
-            await self._wait(timeout)
+            await self._wait(max(0.0, self._deadline - self.pool.loop.time()))
         body = b"".join(self._chunks)
         self._chunks.clear()
         return body
@@ -186,7 +187,8 @@ class Upstream:
     async def send(self, url: str, method: str, path: str, body: bytes | None, headers: dict[str, str], timeout: float) -> Reply:
         """Send a request to the worker at `url`; the reply once its status and headers are in
         (read its body with `read` or `chunks`, then `release` it). Raises ConnectFailed,
-        Disconnected, or asyncio.TimeoutError after `timeout`."""
+        Disconnected, or asyncio.TimeoutError when the headers, or `read`'s whole body, are not in
+        within `timeout` of sending."""
         pool = self._pools.get(url)
         if pool is None:
             pool = self._pools[url] = _Pool(url, asyncio.get_running_loop(), self.keepalive_timeout)
@@ -211,10 +213,11 @@ class Upstream:
 
 async def _exchange(conn: Reply, message: bytes, timeout: float) -> Reply:
     conn._streaming = True  # wake at the headers
+    conn._deadline = conn.pool.loop.time() + timeout
     conn.transport.write(message)  # type: ignore[union-attr]
     try:
         while not conn.status:
-            await conn._wait(timeout)
+            await conn._wait(max(0.0, conn._deadline - conn.pool.loop.time()))
     except BaseException:
         conn.transport.close()  # type: ignore[union-attr]
         raise

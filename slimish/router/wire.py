@@ -157,8 +157,7 @@ class Connection(asyncio.Protocol):
                 except Exception:
                     log.exception("%s %s failed in the router", request.method, request.path)
                     if self._state == "idle":
-                        self.reply(500, b'{"error": {"message": "internal router error; see the router log", "code": 500}}',
-                                   [("content-type", "application/json")])  # fmt: skip
+                        self.error(500, "internal router error; see the router log")
                 if self._state != "done" or not self._keep_alive or self._refused or self.server.stopping:
                     self.transport.close()  # type: ignore[union-attr]  # a half-written reply cannot be followed
         finally:
@@ -183,7 +182,7 @@ class Connection(asyncio.Protocol):
             self.transport.pause_reading()  # type: ignore[union-attr]
         elif self.transport is not None and not self.transport.is_closing():
             self._keep_alive, self._state = False, "idle"
-            self.reply(status, error_body(status, message), [("content-type", "application/json")])
+            self.error(status, message)
             self.transport.close()
 
     # ---- writing ----------------------------------------------------------------------------
@@ -203,6 +202,10 @@ class Connection(asyncio.Protocol):
         if self.transport is None or self.transport.is_closing():
             return
         self.transport.write(self._head(status, headers, b"content-length: %d\r\n" % len(body)) + (b"" if self._head_only else body))
+
+    def error(self, status: int, message: str, headers: Iterable[tuple[str, str]] = ()) -> None:
+        """An error reply, as the router and SGLang's OpenAI routes answer one."""
+        self.reply(status, error_body(status, message), [("content-type", "application/json"), *headers])
 
     def start(self, status: int, headers: Iterable[tuple[str, str]] = ()) -> None:
         """A reply whose body follows in `send` calls (chunked)."""
@@ -237,7 +240,7 @@ class Connection(asyncio.Protocol):
 
 
 def error_body(status: int, message: str) -> bytes:
-    """An error as the router and SGLang's OpenAI routes answer it."""
+    """The body of `Connection.error` (and of the FastAPI routes' errors)."""
     return json.dumps({"error": {"message": message, "code": status}}).encode()
 
 
@@ -252,15 +255,14 @@ class _Server:
 async def serve(
     handler: Handler, sockets: list[socket.socket], *, max_body: int, lifespan: AsyncContextManager | None = None,
     ready: Callable[[], None] | None = None, stop: asyncio.Event | None = None, signals: bool = False,
-) -> int | None:  # fmt: skip
+) -> None:  # fmt: skip
     """Serve on `sockets` (bound, not listening) until `stop` is set, or SIGTERM / SIGINT when
-    `signals`; returns the signal that stopped it, if one did. `lifespan` is entered before the
-    first request is taken and left after the last reply; `ready` is called in between."""
+    `signals`. `lifespan` is entered before the first request is taken and left after the last
+    reply; `ready` is called in between."""
     stop = stop or asyncio.Event()
-    stopped_by: list[int] = []
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT) if signals else ():
-        loop.add_signal_handler(sig, lambda s=sig: (stopped_by.append(s), stop.set()))
+        loop.add_signal_handler(sig, stop.set)
     state = _Server(handler, max_body)
     async with lifespan or contextlib.nullcontext():
         servers = [await loop.create_server(lambda: Connection(state), sock=sock, backlog=2048) for sock in sockets]
@@ -279,7 +281,6 @@ async def serve(
             for task in late:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
-    return stopped_by[0] if stopped_by else None
 
 
 def bind(host: str, port: int, reuse_port: bool) -> socket.socket:
@@ -340,7 +341,7 @@ async def asgi(app: Callable, request: Request, out: Connection) -> None:
         await app(scope, receive, send)
     except Exception:
         if not start:
-            raise  # answered with a 500 above
+            raise  # the connection answers it with a 500
         log.exception("%s %s failed after its reply started", request.method, request.path)
     headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in start.get("headers", ()) if k.lower() != b"content-length"]
     out.reply(start["status"], b"".join(body), headers)
