@@ -4,6 +4,7 @@ measured, or the traceback that stopped it, so the test can show it."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -21,6 +22,9 @@ def rank_main(body: Callable[[dict, Path], None], results: dict) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     spec, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    # A rank hung outside a collective (which the timeout below covers) prints its stacks and exits
+    # before `torchrun_ranks` gives up at 300 s, so the test shows where.
+    faulthandler.dump_traceback_later(240, exit=True)
     # A rank that fails leaves its peer in a collective: time that out well before the test's limit.
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     try:

@@ -7,10 +7,9 @@ Samples are built directly (no engines): random tokens, with multi-turn loss mas
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing as mp
+import json
 import random
-import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,8 @@ from slimish.trainer.base import lr_factor, micro_batches, shard, split_minibatc
 from slimish.trainer.torch_backend import TorchTrainer
 from slimish.types import Sample
 
-CTX = mp.get_context("spawn")
+from conftest import torchrun_ranks  # noqa: E402
+
 FEATURES = ["algorithm.kl_coef=0.1", "algorithm.entropy_coef=0.01", "algorithm.eps_clip_high=0.28",
             "algorithm.tis_cap=2.0", "algorithm.dual_clip_c=3.0", "trainer.updates_per_step=2"]  # fmt: skip
 
@@ -137,24 +137,6 @@ def test_micro_batch_split_gives_the_full_batch_gradient(tiny_model_dir):
     assert results[0][1]["train/clip_frac"] > 0  # the noise made some ratios clip
 
 
-def _rank_main(rank: int, world: int, store: str, model_dir: str, out: str, extra: tuple[str, ...]) -> None:
-    torch.set_num_threads(1)
-    # A CI run hung here for 300 s (cause not seen: only the parent's stacks were dumped). A file
-    # store takes out one way to hang, a TCP store on a picked port that something else took
-    # before rank 0 bound it; the timeout turns any other hang into an error the test shows.
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                                         timeout=datetime.timedelta(seconds=120))
-    try:
-        torch.manual_seed(0)  # a critic's fresh value head: the same as the single rank's
-        trainer = TorchTrainer(config(model_dir, "trainer.micro_batch_tokens=40", *FEATURES, *extra))
-        m1, m2 = two_steps(trainer)
-        if rank == 0:
-            torch.save({"params": params(trainer), "metrics": [m1, m2], "critic": params(trainer, critic=True)}, out)
-        torch.distributed.barrier()  # tear down together: a rank leaving while its peer's gloo pairs are live can abort
-    finally:
-        torch.distributed.destroy_process_group()
-
-
 def two_steps_batches(trainer: TorchTrainer) -> list[list[list[Sample]]]:
     """A full batch, then one where a rank (and a whole mini-batch) has no token to train on."""
     first = with_rollout_logprobs(trainer, make_groups(1), noise=0.3, seed=1)
@@ -177,28 +159,21 @@ def two_steps(trainer: TorchTrainer) -> list[dict[str, float]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [(), ("algorithm.advantage=gae", "critic.lr=1e-3"), ("algorithm.ptx_coef=0.5",)], ids=["grpo", "ppo_critic", "ptx"])
 def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path, extra):
-    out = tmp_path / "rank0.pt"
-    ctx = torch.multiprocessing.start_processes(
-        _rank_main, args=(2, str(tmp_path / "store"), str(tiny_model_dir), str(out), extra), nprocs=2, join=False, start_method="spawn"
-    )
-    try:
-        torch.manual_seed(0)
-        single = TorchTrainer(config(tiny_model_dir, "trainer.micro_batch_tokens=40", *FEATURES, *extra))
-        before = params(single)
-        m1, m2 = two_steps(single)
-        deadline = time.monotonic() + 300
-        while not ctx.join(timeout=5):
-            assert time.monotonic() < deadline, "the 2-rank run did not finish within 300 s"
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-    two = torch.load(out)
-    assert moved(before, two["params"]) > 5e-5
-    assert_close(params(single), two["params"], atol=1e-5)
+    """Two torchrun ranks (this file is their main, below) take the same two steps as one rank.
+    torchrun, as the megatron tests use it: two CI runs hung 300 s in ranks this test spawned with
+    torch.multiprocessing (a TCP store, then a file store), the ranks' stacks never seen."""
+    torch.manual_seed(0)
+    single = TorchTrainer(config(tiny_model_dir, "trainer.micro_batch_tokens=40", *FEATURES, *extra))
+    before = params(single)
+    m1, m2 = two_steps(single)
+    (tmp_path / "spec.json").write_text(json.dumps({"model": str(tiny_model_dir), "extra": extra}))
+    two = torchrun_ranks(Path(__file__), [str(tmp_path / "spec.json"), str(tmp_path)], tmp_path)[0]
+    saved = torch.load(tmp_path / "rank0.pt")
+    assert moved(before, saved["params"]) > 5e-5
+    assert_close(params(single), saved["params"], atol=1e-5)
     with_critic = "algorithm.advantage=gae" in extra
     if with_critic:
-        assert_close(params(single, critic=True), two["critic"], atol=1e-5)
+        assert_close(params(single, critic=True), saved["critic"], atol=1e-5)
     for mine, theirs in zip([m1, m2], two["metrics"]):
         critic = sorted(k for k in mine if k.startswith("critic/"))
         assert len(critic) == (6 if with_critic else 0) and critic == sorted(k for k in theirs if k.startswith("critic/"))
@@ -206,6 +181,16 @@ def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path, extra):
         for key in ("train/loss", "train/grad_norm", "train/kl", "train/entropy", "train/mismatch", "reward/mean", *critic,
                     *[k for k in mine if k == "train/ptx_loss"]):  # fmt: skip
             assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
+
+
+def _rank_body(spec: dict, out: Path, results: dict) -> None:
+    """One rank of `test_two_ranks_equal_one_rank`: the single rank's two steps; rank 0 saves
+    its parameters and both steps' metrics."""
+    torch.manual_seed(0)  # a critic's fresh value head: the same as the single rank's
+    trainer = TorchTrainer(config(spec["model"], "trainer.micro_batch_tokens=40", *FEATURES, *spec["extra"]))
+    results["metrics"] = two_steps(trainer)
+    if trainer.rank == 0:
+        torch.save({"params": params(trainer), "critic": params(trainer, critic=True)}, out / "rank0.pt")
 
 
 # -- what the config switches on ------------------------------------------------------------------
@@ -306,3 +291,10 @@ def test_hf_tensors_tied_once(tiny_qwen2_dir):
     assert len({id(t.untyped_storage()) for _, t in named}) == len(named)
     assert {id(p) for p in trainer.model.parameters()} == {id(p) for _, p in trainer.model.named_parameters()}
     assert len(named) == len(list(trainer.model.parameters()))
+
+
+if __name__ == "__main__":
+    from gloo_rank import rank_main
+
+    RESULTS: dict = {}
+    rank_main(lambda spec, out: _rank_body(spec, out, RESULTS), RESULTS)
