@@ -16,9 +16,7 @@ from slimish.launch.local import engine_process
 from slimish.launch.process import ServerProcess, start_all
 from slimish.config import RouterConfig, ServeConfig, add_config_arguments, config_from_args
 from slimish.router.app import add_arguments as add_router_arguments
-from slimish.router.app import create_app
-from slimish.router.wire import bind
-from slimish.router.wire import run as run_loop
+from slimish.router.app import serve_forever
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,10 +51,7 @@ def run(args: argparse.Namespace) -> int:
         for e in engines:
             print(f"slimish serve: engine ready at {e.url}", flush=True)
         cfg = config_from_args(RouterConfig, args, worker_urls=[e.url for e in engines])
-        sock = bind(cfg.host, cfg.port, reuse_port=False)
-        url = f"http://{cfg.host}:{sock.getsockname()[1]}"
-        ready = f"slimish serve: router at {url} in front of {serve.engines} engine(s); Ctrl-C to stop"
-        run_loop(create_app(cfg).serve([sock], signals=True, ready=lambda: print(ready, flush=True)))
+        serve_forever(cfg, lambda url: print(f"slimish serve: router at {url} in front of {serve.engines} engine(s); Ctrl-C to stop", flush=True))
     finally:
         for e in engines:
             e.stop()

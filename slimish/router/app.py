@@ -345,7 +345,13 @@ def run(args: argparse.Namespace) -> int:
         from slimish.router.scaleout import serve
 
         return serve(cfg)
+    serve_forever(cfg, lambda url: log.info("slimish router serving on %s", url))
+    return 0
+
+
+def serve_forever(cfg: RouterConfig, announce: Callable[[str], None]) -> None:
+    """One router process on --host/--port until SIGTERM or Ctrl-C, when requests in flight finish
+    first; `announce(url)` once it takes requests (after the startup health checks)."""
     sock = wire.bind(cfg.host, cfg.port, reuse_port=False)
     url = f"http://{cfg.host}:{sock.getsockname()[1]}"
-    wire.run(create_app(cfg).serve([sock], signals=True, ready=lambda: log.info("slimish router serving on %s", url)))
-    return 0
+    wire.run(create_app(cfg).serve([sock], signals=True, ready=lambda: announce(url)))

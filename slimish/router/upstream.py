@@ -130,6 +130,20 @@ class Reply(asyncio.Protocol):
                 return
             await self._wait(timeout)
 
+    async def exchange(self, message: bytes, timeout: float) -> "Reply":
+        """Write the request `message`; return once the reply's status and headers are in (the
+        connection is closed if they are not: nothing else can be sent on it)."""
+        self._streaming = True  # wake at the headers
+        self._deadline = self.pool.loop.time() + timeout
+        self.transport.write(message)  # type: ignore[union-attr]
+        try:
+            while not self.status:
+                await self._wait(max(0.0, self._deadline - self.pool.loop.time()))
+        except BaseException:
+            self.transport.close()  # type: ignore[union-attr]
+            raise
+        return self
+
     def release(self) -> None:
         """Done with this reply: the connection goes back to the pool if it can carry another."""
         if self.complete and self.keep_alive and self._error is None and not self.transport.is_closing():  # type: ignore[union-attr]
@@ -199,26 +213,13 @@ class Upstream:
         conn = pool.take()
         if conn is not None:
             try:
-                return await _exchange(conn, message, timeout)
+                return await conn.exchange(message, timeout)
             except Disconnected:
                 if conn.got_bytes:
                     raise  # the worker answered, then broke: not a stale connection
-        return await _exchange(await pool.connect(self.connect_timeout), message, timeout)
+        return await (await pool.connect(self.connect_timeout)).exchange(message, timeout)
 
     def close(self) -> None:
         for pool in self._pools.values():
             while (conn := pool.take()) is not None:
                 conn.transport.close()  # type: ignore[union-attr]
-
-
-async def _exchange(conn: Reply, message: bytes, timeout: float) -> Reply:
-    conn._streaming = True  # wake at the headers
-    conn._deadline = conn.pool.loop.time() + timeout
-    conn.transport.write(message)  # type: ignore[union-attr]
-    try:
-        while not conn.status:
-            await conn._wait(max(0.0, conn._deadline - conn.pool.loop.time()))
-    except BaseException:
-        conn.transport.close()  # type: ignore[union-attr]
-        raise
-    return conn
