@@ -5,22 +5,24 @@
 #
 # SGLang pins its own torch and CUDA build, so the image starts from SGLang's and adds the rest
 # on top of that torch (nothing here reinstalls torch). SGLANG_TAG must carry sglang >= 0.5.23
-# (the weight-update routes slimish uses, ../shared/PROTOCOL.md); check the tags on Docker Hub
-# (lmsysorg/sglang) for one matching your CUDA driver.
-ARG SGLANG_TAG=v0.5.23-cu129
+# (the weight-update sessions slimish uses). sglang 0.5.23 is built for CUDA 13 (torch 2.14.1):
+# its images are tagged vX.Y.Z and need a CUDA 13 driver; CUDA 12 images stopped at v0.5.19-cu129.
+# The versions below are resolved together with pyproject.toml's by tests/test_gpu_deps.py.
+ARG SGLANG_TAG=v0.5.23
 FROM lmsysorg/sglang:${SGLANG_TAG}
 
-ARG TE_VERSION=2.9.0
+# megatron-core 0.16.1 asks for transformer-engine[core_cu13,pytorch] >=2.9,<2.12.
+ARG TE_VERSION=2.11.0
 ARG MEGATRON_CORE_VERSION=0.16.1
 ARG RAY_VERSION=2.60.0
-# TransformerEngine compiles CUDA kernels against the image's torch: bound the parallel jobs,
-# and name the GPU architectures you run on (9.0: H100 / H200) to keep the build short.
+# TransformerEngine's CUDA kernels come built (the core_cu13 wheel); its torch extension is
+# compiled here against the image's torch (--no-build-isolation), which also makes it ask for the
+# CUDA 13 core. MAX_JOBS bounds that compile.
 ARG MAX_JOBS=8
-ARG TORCH_CUDA_ARCH_LIST="9.0"
-ENV MAX_JOBS=${MAX_JOBS} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} NVTE_FRAMEWORK=pytorch \
+ENV MAX_JOBS=${MAX_JOBS} NVTE_FRAMEWORK=pytorch \
     PIP_NO_CACHE_DIR=1 PIP_ROOT_USER_ACTION=ignore
 
-RUN pip install --no-build-isolation "transformer_engine[pytorch]==${TE_VERSION}" \
+RUN pip install --no-build-isolation "transformer_engine[core_cu13,pytorch]==${TE_VERSION}" \
  && pip install "megatron-core==${MEGATRON_CORE_VERSION}" "ray==${RAY_VERSION}" \
  && python -c "import torch, sglang, megatron.core, transformer_engine.pytorch, ray; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 

@@ -7,7 +7,7 @@ task prompt (`--prompt-len` random token ids). Each agent runs `--turns` turns: 
 history, the model replies with exactly `--reply-tokens` tokens (temperature 1, a seed per agent
 and turn), and a tool result of `--tool-tokens` ids is appended. All agents run concurrently.
   cache     - a `slimish engine` process (prefix cache on, the default)
-  no cache  - the same with `--disable-radix-cache true`
+  no cache  - the same with `--disable-radix-cache`
   hf        - HF `model.generate` on the group's histories as one static batch per turn
 Rounds alternate between the three so that drifting load from other jobs hits them alike.
 Printed: median wall seconds and engine CPU-seconds per path, cache / no cache (target <= 0.5),
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: 2 threads are slower here (notes/cpu-runtime.md)
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: 2 threads are slower here (docs/benchmarks.md, CPU facts)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse  # noqa: E402
@@ -198,7 +198,7 @@ def main() -> None:
         engines = [engine_process(model_dir, max_running_requests=agents) for _ in range(args.engines)]
     else:
         engines = [engine_process(model_dir, max_running_requests=agents),
-                   engine_process(model_dir, max_running_requests=agents, disable_radix_cache="true")]  # fmt: skip
+                   engine_process(model_dir, max_running_requests=agents, disable_radix_cache=True)]  # fmt: skip
     rounds: dict[str, list[Round]] = {"cache": [], "no cache": [], "hf": []}
     try:
         start_all(engines, timeout=300)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: 2 threads are slower here (notes/cpu-runtime.md)
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: 2 threads are slower here (docs/benchmarks.md, CPU facts)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse  # noqa: E402

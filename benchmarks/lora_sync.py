@@ -59,7 +59,7 @@ def main() -> None:
     tensors, config = adapter_tensors(model), adapter_config(model)
     logs = args.model_cache / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    engine = engine_process(model_dir, log_path=logs / "lora-engine.log", enable_lora="true", max_lora_rank=args.rank,
+    engine = engine_process(model_dir, log_path=logs / "lora-engine.log", enable_lora=True, max_lora_rank=args.rank,
                             lora_target_modules=list(lora.target_modules))  # fmt: skip
     router = None
     try:

@@ -41,7 +41,7 @@ REPLY = json.dumps(
     }
 ).encode()
 JSON = {"content-type": "application/json"}
-# What sglang-router asks a worker for when it registers it (PROTOCOL.md 5).
+# What sglang-router asks a worker for when it registers it (docs/protocol.md 5).
 INFO = json.dumps({"model_path": "/nonexistent/bench-model", "dp_size": 1, "tp_size": 1, "served_model_name": "bench"}).encode()
 
 

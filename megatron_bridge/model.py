@@ -22,6 +22,11 @@ def build_model(
 ):
     """An (unloaded) GPTModel holding this rank's TP/PP shard; needs `initialize_model_parallel` first.
 
+    Every parameter is on this rank's device (the current CUDA device, else the CPU) in `dtype`,
+    as Megatron's own `get_model` leaves them (`.cuda()`, then bf16/fp16): the local spec's torch
+    norms are built on the CPU in fp32 whatever the config says, and on a GPU Megatron's bf16/fp16
+    optimizer refuses CPU parameters. Buffers keep their dtype (the MoE router's fp32 counters).
+
     Seeds Megatron's RNG tracker (`model_parallel_cuda_manual_seed(seed)`), which dropout and init
     need. `layer_spec` replaces `cfg.layer_spec()`; its tensor names must be those of `cfg.spec`
     (the tests build a CPU stand-in of the `te` spec this way). `config_overrides` go to
@@ -47,6 +52,10 @@ def build_model(
         post_process=parallel_state.is_pipeline_last_stage(),
         **cfg.gpt_model_kwargs(tp),
     )
+    model.to(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)  # the same Parameter: Megatron's attributes stay on it
     if not overrides["perform_initialization"]:
         _mark_tensor_parallel(model, cfg, parallel_state.get_pipeline_model_parallel_rank(), pp)
     return model

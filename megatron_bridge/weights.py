@@ -11,7 +11,7 @@ no `pre_mlp_layernorm`: those RMSNorm weights are `layer_norm_weight` of the fus
 `linear_qkv` / `linear_fc1` (TELayerNormColumnParallelLinear). MoE layers keep `pre_mlp_layernorm`.
 TE's `_extra_state` entries hold no weights and are not listed.
 
-Layouts (the same under both specs, see ../shared/notes/megatron-on-cpu.md):
+Layouts (the same under both specs):
 - `linear_qkv` rows are grouped per KV group: [q heads of group 0, k0, v0, q heads of group 1, ...].
   A TP rank therefore holds whole groups as one contiguous dim-0 slice. Biases use the same layout.
 - `linear_fc1` is [gate; up] in full. Each TP rank holds [gate_shard; up_shard], so a plain dim-0

@@ -119,7 +119,7 @@ class Client:
     # ---- generation -------------------------------------------------------------------------
 
     async def generate(self, routing_key: str | None = None, **body: Any) -> GenerateResponse | list[GenerateResponse]:
-        """POST /generate with the PROTOCOL.md 1.1 fields as keywords (`input_ids=`, `sampling_params=`...);
+        """POST /generate with the docs/protocol.md 1.1 fields as keywords (`input_ids=`, `sampling_params=`...);
         `routing_key` goes in the header sglang-router's `session` policy pins a conversation by."""
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
         data = await self.request("POST", "/generate", {**body, "stream": False}, headers=headers)

@@ -51,9 +51,12 @@ class EngineConfig:
     max_running_requests: int = 32  # rows in the running batch
     max_prefill_tokens: int = 4096  # prompt tokens prefilled per scheduler step (decode is never starved)
     context_length: int | None = None  # default: the model's max_position_embeddings
-    dtype: str = "float32"  # fp32 on CPU: bf16 is 12-18x slower there (notes/cpu-runtime.md)
+    dtype: str = "float32"  # fp32 on CPU: bf16 is 12-18x slower there (docs/benchmarks.md, CPU facts)
+    # SGLang's tensor-parallel size (`--tp-size`), accepted so that an SGLang launch line starts
+    # this engine; it runs on one device, so only 1 is.
+    tp_size: int = 1
     # cpu | cuda | cuda:K. The model and every tensor the engine makes live there, so a weight
-    # push over an NCCL group (PROTOCOL.md 4) lands straight in GPU parameters.
+    # push over an NCCL group (docs/protocol.md 4) lands straight in GPU parameters.
     device: str = "cpu"
     served_model_name: str | None = None  # default: the model path
     # SGLang's parser names for the OpenAI routes (slimish/formats); None: detected from the chat
@@ -111,6 +114,9 @@ class EngineConfig:
             raise ValueError("max_lora_rank (--max-lora-rank) is required with enable_lora when no lora_paths adapter gives the rank to reserve")
         if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
             raise ValueError(f"max_loaded_loras ({self.max_loaded_loras}) must be >= max_loras_per_batch ({self.max_loras_per_batch})")
+        if self.tp_size != 1:
+            raise ValueError(f"engine.tp_size (--tp-size) must be 1: the built-in engine runs on one device; tensor "
+                             f"parallelism needs SGLang (launch.engine_kind=sglang), got {self.tp_size}")  # fmt: skip
         if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
             raise ValueError(f"engine.device (--device) must be cpu, cuda or cuda:K, got {self.device!r}")
         check_parsers("engine.", self.tool_call_parser, self.reasoning_parser)
@@ -244,18 +250,24 @@ def describe_config(schema: type, prefix: str = "") -> list[str]:
 
 def add_config_arguments(parser: argparse.ArgumentParser, schema: type, skip: tuple[str, ...] = ()) -> None:
     """One flag per schema field, default and type taken from the schema, its comment as help;
-    lists take N values."""
+    lists take N values; booleans are bare flags as SGLang's (`--enable-lora`), with a `--no-X`
+    form to turn off one that defaults on. SGLang's other names for a field are accepted too
+    (FLAG_ALIASES), so an SGLang launch line starts the built-in engine."""
     hints, docs = typing.get_type_hints(schema), field_docs(schema)
     for f in dataclasses.fields(schema):
         if f.name in skip:
             continue
         hint = hints[f.name]
-        is_list = typing.get_origin(hint) is list
-        kind = typing.get_args(hint)[0] if is_list else _scalar(hint)
         default = _default(f)
         default = None if default is MISSING else default
+        names = ["--" + name.replace("_", "-") for name in (f.name, *FLAG_ALIASES.get(f.name, ()))]
+        if hint is bool:  # BooleanOptionalAction adds "(default: ...)" to the help itself
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=default, help=docs.get(f.name) or None)
+            continue
+        is_list = typing.get_origin(hint) is list
+        kind = typing.get_args(hint)[0] if is_list else _scalar(hint)
         parser.add_argument(
-            "--" + f.name.replace("_", "-"), type=kind, default=default, required=f.default is MISSING,
+            *names, type=kind, default=default, required=f.default is MISSING,
             nargs="*" if is_list else None, help=f"{docs.get(f.name, '')} (default: {default})".lstrip(),
         )  # fmt: skip
     for old, new in RENAMED_FLAGS.items():
@@ -263,6 +275,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, schema: type, skip: tu
             parser.add_argument("--" + old.replace("_", "-"), dest=new, action=_RenamedFlag, help=argparse.SUPPRESS)
 
 
+# A field -> SGLang's other flag names for it (sglang 0.5.23: python/sglang/srt/arg_groups/fields/model.py,
+# parallel.py), accepted as well.
+FLAG_ALIASES = {"model": ("model_path",), "tp_size": ("tensor_parallel_size",)}
 # Old flag -> the field that took its place: read for a release, with a warning.
 RENAMED_FLAGS = {"admin_key": "admin_api_key", "engine_start_timeout": "start_timeout"}
 
@@ -343,7 +358,10 @@ class LaunchConfig:
     policy: str = "least_inflight"  # the embedded router's policy
     router_workers: int = 1  # processes of the embedded router on its port (`slimish router --workers`)
     api_key: str | None = None  # sent to the router / engines when they need one
-    start_timeout: float = 300.0
+    # Seconds an engine (or the router) gets to answer /health once started. None: 300 for
+    # built-in engines, 1800 when SGLang engines start (the policy's or the teacher's): a cold
+    # SGLang start loads the checkpoint, compiles kernels and captures CUDA graphs.
+    start_timeout: float | None = None
     # Where the engines run: local (child processes of rank 0) | ray (Ray actors, one placement
     # group bundle each; the router stays on rank 0's machine).
     mode: str = "local"
@@ -385,6 +403,15 @@ class LaunchConfig:
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise ValueError(f"launch.placement_strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, "
                              f"got {self.placement_strategy!r}")  # fmt: skip
+        if self.start_timeout is None:
+            self.start_timeout = 1800.0 if "sglang" in (self.engine_kind, self.teacher.engine_kind) else 300.0
+        if self.mode == "ray" and self.engine_kind == "sglang":
+            from slimish.launch.sglang import sglang_tp
+
+            if self.engine_gpus < sglang_tp(self.sglang_args):
+                raise ValueError(f"launch.engine_gpus ({self.engine_gpus:g}) must be >= the SGLang engines' tp size "
+                                 f"({sglang_tp(self.sglang_args)}, launch.sglang_args) under launch.mode=ray: each engine "
+                                 "sees only the GPUs of its Ray bundle")  # fmt: skip
 
 
 @dataclass
@@ -604,6 +631,10 @@ class AlgorithmConfig:
 LR_SCHEDULES = ("constant", "cosine", "linear")
 TRANSPORTS = ("distributed", "disk")
 PAUSE_MODES = ("abort", "retract", "in_place", "drain")
+# trainer.lora's pushes into SGLang 0.5.23 engines (slimish/trainer/weight_sync.py): a reload from disk under an abort pause.
+SGLANG_LORA = ("SGLang 0.5.23 loads an adapter only from a directory (/load_lora_adapter; its broadcast update has no adapter "
+               "target), and its unload waits for the adapter's requests, which only an abort pause ends: set "
+               "weight_sync.transport=disk and weight_sync.pause_mode=abort")  # fmt: skip
 
 
 LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -666,7 +697,10 @@ class TrainerConfig:
     # micro-batch (the long-context OOM); 0: the whole micro-batch's logits at once.
     logprob_chunk_tokens: int = 1024
     updates_per_step: int = 1  # optimiser steps per rollout batch: the batch split into this many mini-batches
-    dtype: str | None = None  # None: float32 on CPU (bf16 is 12-18x slower there), bfloat16 on GPU
+    # The compute dtype, and the engines' weights pushed in it. None: float32 on CPU (bf16 is
+    # 12-18x slower there), bfloat16 on GPU. torch backend: weights and AdamW stay fp32, the
+    # forward runs under autocast to it; megatron: params_dtype, fp32 main params in its optimizer.
+    dtype: str | None = None
     # CPU intra-op threads while training (train and SFT steps); 0: this machine's cores / local
     # ranks in sync mode, where the engines idle while the trainer trains (2 threads: 1.7x faster
     # fwd+bwd on 2 cores), and OMP_NUM_THREADS in async mode, where they do not.
@@ -688,6 +722,10 @@ class TrainerConfig:
         at_least(1, self, "trainer.", "nproc", "tp", "pp", "micro_batch_tokens", "updates_per_step")
         at_least(0, self, "trainer.", "lr", "warmup_steps", "weight_decay", "grad_clip", "cpu_threads", "logprob_chunk_tokens")
         one_of("trainer.dtype", self.dtype, (None, "float32", "bfloat16", "float16"))
+
+    def compute_dtype(self, device_type: str) -> str:
+        """`dtype`, or its default on a `device_type` ("cpu", "cuda") device."""
+        return self.dtype or ("bfloat16" if device_type == "cuda" else "float32")
 
 
 @dataclass
@@ -713,7 +751,7 @@ class CriticConfig:
 
 @dataclass
 class WeightSyncConfig:
-    """Trainer rank 0 -> engines (slimish/trainer/weight_sync.py, PROTOCOL.md 4)."""
+    """Trainer rank 0 -> engines (slimish/trainer/weight_sync.py, docs/protocol.md 4)."""
 
     transport: str = "distributed"  # distributed (broadcast) | disk (update_weights_from_disk)
     bucket_mb: float = 128  # tensors per /update_weights_from_distributed call, by wire bytes
@@ -721,17 +759,23 @@ class WeightSyncConfig:
     backend: str | None = None  # gloo on CPU, nccl on GPU when None
     dtype: str | None = None  # wire dtype, e.g. bfloat16 to halve the bytes to bf16 engines; None: the trainer's
     # What in-flight generation does during a push: abort (return partial tokens), retract
-    # (requeue, recompute with the new weights), in_place (keep the KV), or drain (no pause:
-    # each update waits until running requests finish, SGLang's writer lock).
+    # (requeue, recompute with the new weights), in_place (keep the KV: no cache flush either, which
+    # SGLang refuses while the parked batch runs), or drain (running requests finish on the old
+    # weights first, SGLang's writer lock; new ones wait for the push).
     pause_mode: str = "retract"
     group_name: str = "weight_update_group"
-    master_address: str = "127.0.0.1"  # trainer rank 0's address as the engines reach it
+    # Trainer rank 0's address as the engines reach it. None: 127.0.0.1, except under
+    # launch.mode=ray on a cluster (launch.ray_address set), where engines on other nodes cannot
+    # reach a loopback: this node's IP as Ray sees it (ray.util.get_node_ip_address, as slime).
+    master_address: str | None = None
     timeout_s: float = 600.0  # a broadcast or HTTP call that takes longer fails the push
     disk_dir: str | None = None  # transport disk: where pushes are written (engines must see it); None: a temp dir
 
     def __post_init__(self) -> None:
         one_of("weight_sync.transport", self.transport, TRANSPORTS)
         one_of("weight_sync.pause_mode", self.pause_mode, PAUSE_MODES)
+        if self.master_address is None:  # then load_run_config puts the node's IP here for a run on a Ray cluster
+            self.master_address = "127.0.0.1"
         if self.bucket_mb <= 0 or self.timeout_s <= 0:
             raise ValueError(f"weight_sync.bucket_mb and timeout_s must be > 0, got {self.bucket_mb}, {self.timeout_s}")
 
@@ -870,6 +914,9 @@ class RunConfig:
         if self.algorithm.advantage == "gae" and self.trainer.lora.enabled:
             raise ValueError("algorithm.advantage=gae with trainer.lora: the critic would be a second full model trained in full, "
                              "which LoRA is meant to avoid; use a reward-only advantage (e.g. grpo) with LoRA")  # fmt: skip
+        sync = self.weight_sync
+        if self.trainer.lora.enabled and self.launch.engine_kind == "sglang" and (sync.transport, sync.pause_mode) != ("disk", "abort"):
+            raise ValueError(f"trainer.lora with launch.engine_kind=sglang: {SGLANG_LORA}")
         for section in (self.data, self.trainer):
             if section.seed is None:
                 section.seed = self.seed
@@ -899,13 +946,17 @@ def load_run_config(path: str | None, overrides: list[str] = (), **named: Any) -
     """YAML file, then `key=value` overrides (dotted keys), then named flags (e.g. rollout.rollout_fn)."""
     try:
         cfg = OmegaConf.structured(RunConfig)
-        if path:
-            cfg = OmegaConf.merge(cfg, _rename(OmegaConf.to_container(OmegaConf.load(path)), path))
-        dotlist = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))
-        cfg = OmegaConf.merge(cfg, _rename(dotlist, "key=value"))
+        given = [_rename(OmegaConf.to_container(OmegaConf.load(path)), path)] if path else []
+        given.append(_rename(OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides))), "key=value"))
+        for values in given:
+            cfg = OmegaConf.merge(cfg, values)
         for key, value in named.items():
             if value is not None:
                 OmegaConf.update(cfg, key, value, merge=True)
+        if not any((v.get("weight_sync") or {}).get("master_address") for v in given) and cfg.launch.mode == "ray" and cfg.launch.ray_address:
+            import ray.util  # unset on a Ray cluster: engines on other nodes reach rank 0 at this node's IP
+
+            cfg.weight_sync.master_address = ray.util.get_node_ip_address()
         return OmegaConf.to_object(cfg)  # type: ignore[return-value]
     except (ValueError, TypeError, OmegaConfBaseException, FileNotFoundError) as exc:
         raise SystemExit(f"bad config{f' {path}' if path else ''}: {exc}") from None

@@ -1,4 +1,4 @@
-"""Weight-update process groups and the wire format of a weight broadcast (PROTOCOL.md 2.2, 4).
+"""Weight-update process groups and the wire format of a weight broadcast (docs/protocol.md 2.2, 4).
 
 The trainer (rank 0) and every engine build the group with `init_custom_process_group`, the same
 way SGLang does, so a trainer written for SGLang meets our engine at the rendezvous and our

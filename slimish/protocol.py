@@ -1,4 +1,4 @@
-"""The HTTP bodies of ../shared/PROTOCOL.md (SGLang 0.5.23 native protocol + OpenAI subset).
+"""The HTTP bodies of docs/protocol.md (SGLang 0.5.23 native protocol + OpenAI subset).
 
 Every part of slimish that sends or reads one of these bodies (the built-in engine, the router,
 the client, the trainer's weight sync) uses these models, so a protocol field has one owner.
@@ -40,7 +40,7 @@ class _Strict(BaseModel):
 
 
 class SamplingParams(BaseModel):
-    """One request's sampling parameters (PROTOCOL.md 1.2). Unknown keys are an error."""
+    """One request's sampling parameters (docs/protocol.md 1.2). Unknown keys are an error."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -90,7 +90,7 @@ class SamplingParams(BaseModel):
 
 
 class GenerateReqInput(_Strict):
-    """Body of `POST /generate` (PROTOCOL.md 1.1)."""
+    """Body of `POST /generate` (docs/protocol.md 1.1)."""
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -176,7 +176,7 @@ class MetaInfo(BaseModel):
     output_top_logprobs: list[Any] | None = None
     input_token_ids_logprobs: list[Any] | None = None
     output_token_ids_logprobs: list[Any] | None = None
-    # slimish's engine (optional extra, PROTOCOL.md 1.3): which weights made which output tokens,
+    # slimish's engine (optional extra, docs/protocol.md 1.3): which weights made which output tokens,
     # `[{"version", "start", "end"}]`, when a request outlived a weight update.
     weight_versions: list[dict[str, Any]] | None = None
 
@@ -188,7 +188,7 @@ class MetaInfo(BaseModel):
 
 
 class GenerateResponse(BaseModel):
-    """One item of a `/generate` reply (PROTOCOL.md 1.3); `index` is set on streamed batches."""
+    """One item of a `/generate` reply (docs/protocol.md 1.3); `index` is set on streamed batches."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -199,7 +199,7 @@ class GenerateResponse(BaseModel):
 
 
 # --------------------------------------------------------------------------------------------
-# Weight sync and control (PROTOCOL.md 2)
+# Weight sync and control (docs/protocol.md 2)
 # --------------------------------------------------------------------------------------------
 
 
@@ -385,7 +385,7 @@ class ControlResult(BaseModel):
 
 
 # --------------------------------------------------------------------------------------------
-# OpenAI-compatible (PROTOCOL.md 3). Lax types: SDKs send floats and ints freely.
+# OpenAI-compatible (docs/protocol.md 3). Lax types: SDKs send floats and ints freely.
 # --------------------------------------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ import transformers
 from slimish.buffer import Buffer, Staleness
 from slimish.config import RunConfig, document_run_config, load_run_config
 from slimish.launch import Servers, check_push_targets, lora_launch, start_servers, teacher_servers
+from slimish.launch.plan import ASSUMED, check_placement, first_free_gpu, next_gpu, teacher_launch
 from slimish.loop_thread import LoopThread
 from slimish.metrics import RunLog
 from slimish.rollout.api import RolloutRuntime
@@ -60,6 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--filter-fn", default=None)
     parser.add_argument("--resume", default=None, help="auto (newest checkpoint in run_dir) or a checkpoint directory")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="RunConfig overrides, e.g. rollout.temperature=0.7")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="start nothing, load no weights: print where the trainer ranks and engines would go, the parallel sizes, "
+                             "memory per GPU and the engines' command lines; fail on sizes that do not fit")  # fmt: skip
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help=f"--dry-run: GPUs per node (default: this machine's, else {ASSUMED.gpus_per_node})")  # fmt: skip
+    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help=f"--dry-run: memory of one GPU (default: this machine's, else {ASSUMED.gpu_memory_gib:g})")  # fmt: skip
     document_run_config(parser)
 
 
@@ -75,8 +84,10 @@ class Driver:
     def __init__(self, cfg: RunConfig, servers: Servers, stack: ExitStack, start_step: int, world: int) -> None:
         self.cfg, self.world = cfg, world
         self.teacher: Servers | None = None  # on-policy distillation's teacher: never pushed to
-        if cfg.algorithm.opd.coef > 0:
-            self.teacher = stack.enter_context(teacher_servers(cfg.launch, Path(cfg.run_dir) / "logs" / "teacher", servers.router_url))
+        if cfg.algorithm.opd.coef > 0:  # its local GPU engines go after the policy's
+            first = first_free_gpu(cfg, torch.cuda.is_available())
+            self.teacher = stack.enter_context(teacher_servers(cfg.launch, Path(cfg.run_dir) / "logs" / "teacher", servers.router_url,
+                                                               next_gpu(cfg.launch, first)))  # fmt: skip
         self.loop = LoopThread("rollout")
         stack.callback(self.loop.close)
         teacher_url = self.teacher.router_url if self.teacher else None
@@ -290,7 +301,13 @@ def train(cfg: RunConfig) -> None:
         ptx = ptx_batches(cfg, trainer.tokenizer) if cfg.algorithm.ptx_coef > 0 else None  # bad demonstrations fail here
         if rank == 0:
             launch = lora_launch(cfg.launch, cfg.trainer.lora)
-            servers = stack.enter_context(start_servers(launch, cfg.model, Path(cfg.run_dir) / "logs"))
+            first_gpu = first_free_gpu(cfg, torch.cuda.is_available())
+            if torch.cuda.is_available():
+                try:
+                    check_placement(launch, cfg.trainer.nproc, first_gpu, torch.cuda.device_count(), teacher_launch(cfg))
+                except ValueError as exc:
+                    raise SystemExit(f"slimish train: {exc}") from None
+            servers = stack.enter_context(start_servers(launch, cfg.model, Path(cfg.run_dir) / "logs", first_gpu))
             side: Driver | Follower = Driver(cfg, servers, stack, start_step, world)
         else:
             side = Follower()
@@ -329,11 +346,41 @@ def train(cfg: RunConfig) -> None:
 def run(args: argparse.Namespace) -> int:
     """`slimish train`: this process is the trainer, or torchrun starts `trainer.nproc` ranks."""
     cfg = config_of(args)
+    if args.dry_run:
+        return dry_run(cfg, args)
     if cfg.trainer.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.trainer.nproc}",
-                "-m", "slimish.train", *sys.argv[2:]]  # fmt: skip
-        os.execv(sys.executable, argv)
+        os.execv(sys.executable, [sys.executable, *trainer_argv(cfg.trainer.nproc, sys.argv[2:])])
     return checked_train(cfg)
+
+
+def trainer_argv(nproc: int, args: list[str]) -> list[str]:
+    """How `slimish train ARGS` runs the trainer, after `python`: torchrun's `trainer.nproc` ranks
+    on this node, or this process."""
+    if nproc == 1:
+        return ["-m", "slimish.train", *args]
+    return ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "slimish.train", *args]
+
+
+def dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
+    """`slimish train --dry-run`: the plan (slimish/launch/plan.py) for this machine's GPUs, or
+    for the nodes `--gpus-per-node` / `--gpu-memory-gib` describe; nothing started, no weights read."""
+    from slimish.launch.plan import Machine, describe, load_model, model_source
+
+    cuda = torch.cuda.is_available()
+    here = Machine(torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory / (1 << 30)) if cuda else ASSUMED
+    machine = Machine(args.gpus_per_node or here.gpus_per_node, args.gpu_memory_gib or here.gpu_memory_gib,
+                      here.assumed and not (args.gpus_per_node and args.gpu_memory_gib))  # fmt: skip
+    try:
+        source = model_source(cfg.model, args.config)
+        lines = describe(cfg, load_model(source), source, machine)
+    except ValueError as exc:
+        raise SystemExit(f"slimish train --dry-run: {exc}") from None
+    named = {"--rollout-fn": args.rollout_fn, "--reward-fn": args.reward_fn, "--filter-fn": args.filter_fn, "--resume": args.resume}
+    rest = [*(["--config", args.config] if args.config else []), *(a for k, v in named.items() if v for a in (k, v)), *args.overrides]
+    print(f"slimish train --dry-run{f' --config {args.config}' if args.config else ''}: nothing started, no weights loaded")
+    print("\n".join(lines))
+    print(f"  trainer: python {shlex.join(trainer_argv(cfg.trainer.nproc, rest))}")
+    return 0
 
 
 def checked_train(cfg: RunConfig) -> int:
@@ -350,7 +397,8 @@ def checked_train(cfg: RunConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m slimish.train", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return checked_train(config_of(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
+    return dry_run(config_of(args), args) if args.dry_run else checked_train(config_of(args))
 
 
 if __name__ == "__main__":

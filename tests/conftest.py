@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # notes/cpu-runtime.md: 2 threads were 5x slower here
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # docs/benchmarks.md, CPU facts: 2 threads were 5x slower here
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json  # noqa: E402
@@ -153,6 +153,19 @@ def with_capture(url: str, tok: object, body, **kw: object):
 
 
 ROOT = Path(__file__).resolve().parents[1]
+SGLANG_DOUBLE = ROOT / "tests" / "sglang_double"
+
+
+@pytest.fixture(scope="module")
+def sglang_double(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """`python -m sglang.launch_server` in children is tests/sglang_double: SGLang 0.5.23's command
+    line and rules over the built-in engine (SGLang itself needs a GPU). Yields the file each
+    start is recorded in (`{"argv", "pid"}` per line)."""
+    record = tmp_path_factory.mktemp("sglang-double") / "starts.jsonl"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SGLANG_DOUBLE), os.environ.get("PYTHONPATH")])))
+        mp.setenv("SGLANG_SHIM_RECORD", str(record))
+        yield record
 
 
 def quickstart_argv(tmp_path: Path, *overrides: str, model: Path, config: str = "configs/quickstart.yaml") -> list[str]:
@@ -348,3 +361,11 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "label": str(2 * i)}) + "\n" for i in range(10)))
     return str(path)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How many documentation code blocks ran and were checked (tests/test_docs.py counts them),
+    shown even under `pytest -q`."""
+    docs = sys.modules.get("test_docs")
+    if docs is not None and docs.COUNTS:
+        terminalreporter.write_line(docs.summary())

@@ -39,6 +39,7 @@ from megatron_bridge.model import build_model, load_hf_weights  # noqa: E402
 from megatron_bridge.weights import export_hf, stage_params  # noqa: E402
 
 SEQ, BATCH = 12, 2
+BF16_ARCHS = ("qwen3", "qwen3_moe")  # q/k norms; a MoE router
 results: dict[str, float | int | str] = {}
 
 
@@ -133,6 +134,22 @@ def check_model(key: str, path: str, tp: int, divisible_by: int, seq: int = SEQ,
     check_export(key, model, cfg, path)
     if tp > 1:
         check_logprobs_on_model(key, model, cfg, ids, ref)
+
+
+def check_bf16_model(key: str, path: str, spec: str = "local") -> None:
+    """`build_model` in bf16: every parameter's dtype and device (the local spec's torch norms
+    used to stay fp32), and the loaded model's logits against HF's fp32 ones."""
+    cfg = load_hf_config(path, 128, spec)
+    model = build_model(cfg, torch.bfloat16, layer_spec=te_standin_spec(cfg) if spec == "te" else None).eval()
+    results[f"{key}/param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    results[f"{key}/param_devices"] = sorted({str(p.device) for p in model.parameters()})
+    load_hf_weights(model, cfg, path)
+    ids = tokens(cfg.vocab_size, seed=1)
+    logits = full_logits(model, ids)
+    with torch.no_grad():
+        ref = hf_model(path)(ids).logits
+    results[f"{key}/logits_dtype"] = str(logits.dtype)
+    results[f"{key}/logits_diff"] = diff(logits[..., : cfg.vocab_size], ref)
 
 
 def check_logprobs_on_model(key: str, model, cfg, ids: torch.Tensor, ref: torch.Tensor) -> None:
@@ -264,6 +281,10 @@ def main(spec: dict, out: Path) -> None:
     for i, (arch, path) in enumerate(sorted(te_models.items())):
         if i % world == rank:
             check_model(f"te_tp1/{arch}", path, 1, 128, spec="te")
+    bf16_checks = [(f"bf16/{a}", models[a], "local") for a in BF16_ARCHS] + [(f"te_bf16/{a}", te_models[a], "te") for a in BF16_ARCHS]
+    for i, (key, path, spec_name) in enumerate(bf16_checks):
+        if i % world == rank:
+            check_bf16_model(key, path, spec_name)
     if rank == 0 and not gpt_layer_specs.HAVE_TE:
         try:
             load_hf_config(models["llama"], spec="te").layer_spec()

@@ -88,7 +88,7 @@ def reference(model_dir: Path, adapter: Path | None, state: dict[str, torch.Tens
 @pytest.fixture(scope="module")
 def lora_engine(tiny_model_dir, adapter_dirs, tmp_path_factory):
     """a1 from --lora-paths; a2 and a3 loaded over HTTP, as a run's first push does."""
-    flags = dict(enable_lora="true", lora_paths=[f"a1={adapter_dirs['a1']}"], max_lora_rank=8, lora_target_modules=["all"])
+    flags = dict(enable_lora=True, lora_paths=[f"a1={adapter_dirs['a1']}"], max_lora_rank=8, lora_target_modules=["all"])
     with running_engines(tiny_model_dir, tmp_path_factory, n=1, timeout=WAIT_S, weight_sync_timeout_s=60, **flags) as (proc,):
         for name in ("a2", "a3"):
             r = post(proc.url, "/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dirs[name])})

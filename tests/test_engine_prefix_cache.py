@@ -30,7 +30,7 @@ def engines(tiny_model_dir, tmp_path_factory):
     """(cache on, cache off) engine URLs."""
     logs = tmp_path_factory.mktemp("prefix-cache-logs")
     procs = [engine_process(tiny_model_dir, log_path=logs / f"{name}.log", page_size=PAGE, **flags)
-             for name, flags in (("on", {}), ("off", {"disable_radix_cache": "true"}))]  # fmt: skip
+             for name, flags in (("on", {}), ("off", {"disable_radix_cache": True}))]  # fmt: skip
     try:
         start_all(procs, timeout=120)
         yield [p.url for p in procs]

@@ -1,4 +1,4 @@
-"""Interop both ways: two built-in engines behind the real sglang-router 0.3.2 (PROTOCOL.md §5),
+"""Interop both ways: two built-in engines behind the real sglang-router 0.3.2 (docs/protocol.md 5),
 and the slimish router in front of the same engines.
 
 The router is the one slimish uses on clusters, so this checks on loopback that our engine is a

@@ -1,7 +1,7 @@
 """`launch.engine_kind: sglang | external`. SGLang cannot run without a GPU, so the launcher is run
-against a stand-in: an `sglang.launch_server` module on PYTHONPATH that records the command line
-it was given and then becomes a built-in engine (same pid), which serves the routes the launcher,
-the router and the weight sync touch (/health, /server_info, /model_info, weight updates)."""
+against the strict SGLang 0.5.23 double (tests/sglang_double, the `sglang_double` fixture): it
+parses SGLang's command line, records it, and serves the built-in engine under SGLang's rules
+(same pid)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import SGLANG_DOUBLE
 from slimish.config import LaunchConfig, WeightSyncConfig, load_run_config
 from slimish.launch.local import engine_server, local_servers
 from slimish.launch.sglang import MODULE, sglang_argv, sglang_process
@@ -21,45 +22,13 @@ WAIT_S = 120.0
 PROMPT = [5, 17, 42, 99, 7]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
 
-SHIM = '''
-"""Stand-in for `python -m sglang.launch_server` (tests only)."""
-import argparse, json, os, sys
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--model-path", required=True)
-parser.add_argument("--host", required=True)
-parser.add_argument("--port", required=True)
-known, _ = parser.parse_known_args()
-with open(os.environ["SGLANG_SHIM_RECORD"], "a") as f:
-    f.write(json.dumps({"argv": sys.argv[1:], "pid": os.getpid()}) + "\\n")
-if os.environ.get("SGLANG_SHIM_EXIT"):
-    print("stand-in sglang: refusing to start", flush=True)
-    sys.exit(int(os.environ["SGLANG_SHIM_EXIT"]))
-os.execv(sys.executable, [sys.executable, "-m", "slimish.cli", "engine", "--model", known.model_path,
-                          "--host", known.host, "--port", known.port])
-'''
-
-
-@pytest.fixture(scope="module")
-def shim(tmp_path_factory: pytest.TempPathFactory):
-    """PYTHONPATH with the stand-in `sglang` package; yields the file each start is recorded in."""
-    root = tmp_path_factory.mktemp("sglang-shim")
-    (root / "sglang").mkdir()
-    (root / "sglang" / "__init__.py").write_text("")
-    (root / "sglang" / "launch_server.py").write_text(SHIM)
-    record = root / "starts.jsonl"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", str(root))
-        mp.setenv("SGLANG_SHIM_RECORD", str(record))
-        yield record
-
 
 def starts(record: Path) -> list[dict]:
     return [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
 
 
 @pytest.fixture(scope="module")
-def sglang_servers(shim, tiny_model_dir, tmp_path_factory):
+def sglang_servers(sglang_double, tiny_model_dir, tmp_path_factory):
     launch = LaunchConfig(engine_kind="sglang", sglang_args=["--sglang-tp-size", "1", "--mem-fraction-static=0.5"],
                           start_timeout=WAIT_S)  # fmt: skip
     with local_servers(launch, tiny_model_dir, tmp_path_factory.mktemp("logs")) as servers:
@@ -75,7 +44,7 @@ def generate(url: str) -> dict:
 def test_sglang_arguments_pass_through_with_or_without_the_prefix():
     argv = sglang_argv("/m", "10.0.0.2", 30001, ["--sglang-tp-size", "2", "--sglang-mem-fraction-static=0.7", "--trust-remote-code"],
                        api_key="k")  # fmt: skip
-    assert argv == ["--model-path", "/m", "--host", "10.0.0.2", "--port", "30001", "--tp-size", "2",
+    assert argv == ["--model-path", "/m", "--host", "10.0.0.2", "--port", "30001", "--dtype", "bfloat16", "--tp-size", "2",
                     "--mem-fraction-static=0.7", "--trust-remote-code", "--api-key", "k"]  # fmt: skip
     assert sglang_argv("/m", "h", 1, ["--api-key", "own"], api_key="k")[-2:] == ["--api-key", "own"]  # theirs wins
     proc = sglang_process("/m", [], host="0.0.0.0", port=30002)
@@ -110,12 +79,12 @@ def test_bad_launch_settings_name_the_field(overrides, message):
         load_run_config(None, ["model=/m", "data.source=task:max_digit", *overrides])
 
 
-def test_sglang_engine_started_registered_and_synced(sglang_servers, shim, tiny_model_dir, tiny_model_dir_other_seed):
-    (start,) = starts(shim)
+def test_sglang_engine_started_registered_and_synced(sglang_servers, sglang_double, tiny_model_dir, tiny_model_dir_other_seed):
+    (start,) = starts(sglang_double)
     engine = sglang_servers.engines[0]
     port = str(engine.port)
-    assert start["argv"] == ["--model-path", str(tiny_model_dir), "--host", "127.0.0.1", "--port", port,
-                             "--tp-size", "1", "--mem-fraction-static=0.5"]  # fmt: skip
+    assert start["argv"] == ["--model-path", str(tiny_model_dir), "--host", "127.0.0.1", "--port", port, "--base-gpu-id", "0",
+                             "--dtype", "bfloat16", "--tp-size", "1", "--mem-fraction-static=0.5"]  # fmt: skip
     assert start["pid"] == engine.proc.pid  # the supervised child is the server itself
     workers = httpx.get(sglang_servers.router_url + "/workers", timeout=30).json()["workers"]
     assert [w["url"] for w in workers] == sglang_servers.engine_urls == [engine.url]
@@ -130,16 +99,16 @@ def test_sglang_engine_started_registered_and_synced(sglang_servers, shim, tiny_
     assert httpx.get(engine.url + "/model_info", timeout=30).json()["weight_version"] == "3"
 
 
-def test_a_dead_sglang_server_is_started_again_with_the_same_command_line(sglang_servers, shim):
+def test_a_dead_sglang_server_is_started_again_with_the_same_command_line(sglang_servers, sglang_double):
     engine = sglang_servers.engines[0]
     engine.kill()
     assert sglang_servers.restart_dead(WAIT_S) == [engine.url]
-    first, again = starts(shim)[-2:]
+    first, again = starts(sglang_double)[-2:]
     assert again["argv"] == first["argv"] and again["pid"] == engine.proc.pid  # no --await-weights: SGLang has none
     assert httpx.get(engine.url + "/health", timeout=30).status_code == 200
 
 
-def test_a_server_that_exits_while_starting_fails_with_its_log(shim, tiny_model_dir, tmp_path, monkeypatch):
+def test_a_server_that_exits_while_starting_fails_with_its_log(sglang_double, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_SHIM_EXIT", "3")
     proc = sglang_process(tiny_model_dir, [], log_path=tmp_path / "sglang.log")
     with pytest.raises(RuntimeError, match=r"(?s)sglang.launch_server on port \d+ exited with 3.*refusing to start"):
@@ -157,9 +126,9 @@ def test_external_engines_get_a_router_and_are_left_running(sglang_servers, tmp_
     assert httpx.get(url + "/health", timeout=30).status_code == 200  # not ours to stop
 
 
-def test_the_stand_in_is_what_runs(shim):
-    """Guard: with the stand-in on PYTHONPATH a child resolves `sglang` to it, not a real install."""
+def test_the_double_is_what_runs(sglang_double):
+    """Guard: with the double on PYTHONPATH a child resolves `sglang` to it, not a real install."""
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", "import sglang; print(sglang.__file__)"], capture_output=True, text=True, timeout=60)
-    assert out.stdout.strip() == str(shim.parent / "sglang" / "__init__.py")
+    assert out.stdout.strip() == str(SGLANG_DOUBLE / "sglang" / "__init__.py")

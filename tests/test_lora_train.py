@@ -35,7 +35,7 @@ LORA = ("trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.lora.alpha=
 def lora_pool(model: Path, factory, rank: int = 4, modules: list[str] = MODULES) -> Iterator[tuple[str, str]]:
     """One engine serving LoRA adapters (up to `rank`, on `modules`) and the router in front of
     it: (engine URL, router URL)."""
-    flags = {"enable_lora": "true", "max_lora_rank": rank, "lora_target_modules": modules}
+    flags = {"enable_lora": True, "max_lora_rank": rank, "lora_target_modules": modules}
     with running_engines(model, factory, n=1, **flags) as (engine,), running_router(worker_urls=[engine.url]) as router:
         yield engine.url, router
 

@@ -34,6 +34,7 @@ TP2_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 TE_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 TE_TP2_ARCHS = ("llama", "qwen3_moe")
 TOL = 1e-5
+BF16_TOL = 0.03  # bf16 logits of a tiny model against HF's fp32 ones (measured 0.005-0.008)
 
 
 def _tiny_moe(path: Path, vocab_size: int) -> Path:
@@ -145,6 +146,16 @@ def test_tp1_export_round_trip_is_exact(results: dict, key: str) -> None:
     assert _values(results, f"{key}/export_names_ok") == [1]
     assert _values(results, f"{key}/export_dtype_ok") == [1]
     assert _values(results, f"{key}/export_diff") == [0.0]
+
+
+@pytest.mark.parametrize("key", [f"{spec}/{arch}" for spec in ("bf16", "te_bf16") for arch in ("qwen3", "qwen3_moe")])
+def test_bf16_model_has_every_parameter_in_bf16(results: dict, key: str) -> None:
+    """As Megatron's get_model leaves a model: the local spec's torch norms (input, pre-MLP, q/k,
+    final) are built fp32 on the CPU, which Megatron's bf16 optimizer refuses on a GPU."""
+    assert _values(results, f"{key}/param_dtypes") == [["torch.bfloat16"]]
+    assert _values(results, f"{key}/param_devices") == [["cpu"]]
+    assert _values(results, f"{key}/logits_dtype") == ["torch.bfloat16"]
+    assert max(_values(results, f"{key}/logits_diff")) < BF16_TOL
 
 
 @pytest.mark.parametrize("key", TP2_KEYS)

@@ -14,7 +14,7 @@ from conftest import running_engines, running_router, wait_for
 from slimish.router.proxy import WORKER_HEADER
 from test_engine_lora import GREEDY, PROMPTS, WAIT_S, adapter_dirs, post  # noqa: F401  (adapter_dirs: a fixture)
 
-LORA_FLAGS = dict(enable_lora="true", max_lora_rank=8, lora_target_modules=["all"])
+LORA_FLAGS = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["all"])
 
 
 @pytest.fixture(scope="module")

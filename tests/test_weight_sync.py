@@ -14,13 +14,14 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import httpx
 import pytest
 import torch
 
-from conftest import running_engines
+from conftest import metric_total, running_engines, wait_for
 from slimish.config import WeightSyncConfig, load_run_config
 from slimish.distributed import init_custom_process_group
 from slimish.launch.local import engine_process
@@ -135,6 +136,25 @@ def test_push_all_parameters(engines, sync, tiny_model_dir, flattened, seed):
         assert out["output_ids"] == expected
         assert out["meta_info"]["weight_version"] == f"v{seed}"
         assert model_info(url)["weight_version"] == f"v{seed}"
+
+
+def test_a_drain_push_lets_the_running_generation_finish_on_its_weights(engines, sync, tiny_model_dir):
+    """pause_mode=drain: the push's session opens only once no generation runs (SGLang's writer
+    lock, which the engine's /begin_weight_update takes too), so a running generation finishes
+    entirely on the weights it started with; generation then stays paused for the buckets."""
+    url = engines[0]
+    before = model_info(url)["weight_version"]
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(generate, url, PROMPT, {"temperature": 0.0, "max_new_tokens": 200, "ignore_eos": True})
+        wait_for(lambda: metric_total(url, "sglang:num_running_reqs") >= 1, "the generation to run")
+        sync.cfg.pause_mode = "drain"
+        try:
+            sync.push(seeded(hf_model(tiny_model_dir), 9), "drained")
+        finally:
+            sync.cfg.pause_mode = "retract"
+        meta = running.result(timeout=WAIT_S)["meta_info"]
+    assert [span["version"] for span in meta["weight_versions"]] == [before] and meta["completion_tokens"] == 200
+    assert model_info(url)["weight_version"] == "drained"
 
 
 def test_refused_bucket_fails_the_push(engines, sync, tiny_model_dir):
@@ -286,7 +306,7 @@ def test_trainer_killed_mid_broadcast_leaves_torn_weights_that_the_engine_refuse
 def test_an_engine_started_to_await_weights_serves_only_after_a_full_push(tiny_model_dir, tmp_path):
     """How a restarted engine rejoins a run: nothing is served (503, /health too) until every
     parameter has been pushed, so the router cannot send it rollouts on its initial weights."""
-    proc = engine_process(tiny_model_dir, log_path=tmp_path / "engine.log", await_weights="true")
+    proc = engine_process(tiny_model_dir, log_path=tmp_path / "engine.log", await_weights=True)
     proc.health_path = "/model_info"  # /health is 503 by design until the push
     try:
         proc.start(WAIT_S)

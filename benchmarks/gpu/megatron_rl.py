@@ -36,102 +36,21 @@ import argparse
 import importlib.util
 import math
 import os
-import random
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import torch
 import torch.distributed as dist
+from smoke import importable, random_prompts, rollouts, served_differs, served_version  # same directory
 
 from slimish.config import EngineConfig, WeightSyncConfig, load_run_config
 from slimish.launch.local import engine_process
-from slimish.net import free_port
+from slimish.launch.sglang import sglang_process
 from slimish.tiny_model import make_tiny_model
 from slimish.trainer.weight_sync import WeightSync
-from slimish.rollout.api import sample_from_reply
-from slimish.types import Sample
-
-
-def rollouts(url: str, prompts: list[list[int]], n: int, seed: int, max_new_tokens: int) -> list[list[Sample]]:
-    groups = []
-    with httpx.Client(timeout=600) as http:
-        for g, prompt in enumerate(prompts):
-            body = {"input_ids": [prompt] * n, "return_logprob": True,
-                    "sampling_params": {"temperature": 1.0, "max_new_tokens": max_new_tokens, "sampling_seed": seed + g}}  # fmt: skip
-            outs = http.post(url + "/generate", json=body).raise_for_status().json()
-            group = []
-            for k, out in enumerate(outs):
-                s = sample_from_reply(prompt, out, group_id=g, index=k)
-                s.reward = float(out["output_ids"][0] % 2 == 0)
-                group.append(s)
-            groups.append(group)
-    return groups
-
-
-def served(url: str, name: str, rows: int) -> torch.Tensor:
-    r = httpx.post(url + "/get_weights_by_name", json={"name": name, "truncate_size": rows}, timeout=600)
-    return torch.tensor(r.raise_for_status().json(), dtype=torch.float32)
-
-
-def check_served(url: str, exported: dict[str, torch.Tensor], rows: int | None) -> list[str]:
-    """Names whose served values differ from the export (all rows, or the first `rows`)."""
-    bad = []
-    for name, t in exported.items():
-        want = t.float().cpu()[: rows or t.shape[0]]
-        if not torch.equal(served(url, name, want.shape[0]).view_as(want), want):
-            bad.append(name)
-    return bad
-
-
-def served_version(url: str) -> str:
-    """The weight version an engine reports on a response (SGLang and the built-in engine alike)."""
-    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
-    return httpx.post(url + "/generate", json=body, timeout=600).raise_for_status().json()["meta_info"]["weight_version"]
-
-
-@contextmanager
-def sglang_server(model: str, gpu: int, log: Path, timeout: float = 900.0) -> Iterator[str]:
-    """An SGLang server on GPU `gpu`, bf16: its URL once healthy; terminated on exit."""
-    port = free_port()
-    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
-            "--dtype", "bfloat16", "--mem-fraction-static", "0.5", "--base-gpu-id", str(gpu)]  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"sglang exited with {proc.returncode}; see {log}")
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"sglang not healthy within {timeout} s; see {log}")
-            time.sleep(2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def te_importable() -> bool:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # an ImportError, or a broken CUDA library under it
-        return False
-    return True
 
 
 @dataclass
@@ -176,7 +95,7 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = args.spec
     if spec == "auto":
-        spec = "te" if te_importable() else "local"
+        spec = "te" if importable("transformer_engine.pytorch") is None else "local"
         if spec == "local" and rank == 0:
             print("WARNING: transformer_engine does not import; Megatron runs on the local spec, not TE's")
     if args.engine_device != "auto":
@@ -215,7 +134,8 @@ def main() -> int:
                 print(f"sglang: skipped, no spare GPU ({torch.cuda.device_count()} GPUs, {world} trainer ranks, "
                       f"builtin engine on {place.device})")  # fmt: skip
             else:
-                engines["sglang"] = stack.enter_context(sglang_server(model, place.sglang_gpu, out / "sglang.log"))
+                argv = ["--dtype", "bfloat16", "--mem-fraction-static", "0.5", "--base-gpu-id", str(place.sglang_gpu)]
+                engines["sglang"] = stack.enter_context(sglang_process(model, argv, log_path=out / "sglang.log").start(900)).url
                 syncs["sglang"] = stack.enter_context(WeightSync(WeightSyncConfig(backend="nccl"), [engines["sglang"]]))
             print(f"engines up in {time.perf_counter() - t_trainer:.1f} s: {', '.join(engines)}", flush=True)
         names = [list(engines)]
@@ -224,9 +144,7 @@ def main() -> int:
             t0 = time.perf_counter()
             groups = None
             if rank == 0:
-                rng = random.Random(step)
-                prompts = [[rng.randrange(100, 1000) for _ in range(16)] for _ in range(args.prompts)]
-                groups = rollouts(engines["builtin"], prompts, args.n, step * 1000, args.max_new_tokens)
+                groups = rollouts(engines["builtin"], random_prompts(step, args.prompts), args.n, step * 1000, args.max_new_tokens)
             box = [groups]
             dist.broadcast_object_list(box, src=0)
             t1 = time.perf_counter()
@@ -248,7 +166,7 @@ def main() -> int:
         exported = {n: t.clone() for n, t in trainer.hf_tensors()}
         if rank == 0:
             for name, url in engines.items():
-                bad = check_served(url, exported, None if name == "builtin" else 4)
+                bad = served_differs(url, exported, None if name == "builtin" else 4, place.dtype if name == "builtin" else "bfloat16")
                 version = served_version(url)
                 failures += [f"{name}: serves other values of {n}" for n in bad]
                 if version != str(args.steps):

@@ -67,7 +67,17 @@ def _broadcast_routes(router: APIRouter, engine: Engine) -> None:
 
 
 def _update_routes(router: APIRouter, engine: Engine) -> None:
-    session = {"open": False}  # the 0.5.23 begin/end weight-update session
+    # The 0.5.23 begin/end weight-update session. Begin and end run as SGLang's do, under its writer
+    # lock unless paused: they wait until no request runs (sglang 0.5.23:
+    # python/sglang/srt/managers/tokenizer_control_mixin.py:471), which is what drains a
+    # `weight_sync.pause_mode=drain` push.
+    session = {"open": False}
+
+    def toggle(opening: bool) -> bool:
+        if session["open"] == opening:
+            return False
+        session["open"] = opening
+        return True
 
     @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
@@ -85,16 +95,14 @@ def _update_routes(router: APIRouter, engine: Engine) -> None:
     @router.post("/begin_weight_update")
     async def begin_weight_update(request: Request) -> JSONResponse:
         await parse(request, BeginWeightUpdateReq)
-        if session["open"]:
+        if not await engine.run(lambda: toggle(True), needs_idle=True):
             return control(False, "a weight-update session is already open; call end_weight_update() first")
-        session["open"] = True
         return control(True, "Weight-update session opened.")
 
     @router.post("/end_weight_update")
     async def end_weight_update() -> JSONResponse:
-        if not session["open"]:
+        if not await engine.run(lambda: toggle(False), needs_idle=True):
             return control(False, "no weight-update session is open; call begin_weight_update() first")
-        session["open"] = False
         return control(True, "Weight-update session closed.")
 
     @router.post("/update_weight_version")

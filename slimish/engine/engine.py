@@ -1,5 +1,5 @@
 """The asyncio face of the built-in engine: turns validated requests into scheduled sequences and
-their progress back into PROTOCOL.md reply objects.
+their progress back into reply objects (docs/protocol.md 1.3).
 
 The HTTP layers (native `/generate` in server.py, OpenAI routes in openai_api.py) both go
 through `Engine.submit`, so validation, tokenisation and reply building exist once.
@@ -380,7 +380,7 @@ class Engine:
         return text
 
     def reply(self, req: Request, n: int, finished: bool, text_in_logprobs: bool = False) -> dict[str, Any]:
-        """The PROTOCOL.md 1.3 object for a request's first `n` tokens."""
+        """The docs/protocol.md 1.3 object for a request's first `n` tokens."""
         ids = req.output_ids[:n]
         meta: dict[str, Any] = {
             "id": req.rid,

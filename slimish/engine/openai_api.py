@@ -1,7 +1,7 @@
 """The built-in engine's OpenAI-compatible routes: `/v1/completions`, `/v1/chat/completions`.
 
 They exist so that agent programs written against the OpenAI API run unchanged on slimish
-(PROTOCOL.md 3); RL itself uses native `/generate`. Replies follow SGLang 0.5.23's shapes,
+(docs/protocol.md 3); RL itself uses native `/generate`. Replies follow SGLang 0.5.23's shapes,
 field names and quirks (`matched_stop`, `metadata.weight_version`, `text_offset` of -1,
 `prompt_token_ids`...), so a client tested here behaves the same against SGLang on a cluster.
 

@@ -1,6 +1,6 @@
 """Next-token choice and logprobs for a batch of rows, each with its own sampling params.
 
-Logprobs follow SGLang's default (PROTOCOL.md 1.3): `log_softmax(logits / T)` after penalties and
+Logprobs follow SGLang's default (docs/protocol.md 1.3): `log_softmax(logits / T)` after penalties and
 logit bias, before top-k/top-p/min-p truncation, with T = 1 for greedy.
 """
 

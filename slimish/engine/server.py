@@ -1,4 +1,4 @@
-"""`slimish engine`: the built-in engine's HTTP server, SGLang's native protocol (PROTOCOL.md).
+"""`slimish engine`: the built-in engine's HTTP server, SGLang's native protocol (docs/protocol.md).
 
 Routes parse bodies with `slimish.protocol`, hand work to `Engine`, and shape replies exactly as
 SGLang 0.5.23 does, including its error bodies, so that clients, sglang-router and the trainer

@@ -1,4 +1,4 @@
-"""The engine's receive side of weight updates (PROTOCOL.md 2.1-2.5, 4).
+"""The engine's receive side of weight updates (docs/protocol.md 2.1-2.3, 4).
 
 A `WeightUpdater` maps HF checkpoint names onto one model's parameters and loads new values
 from a trainer's broadcast or from a checkpoint directory. Requests are validated before the
@@ -61,7 +61,7 @@ class WeightUpdater:
         self.timeout = timeout
         self.groups: dict[str, ProcessGroup] = {}
         # Receive buffers are kept between pushes: allocating fresh memory per receive costs
-        # as much as the transfer itself (notes/cpu-runtime.md 2).
+        # as much as the transfer itself (docs/benchmarks.md, CPU facts).
         self.recv_buffers: dict[str, torch.Tensor] = {}
         self.bucket_buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
 

@@ -30,31 +30,39 @@ def lora_launch(launch: "LaunchConfig", lora: "LoraConfig") -> "LaunchConfig":
     return dataclasses.replace(launch, engine_flag=[*launch.engine_flag, *engine_flag], sglang_args=[*launch.sglang_args, *sglang_args])
 
 
-def start_servers(launch: "LaunchConfig", model: str | Path, log_dir: str | Path) -> AbstractContextManager[Servers]:
-    """The engines and router of a run, by `launch.mode`; Ray is imported only when used."""
+def start_servers(launch: "LaunchConfig", model: str | Path, log_dir: str | Path, first_gpu: int = 0) -> AbstractContextManager[Servers]:
+    """The engines and router of a run, by `launch.mode`; Ray is imported only when used. Local
+    GPU engines go on this machine's GPUs from `first_gpu` on (slimish/launch/plan.py)."""
     if launch.mode == "ray":
         from slimish.launch.ray_engines import ray_servers
 
         return ray_servers(launch, model, log_dir)
-    return local_servers(launch, model, log_dir)
+    return local_servers(launch, model, log_dir, first_gpu)
+
+
+def teacher_launch_config(launch: "LaunchConfig") -> "LaunchConfig":
+    """The teacher's engines (`launch.teacher`) as a launch of their own, on this machine."""
+    from slimish.config import LaunchConfig
+
+    t = launch.teacher
+    return LaunchConfig(router_url=t.router_url, engines=t.engines, engine_kind=t.engine_kind, engine_flag=list(t.engine_flag),
+                        sglang_args=list(t.sglang_args), policy=launch.policy, api_key=launch.api_key,
+                        start_timeout=launch.start_timeout)  # fmt: skip
 
 
 @contextmanager
-def teacher_servers(launch: "LaunchConfig", log_dir: str | Path, policy_router: str) -> Iterator[Servers]:
+def teacher_servers(launch: "LaunchConfig", log_dir: str | Path, policy_router: str, first_gpu: int = 0) -> Iterator[Servers]:
     """On-policy distillation's teacher (`launch.teacher`): its own engines and router, started
-    on this machine like the policy's local ones (logs in `log_dir`), or the server at
-    `teacher.router_url`; with `teacher.served_name`, its engines (started, or already there)
-    behind `policy_router` by that name. Never part of the policy's `Servers`, so weight sync
-    never reaches it."""
-    from slimish.config import LaunchConfig
+    on this machine like the policy's local ones (logs in `log_dir`; GPUs from `first_gpu` on),
+    or the server at `teacher.router_url`; with `teacher.served_name`, its engines (started, or
+    already there) behind `policy_router` by that name. Never part of the policy's `Servers`, so
+    weight sync never reaches it."""
     from slimish.launch.named import named_workers, registered
 
     t = launch.teacher
-    own = LaunchConfig(router_url=t.router_url, engines=t.engines, engine_kind=t.engine_kind, engine_flag=list(t.engine_flag),
-                       sglang_args=list(t.sglang_args), policy=launch.policy, api_key=launch.api_key,
-                       start_timeout=launch.start_timeout)  # fmt: skip
+    own = teacher_launch_config(launch)
     if t.served_name is None:
-        with local_servers(own, t.model or "", log_dir) as servers:
+        with local_servers(own, t.model or "", log_dir, first_gpu) as servers:
             yield servers
     elif not t.model:
         urls = list(named_workers(policy_router, t.served_name, launch.api_key))
@@ -62,7 +70,7 @@ def teacher_servers(launch: "LaunchConfig", log_dir: str | Path, policy_router: 
             raise ValueError(f"launch.teacher.served_name: no worker is registered under {t.served_name!r} on {policy_router}")
         yield Servers(policy_router, urls)
     else:
-        with engines_only(own, t.model, log_dir) as engines:
+        with engines_only(own, t.model, log_dir, first_gpu) as engines:
             urls = [e.url for e in engines]
             with registered(policy_router, urls, t.served_name, launch.api_key, launch.start_timeout):
                 yield Servers(policy_router, urls, engines)

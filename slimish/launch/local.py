@@ -6,6 +6,7 @@ start, wait for and stop servers the same way: bounded waits, no orphans.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,32 +25,71 @@ if TYPE_CHECKING:
 def engine_process(
     model: str | Path, port: int | None = None, log_path: str | Path | None = None, host: str = "127.0.0.1", **flags: object
 ) -> ServerProcess:
-    """A built-in engine child bound to `host`; `flags` become `--flag value` (`max_running_requests=8`),
-    a list `--flag v1 v2 ...` (`lora_paths=[...]`)."""
+    """A built-in engine child bound to `host`; `flags` as `engine_argv` writes them."""
     port = port or free_port(host)
-    argv = ["engine", "--model", str(model), "--host", host, "--port", str(port)]
-    for key, value in flags.items():
-        argv += [f"--{key.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
-    return ServerProcess(argv, port=port, host=connect_host(host), log_path=log_path)
+    return ServerProcess(engine_argv(model, host, port, flags), port=port, host=connect_host(host), log_path=log_path)
 
 
-def engine_server(launch: "LaunchConfig", model: str | Path, log_path: str | Path | None, host: str = "127.0.0.1") -> ServerProcess:
-    """One engine of `launch.engine_kind` (builtin or sglang) on a free port of `host`, not started."""
+def engine_command(launch: "LaunchConfig", model: str | Path, host: str, port: int | str, gpus: tuple[int, ...] = ()) -> tuple[str, list[str]]:
+    """One engine of `launch.engine_kind` (builtin or sglang) as `python -m MODULE ARGV`: the
+    module and the arguments. `gpus`: its GPUs on its node (slimish/launch/plan.py
+    `engine_gpus`) where the launcher places it; none under Ray, whose bundle sets the GPUs the
+    engine sees, and none for a CPU engine."""
     if launch.engine_kind == "sglang":
-        from slimish.launch.sglang import sglang_process
+        from slimish.launch.sglang import MODULE, sglang_argv
 
-        return sglang_process(model, launch.sglang_args, host, api_key=launch.api_key, log_path=log_path)
-    values: dict[str, list[str]] = {}
-    for pair in launch.engine_flag:  # a NAME given again adds a value: a list flag's values
-        name, value = pair.split("=", 1)
-        values.setdefault(name, []).append(value)
-    flags: dict[str, object] = {name: v[0] if len(v) == 1 else v for name, v in values.items()}
+        return MODULE, sglang_argv(model, host, port, launch.sglang_args, launch.api_key, gpus[0] if gpus else None)
+    flags = engine_flags(launch.engine_flag)
+    if gpus and flags.get("device") == "cuda":
+        flags["device"] = f"cuda:{gpus[0]}"
     if owned := {"model", "host", "port"} & set(flags):
         raise ValueError(f"launch.engine_flag: {', '.join(sorted(owned))} set by the launcher (the run's model; "
                          "127.0.0.1, or the node's address under launch.mode=ray; a free port); remove it")  # fmt: skip
     if launch.api_key:
         flags.setdefault("api_key", launch.api_key)
-    return engine_process(model, log_path=log_path, host=host, **flags)
+    return "slimish.cli", engine_argv(model, host, port, flags)
+
+
+def engine_argv(model: str | Path, host: str, port: int | str, flags: dict[str, object]) -> list[str]:
+    """`slimish engine`'s arguments; `flags` as it reads them: `--flag value`
+    (`max_running_requests=8`), a list `--flag v1 v2 ...` (`lora_paths=[...]`), and a boolean
+    field a bare flag as SGLang's: `--enable-lora` for True, `--no-enable-lora` for False. A
+    boolean may also be the text of a NAME=VALUE pair (`launch.engine_flag: [enable_lora=true]`)."""
+    from slimish.config import EngineConfig
+
+    hints, argv = typing.get_type_hints(EngineConfig), ["engine", "--model", str(model), "--host", host, "--port", str(port)]
+    for key, value in flags.items():
+        flag = key.replace("_", "-")
+        if hints.get(key) is bool:
+            on = value if isinstance(value, bool) else {"true": True, "false": False}.get(str(value).lower())
+            if on is None:
+                raise ValueError(f"engine flag {key}: true or false, got {value!r}")
+            argv.append(f"--{flag}" if on else f"--no-{flag}")
+        else:
+            argv += [f"--{flag}", *map(str, value if isinstance(value, list) else [value])]
+    return argv
+
+
+def engine_flags(pairs: list[str], field: str = "launch.engine_flag") -> dict[str, object]:
+    """NAME=VALUE pairs (`field`, for errors) by name; a NAME given again adds a value: a list
+    flag's values. `--max-running-requests=8` and `max_running_requests=8` are the same."""
+    values: dict[str, list[str]] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        name = name.strip().lstrip("-").replace("-", "_")
+        if not sep or not name:
+            raise ValueError(f"{field}: expected NAME=VALUE, got {pair!r}")
+        values.setdefault(name, []).append(value)
+    return {name: v[0] if len(v) == 1 else v for name, v in values.items()}
+
+
+def engine_server(
+    launch: "LaunchConfig", model: str | Path, log_path: str | Path | None, host: str = "127.0.0.1", gpus: tuple[int, ...] = ()
+) -> ServerProcess:
+    """`engine_command`'s engine on a free port of `host`, not started."""
+    port = free_port(host)
+    module, argv = engine_command(launch, model, host, port, gpus)
+    return ServerProcess(argv, port=port, host=connect_host(host), log_path=log_path, module=module)
 
 
 def await_weights_on_relaunch(engine: ServerProcess) -> None:
@@ -59,7 +99,7 @@ def await_weights_on_relaunch(engine: ServerProcess) -> None:
     if engine.module != "slimish.cli":
         return
     if "--await-weights" not in engine.argv:
-        engine.argv += ["--await-weights", "true"]
+        engine.argv += ["--await-weights"]
     engine.health_path = "/model_info"
 
 
@@ -100,28 +140,36 @@ class Servers:
 
 
 @contextmanager
-def local_servers(launch: "LaunchConfig", model: str | Path, log_dir: str | Path) -> Iterator[Servers]:
+def local_servers(launch: "LaunchConfig", model: str | Path, log_dir: str | Path, first_gpu: int = 0) -> Iterator[Servers]:
     """The engines and router a run needs: started here (children, stopped on exit) unless
     `launch.router_url` names existing ones, whose engines are then read from its worker list,
-    or `launch.engine_kind` is external (a router is started in front of `launch.engine_urls`)."""
+    or `launch.engine_kind` is external (a router is started in front of `launch.engine_urls`).
+    GPU engines go on this machine's GPUs from `first_gpu` on (`engine_gpus`)."""
     if launch.router_url:
         yield Servers(launch.router_url, existing_engine_urls(launch.router_url, launch.api_key, launch.teacher.served_name))
         return
-    with engines_only(launch, model, log_dir) as engines:
+    with engines_only(launch, model, log_dir, first_gpu) as engines:
         urls = [e.url for e in engines] or [u.rstrip("/") for u in launch.engine_urls]
         with router_process(launch, urls, Path(log_dir)).start(launch.start_timeout) as router:
             yield Servers(router.url, urls, engines)
 
 
+def local_engines(launch: "LaunchConfig", model: str | Path, log_dir: Path, first_gpu: int = 0) -> list[ServerProcess]:
+    """`launch.engines` engines of `launch.engine_kind` for this machine, not started (none for
+    external ones), each on its own GPUs from `first_gpu` on (slimish/launch/plan.py)."""
+    from slimish.launch.plan import engine_gpus
+
+    if launch.engine_kind == "external":
+        return []
+    return [engine_server(launch, model, log_dir / f"engine{i}.log", gpus=gpus) for i, gpus in enumerate(engine_gpus(launch, first_gpu))]
+
+
 @contextmanager
-def engines_only(launch: "LaunchConfig", model: str | Path, log_dir: str | Path) -> Iterator[list[ServerProcess]]:
-    """`launch.engines` engines of `launch.engine_kind` started and healthy (none for external
-    ones), stopped when the block ends."""
+def engines_only(launch: "LaunchConfig", model: str | Path, log_dir: str | Path, first_gpu: int = 0) -> Iterator[list[ServerProcess]]:
+    """`local_engines` started and healthy, stopped when the block ends."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    engines = []
-    if launch.engine_kind != "external":
-        engines = [engine_server(launch, model, log_dir / f"engine{i}.log") for i in range(launch.engines)]
+    engines = local_engines(launch, model, log_dir, first_gpu)
     try:
         start_all(engines, launch.start_timeout)
         yield engines

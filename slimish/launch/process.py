@@ -67,8 +67,9 @@ class ServerProcess:
         raise TimeoutError(f"{self.name} on port {self.port} not healthy within {timeout:.0f}s{self._log_tail()}")
 
     def _log_tail(self) -> str:
+        """Where to read why: the child's log, named, and its tail."""
         if self.log_path and self.log_path.exists():
-            return "; log tail:\n" + self.log_path.read_text(errors="replace")[-3000:]
+            return f"; read its log, {self.log_path} (tail below):\n" + self.log_path.read_text(errors="replace")[-3000:]
         return ""
 
     def kill(self) -> None:

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from slimish.launch.local import engine_process
+from slimish.launch.local import engine_flags, engine_process
 from slimish.launch.process import ServerProcess, start_all
 from slimish.config import RouterConfig, ServeConfig, add_config_arguments, config_from_args
 from slimish.router.app import add_arguments as add_router_arguments
@@ -24,27 +24,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_router_arguments(parser, worker_urls=False)
 
 
-def engine_flags(pairs: list[str]) -> dict[str, str]:
-    flags = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"--engine-flag: expected NAME=VALUE, got {pair!r}")
-        flags[name.strip().lstrip("-").replace("-", "_")] = value
-    return flags
-
-
 def run(args: argparse.Namespace) -> int:
     serve = config_from_args(ServeConfig, args)
     log_dir = Path(serve.log_dir or tempfile.mkdtemp(prefix="slimish-serve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    flags = engine_flags(serve.engine_flag)
+    try:
+        flags = engine_flags(serve.engine_flag, "--engine-flag")
+        engines: list[ServerProcess] = [
+            engine_process(serve.model, log_path=log_dir / f"engine{i}.log", **flags) for i in range(serve.engines)
+        ]
+    except ValueError as exc:
+        raise SystemExit(f"slimish serve: {exc}") from None
     # SIGTERM while engines start must still reach the `finally` that stops them (the router
     # installs its own handlers once it runs: a graceful stop, exit 0).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    engines: list[ServerProcess] = [
-        engine_process(serve.model, log_path=log_dir / f"engine{i}.log", **flags) for i in range(serve.engines)
-    ]
     try:
         print(f"slimish serve: starting {serve.engines} engine(s) for {serve.model} (logs in {log_dir})", flush=True)
         start_all(engines, serve.start_timeout)

@@ -4,7 +4,7 @@ The teacher is a plain SGLang-protocol server (engines of its own behind a route
 by URL), or engines behind the policy's router by name (`model` in every request names them:
 the router's named workers, which nothing else reaches). Scoring is one `/generate` per sample with the full token ids as `input_ids`,
 `max_new_tokens=0` (nothing is generated) and input log-probs from the last prompt token on:
-PROTOCOL.md 1.3 gives the logprob of token j (predicted from position j-1) at entry
+docs/protocol.md 1.3 gives the logprob of token j (predicted from position j-1) at entry
 j - logprob_start_len, with `null` where a token has no predecessor. Starting one token before the
 response keeps entry 0 off the response whatever the server does with the first entry (null at
 position 0 in SGLang), and every response token still gets a real value. The reply's token ids

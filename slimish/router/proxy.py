@@ -271,6 +271,6 @@ def _decode(raw: bytes, content_type: str) -> Any:
 
 
 def sse_error(message: str, code: int) -> bytes:
-    """An error as SGLang streams it (PROTOCOL.md 1.4), then the end of the stream."""
+    """An error as SGLang streams it (docs/protocol.md 1.4), then the end of the stream."""
     event = {"error": {"message": message, "type": "router_error", "code": code, "retryable": False}}
     return b"\n\ndata: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"

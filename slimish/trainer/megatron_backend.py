@@ -19,7 +19,7 @@ full HF-named tensors to rank 0, gathered over TP and sent from each pipeline st
 
 On a machine without CUDA `megatron_bridge.cpu.apply()` patches Megatron's CUDA-only call sites.
 Keep `use_distributed_optimizer` off there: its reported grad norm is off on gloo, so clipping
-would differ (../shared/notes/megatron-on-cpu.md).
+would differ.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class MegatronTrainer(Trainer):
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.dtype = getattr(torch, tc.dtype) if tc.dtype else (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.dtype = getattr(torch, tc.compute_dtype(self.device.type))
         self._setup(cfg, AutoTokenizer.from_pretrained(cfg.model), int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
         self.bridge = load_hf_config(cfg.model, spec=tc.megatron_spec)
         self.model = self._build()

@@ -7,6 +7,11 @@ each micro-batch's loss share is scaled by the world size.
 No dropout anywhere (the model stays in eval mode): the logprobs the loss uses must be those of
 the policy the engines sample from. With `trainer.lora` the model is under a PEFT adapter
 (lora.py): only the adapter trains, and only the adapter is saved, pushed and exported.
+
+Mixed precision: weights, gradients, AdamW and checkpoints are fp32 whatever `trainer.dtype` says;
+a bf16/fp16 `trainer.dtype` runs the forward under autocast to it, and the engines are pushed
+weights in it. An Adam step at lr 1e-5 is below bf16's resolution for most weights: bf16 weights
+would keep them unchanged.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +51,7 @@ class TorchTrainer(Trainer):
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        self.dtype = getattr(torch, tc.dtype) if tc.dtype else (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.dtype = getattr(torch, tc.compute_dtype(self.device.type))  # the forward's and the engines'
         self.dp_rank, self.dp_size = self.rank, self.world
         self._setup(cfg, AutoTokenizer.from_pretrained(cfg.model), int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
         self.model = self._load(cfg.model)
@@ -74,12 +79,13 @@ class TorchTrainer(Trainer):
         """The value model: the HF checkpoint's backbone under a fresh scalar head on every token
         (`AutoModelForTokenClassification`, num_labels=1; the head starts near 0). The library's own
         class rather than a hand-made head: its weights save, load and shard as any HF model's."""
-        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=self.dtype).to(self.device)
+        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32).to(self.device)
         model.eval()  # no dropout, as the policy
         return model
 
     def _load(self, path: str, frozen: bool = False) -> torch.nn.Module:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device)
+        """fp32, frozen ones too: the reference then computes what the policy computes."""
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
         model.eval()
         if frozen:
             model.requires_grad_(False)
@@ -107,6 +113,12 @@ class TorchTrainer(Trainer):
 
     # -- forward, accumulation, optimiser ------------------------------------------------------
 
+    def _autocast(self) -> AbstractContextManager:
+        """The forward's precision: autocast to `self.dtype` over the fp32 weights; fp32 as is."""
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
     @torch.no_grad()
     def logprobs(self, samples: list[Sample], model: torch.nn.Module | None = None) -> list[Tensor]:
         model = self.model if model is None else model
@@ -131,8 +143,10 @@ class TorchTrainer(Trainer):
         index = response_index(batch, first).to(self.device)
         chunk = self.cfg.trainer.logprob_chunk_tokens
         if chunk and not getattr(_unwrap(model).config, "final_logit_softcapping", None):
-            return self._chunked_forward(model, batch, ids, keep, index, entropy, chunk)
-        logits = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
+            with self._autocast():
+                return self._chunked_forward(model, batch, ids, keep, index, entropy, chunk)
+        with self._autocast():
+            logits = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
         labels = torch.nn.functional.pad(ids[:, first + 1 :], (0, 1), value=self.pad_id)
         logprobs = logprobs_from_logits(logits, labels, self.temperature).gather(1, index)
         ent = None
@@ -219,7 +233,8 @@ class TorchTrainer(Trainer):
         """Values `[B, R]` of the positions whose logits predict each response token: the state
         before the token, as verl takes them."""
         ids = self._input_ids(batch)
-        values = net(input_ids=ids, use_cache=False).logits[..., 0].float()
+        with self._autocast():
+            values = net(input_ids=ids, use_cache=False).logits[..., 0].float()
         return (values.gather(1, response_index(batch, 0).to(self.device)),)
 
     @torch.no_grad()
@@ -247,20 +262,22 @@ class TorchTrainer(Trainer):
     # -- weights out and in ----------------------------------------------------------------------
 
     def hf_tensors(self) -> Iterator[tuple[str, Tensor]]:
-        """Every rank holds the whole model: its parameters, a tied one under its first name."""
+        """Every rank holds the whole model: its parameters, a tied one under its first name, in
+        the compute dtype (fp32: the parameters themselves)."""
         for name, p in self.model.named_parameters():
-            yield name, p.detach()
+            yield name, p.detach().to(self.dtype)
 
     def adapter_tensors(self) -> dict[str, Tensor]:
-        """trainer.lora: the adapter under its PEFT names (what the engines load and are pushed)."""
-        return adapter_tensors(self.model)
+        """trainer.lora: the adapter under its PEFT names (what the engines load and are pushed),
+        in the compute dtype."""
+        return {name: t.to(self.dtype) for name, t in adapter_tensors(self.model).items()}
 
     def adapter_config(self) -> dict[str, Any]:
         """trainer.lora: the adapter's `adapter_config.json`."""
         return adapter_config(self.model)
 
     def state_dict(self) -> dict[str, Any]:
-        weights = {"adapter": self.adapter_tensors()} if self.lora else {"model": self.model.state_dict()}
+        weights = {"adapter": adapter_tensors(self.model)} if self.lora else {"model": self.model.state_dict()}  # fp32
         state = {**weights, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         if self.ref is not None and not self.cfg.trainer.ref_model and not self.lora:  # a copy of the policy: not on disk
             state["ref"] = self.ref.state_dict()

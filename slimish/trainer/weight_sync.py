@@ -1,4 +1,4 @@
-"""Send side of weight sync (PROTOCOL.md 4): trainer rank 0 pushes the policy into every engine.
+"""Send side of weight sync (docs/protocol.md 4): trainer rank 0 pushes the policy into every engine.
 
 `transport: distributed` forms one process group with all engines (the trainer is rank 0,
 engine e's TP ranks follow) and, per bucket of HF-named tensors, posts
@@ -6,9 +6,16 @@ engine e's TP ranks follow) and, per bucket of HF-named tensors, posts
 
     pause -> begin (when the engines have weight-update sessions) -> buckets -> end -> continue
 
-and its last bucket carries the weight version. `transport: disk` writes the tensors as a
-safetensors file and posts `/update_weights_from_disk` instead (no group; the engines must see
-the directory).
+each step on every engine at once, and on each engine in that order: SGLang runs begin and end
+at once only while paused, and otherwise under a writer lock that waits for every running
+generation, including those a retract or in_place pause parks (a begin arriving before its pause
+would wait forever). `drain` opens the session before it pauses instead: that wait is the drain,
+and the retract pause after it holds generation until continue, so no request runs between
+buckets on half-updated weights (a disk push is one call, which waits the same way). Only the last bucket carries the weight version and flushes
+the engines' cache, and never under `in_place` (SGLang refuses a flush, and so the update, while
+the parked batch runs). The tensors are bucketed as the iterator yields them, never all held at
+once. `transport: disk` writes the tensors as a safetensors file and posts
+`/update_weights_from_disk` instead (no group; the engines must see the directory).
 
 With `trainer.lora` (`push_adapter`) only the run's adapter travels, never the base weights. The
 first push saves it as a PEFT adapter directory and creates it on every engine with
@@ -18,7 +25,11 @@ with `lora_name`, which versions that adapter alone; later pushes only broadcast
 flattened buckets). `transport: disk` saves the directory and unloads and loads it every push.
 Runs that share engines each push their own adapter over their own group (`group_name` gets the
 adapter's name), and adapter pushes open no weight-update session: an engine has one, and
-another run's push may hold it.
+another run's push may hold it. SGLang 0.5.23 versions no single adapter (it has no
+`/get_weight_version`, drops `lora_name` from a broadcast, ignores `weight_version` on a load):
+there an adapter push is a disk reload under an abort pause (SGLang's unload waits for the
+adapter's requests, which a retract pause would park forever, and a request arriving between
+unload and load would reload the old directory), and `/update_weight_version` versions the engine.
 
 The trainer is sync code; the HTTP side is the async `Client`, run on a private event-loop
 thread so that the calls to all engines are in flight together while this thread broadcasts.
@@ -28,12 +39,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import itertools
 import shutil
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -44,7 +58,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from slimish.client import Client, ServerError
-from slimish.config import WeightSyncConfig
+from slimish.config import SGLANG_LORA, WeightSyncConfig
 from slimish.trainer.lora import ADAPTER_WEIGHTS, write_adapter_dir
 from slimish.distributed import (
     ProcessGroup,
@@ -90,29 +104,45 @@ class Bucket:
 
 
 def plan_buckets(
-    named: list[tuple[str, torch.Tensor]], bucket_mb: float, wire_dtype: torch.dtype | None, flattened: bool
-) -> list[Bucket]:
-    """Consecutive tensors up to `bucket_mb` of wire bytes each (a bigger tensor goes alone);
-    floating tensors travel as `wire_dtype` when given. In a flattened bucket larger itemsizes
+    named: Iterable[tuple[str, torch.Tensor]], bucket_mb: float, wire_dtype: torch.dtype | None, flattened: bool
+) -> Iterator[Bucket]:
+    """Consecutive tensors up to `bucket_mb` of wire bytes each (a bigger tensor goes alone),
+    each bucket yielded once the next tensor does not fit: a lazy `named` is never held whole.
+    Floating tensors travel as `wire_dtype` when given. In a flattened bucket larger itemsizes
     go first, which keeps every tensor's view of the bytes aligned."""
     limit = bucket_mb * (1 << 20)
-    groups: list[list[tuple[str, torch.Tensor, torch.dtype]]] = [[]]
+
+    def bucket(g: list[tuple[str, torch.Tensor, torch.dtype]]) -> Bucket:
+        if flattened:
+            g = sorted(g, key=lambda x: -x[2].itemsize)
+        nbytes = sum(t.numel() * dtype.itemsize for _, t, dtype in g)
+        return Bucket([x[0] for x in g], [x[1] for x in g], [x[2] for x in g], nbytes)
+
+    group: list[tuple[str, torch.Tensor, torch.dtype]] = []
     size = 0
     for name, t in named:
         dtype = wire_dtype if wire_dtype is not None and t.is_floating_point() else t.dtype
         n = t.numel() * dtype.itemsize
-        if groups[-1] and size + n > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, t, dtype))
+        if group and size + n > limit:
+            yield bucket(group)
+            group, size = [], 0
+        group.append((name, t, dtype))
         size += n
-    buckets = []
-    for g in groups:
-        if flattened:
-            g = sorted(g, key=lambda x: -x[2].itemsize)
-        nbytes = sum(t.numel() * dtype.itemsize for _, t, dtype in g)
-        buckets.append(Bucket([x[0] for x in g], [x[1] for x in g], [x[2] for x in g], nbytes))
-    return buckets
+    if group:
+        yield bucket(group)
+
+
+def with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
+    """(item, whether it is the last), reading one item ahead."""
+    it = iter(items)
+    try:
+        item = next(it)
+    except StopIteration:
+        return
+    for following in it:
+        yield item, False
+        item = following
+    yield item, True
 
 
 def timings(seconds: float, transfer: float, nbytes: int, buckets: int) -> dict[str, float]:
@@ -147,6 +177,7 @@ class WeightSync:
         self._disk_last: Path | None = None
         self.router = Client(router_url, api_key=api_key, timeout=cfg.timeout_s) if router_url else None
         self._adapter_loaded = False  # by this run's first adapter push
+        self.adapter_versions: bool | None = None  # engines version each adapter; None until probed
         self._closed = False
         self.broken: str | None = None  # why the group became unusable
 
@@ -157,6 +188,17 @@ class WeightSync:
         if self.cfg.transport == "disk" or self.group is not None:
             return
         infos = self._all(lambda c: c.server_info())
+        for url, info in zip(self.urls, infos):
+            # SGLang's update group holds one replica's one stage: an engine's ranks are rank_offset
+            # + tp_rank, and it asserts dp_size == 1 (sglang 0.5.23:
+            # python/sglang/srt/model_executor/model_runner_components/weight_updater.py:124,
+            # python/sglang/srt/managers/tokenizer_control_mixin.py:451).
+            sizes = {key: int(info.get(key) or 1) for key in ("dp_size", "pp_size")}
+            if any(size != 1 for size in sizes.values()):
+                raise WeightSyncError(f"{url}: {', '.join(f'{k}={v}' for k, v in sizes.items() if v != 1)}: a weight-update "
+                                      "group reaches one data-parallel replica of one pipeline stage; start engines with "
+                                      "dp_size=1 and pp_size=1 (more engines instead of data parallelism), or use "
+                                      "weight_sync.transport=disk")  # fmt: skip
         tp = [int(info.get("tp_size", 1)) for info in infos]
         world = 1 + sum(tp)
         port = free_port(self.cfg.master_address)
@@ -213,9 +255,20 @@ class WeightSync:
         and `buckets`."""
         if self.adapter is not None:
             raise WeightSyncError(f"push: this run trains adapter {self.adapter!r}; its pushes are push_adapter (never the base weights)")
-        named = [(name, t.detach()) for name, t in named_tensors]
-        disk = self.cfg.transport == "disk"
-        return self._push(named, lambda: (self._push_disk(named, version), 1) if disk else self._push_buckets(named, version))
+        named = ((name, t.detach()) for name, t in named_tensors)
+        try:
+            first = next(named, None)
+            if first is None:
+                raise ValueError("push: no tensors")
+            stream = itertools.chain([first], named)
+            disk = self.cfg.transport == "disk"
+            return self._push(lambda: (self._push_disk(stream, version), 1) if disk else self._push_buckets(stream, version))
+        except BaseException:
+            # A Megatron export is collective: the other ranks wait in it until rank 0 has
+            # iterated it all, failed push or not.
+            with contextlib.suppress(Exception):
+                deque(named, maxlen=0)
+            raise
 
     def push_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: str) -> dict[str, float]:
         """trainer.lora: every engine serves the run's adapter as `tensors` (its PEFT state-dict
@@ -223,9 +276,13 @@ class WeightSync:
         untouched. `config` is its `adapter_config.json`. Returns `push`'s timings."""
         if self.adapter is None:
             raise WeightSyncError("push_adapter: this WeightSync was made without an adapter name")
+        if not tensors:
+            raise ValueError("push_adapter: no tensors")
         named = [(name, t.detach()) for name, t in tensors.items()]
         disk = self.cfg.transport == "disk"
         self._check_group()  # before the adapter is loaded for a broadcast that could not follow
+        if not self._adapter_versions():
+            return self._push_sglang_adapter(tensors, config, version)
         if disk or not self._adapter_loaded:
             # Not paused: the unload waits for the adapter's running requests, which a pause would
             # hold forever; it refuses new ones meanwhile, so none sees a half-loaded adapter.
@@ -235,12 +292,45 @@ class WeightSync:
             if disk:
                 seconds = time.perf_counter() - started
                 return timings(seconds, seconds, nbytes, 1)
-        return self._push(named, lambda: self._push_buckets(named, version, lora_name=self.adapter))
+        return self._push(lambda: self._push_buckets(named, version, lora_name=self.adapter))
 
-    def _push(self, named: list[tuple[str, torch.Tensor]], send: Callable[[], tuple[int, int]]) -> dict[str, float]:
-        """A push of `named` by `send` (its wire bytes and buckets) between pause and continue."""
-        if not named:
-            raise ValueError("push: no tensors")
+    def _adapter_versions(self) -> bool:
+        """Whether the engines version each adapter (slimish's `/get_weight_version` and
+        `lora_name` on a broadcast) rather than only the whole server, as SGLang 0.5.23 does
+        (it has no such route: 404). Asked once."""
+        if self.adapter_versions is None:
+
+            async def probe(c: Client) -> bool:
+                try:
+                    await c.get_weight_version()
+                except ServerError as exc:
+                    if exc.status == 404:
+                        return False
+                    raise
+                return True
+
+            found = self._all(probe)
+            if len(set(found)) != 1:
+                raise WeightSyncError(f"engines disagree on /get_weight_version support: {dict(zip(self.urls, found))}")
+            self.adapter_versions = found[0]
+        return self.adapter_versions
+
+    def _push_sglang_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: str) -> dict[str, float]:
+        """SGLang 0.5.23 (module docstring): under the push's abort pause, the adapter directory
+        is unloaded and loaded through the router, then every engine takes `version`."""
+        if (self.cfg.transport, self.cfg.pause_mode) != ("disk", "abort"):
+            raise WeightSyncError(f"adapter {self.adapter!r}: the engines are SGLang's ({SGLANG_LORA})")
+
+        def reload() -> tuple[int, int]:
+            path = write_adapter_dir(self._disk_dir() / f"{self.adapter}-{version}", config, tensors)
+            nbytes = self._load_adapter(path, None)
+            self._check(self._all(lambda c: c.update_weight_version(version, abort_all_requests=False)), "/update_weight_version")
+            return nbytes, 1
+
+        return self._push(reload)
+
+    def _push(self, send: Callable[[], tuple[int, int]]) -> dict[str, float]:
+        """A push by `send` (its wire bytes and buckets) between pause and continue."""
         self._check_group()
         started = time.perf_counter()
         sending = False
@@ -265,34 +355,55 @@ class WeightSync:
         if self.broken:
             raise WeightSyncError(f"an earlier push failed mid-broadcast ({self.broken}); the group is unusable, reconnect")
 
+    def _session_push(self) -> bool:
+        """Whether a push opens a weight-update session: a broadcast of the base weights, to
+        engines that have sessions (older SGLang has none; None until the first push)."""
+        return self.cfg.transport == "distributed" and self.sessions is not False and self.adapter is None
+
+    def _pauses(self) -> bool:
+        """Whether a push pauses generation: always but under `drain`, which pauses once its
+        session has drained the running requests."""
+        return self.cfg.pause_mode != "drain" or self._session_push()
+
     def _prepare(self) -> None:
-        """Pause generation and open a weight-update session, both at once on every engine; the
-        first push finds out whether the engines have sessions (older SGLang does not)."""
-        pause = self.cfg.pause_mode != "drain"
-        begin = self.cfg.transport == "distributed" and self.sessions is not False and self.adapter is None
+        """Pause, then open a weight-update session (under `drain` the other way round: module
+        docstring), on every engine at once; the first push finds out whether the engines have
+        sessions."""
+        mode, begin = self.cfg.pause_mode, self._session_push()
 
         async def prepare(c: Client) -> bool | None:
-            calls = [c.pause(self.cfg.pause_mode)] if pause else []
-            results = await asyncio.gather(*calls, *([c.begin_weight_update()] if begin else []))
-            return results[-1] if begin else None
+            if mode != "drain":
+                await c.pause(mode)
+            opened = await c.begin_weight_update() if begin else None
+            if mode == "drain" and opened:
+                await c.pause("retract")  # drained: generation waits for the push from here on
+            return opened
 
         opened = self._all(prepare)
         if begin and self.sessions is None:
             if len(set(opened)) != 1:
                 raise WeightSyncError(f"engines disagree on /begin_weight_update support: {dict(zip(self.urls, opened))}")
             self.sessions = opened[0]
+        if begin and mode == "drain" and not self.sessions:
+            raise WeightSyncError("weight_sync.pause_mode=drain: the engines have no /begin_weight_update (SGLang before 0.5.23), "
+                                  "whose wait for the running requests is the drain; use retract")  # fmt: skip
 
     def _finish(self) -> None:
-        """Close the session (it is per engine, not per group: always) and continue generation.
-        When an error is already on its way out, a failure here does not replace it."""
-        end = self.cfg.transport == "distributed" and self.sessions and self.adapter is None
-        resume = self.cfg.pause_mode != "drain"
+        """Close the session (it is per engine, not per group: always), then continue generation,
+        on every engine at once (a continue first would let end wait for every generation it
+        resumed). Generation continues even if the end failed. When an error is already on its
+        way out, a failure here does not replace it."""
+        end = self._session_push() and bool(self.sessions)
+        resume = self._pauses()
 
         async def finish(c: Client) -> None:
-            calls = ([c.end_weight_update()] if end else []) + ([c.resume()] if resume else [])
-            results = await asyncio.gather(*calls)
-            if end and not results[0].success:
-                raise WeightSyncError(f"/end_weight_update failed: {results[0].message}")
+            try:
+                closed = await c.end_weight_update() if end else None
+            finally:
+                if resume:
+                    await c.resume()
+            if closed is not None and not closed.success:
+                raise WeightSyncError(f"/end_weight_update failed: {closed.message}")
 
         if sys.exc_info()[1] is None:
             self._all(finish)
@@ -302,29 +413,38 @@ class WeightSync:
         except Exception:
             pass
 
-    def _push_buckets(self, named: list[tuple[str, torch.Tensor]], version: str, lora_name: str | None = None) -> tuple[int, int]:
-        """An adapter always goes flattened: it is many small tensors (4 per adapted module), and
-        one broadcast each costs about a millisecond whatever its size (benchmarks/lora_sync.py)."""
+    def _push_buckets(self, named: Iterable[tuple[str, torch.Tensor]], version: str, lora_name: str | None = None) -> tuple[int, int]:
+        """The buckets of `named` as it yields them (the next packed while this one is on the
+        wire). An adapter always goes flattened: it is many small tensors (4 per adapted module),
+        and one broadcast each costs about a millisecond whatever its size (benchmarks/lora_sync.py)."""
         flattened = self.cfg.flattened or lora_name is not None
-        buckets = plan_buckets(named, self.cfg.bucket_mb, self.wire_dtype, flattened)
-        payload = self._pack(buckets[0], 0, flattened)
-        for k, bucket in enumerate(buckets):
+        buckets = with_last(plan_buckets(named, self.cfg.bucket_mb, self.wire_dtype, flattened))
+        flush = self.cfg.pause_mode != "in_place"  # with the last bucket (module docstring)
+        bucket, last = next(buckets)
+        payload = self._pack(bucket, 0, flattened)
+        nbytes, k = 0, 0
+        while True:
             req = UpdateWeightsFromDistributedReq(
                 names=bucket.names, dtypes=[dtype_name(d) for d in bucket.dtypes],
                 shapes=[list(t.shape) for t in bucket.tensors], group_name=self.group_name,
-                load_format="flattened_bucket" if flattened else None,
-                weight_version=version if k == len(buckets) - 1 else None, lora_name=lora_name,
+                load_format="flattened_bucket" if flattened else None, flush_cache=last and flush,
+                weight_version=version if last else None, lora_name=lora_name,
             )  # fmt: skip
             replies = self._start(lambda c, r: c.update_weights_from_distributed(r), [req] * len(self.clients))
             works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in payload]
-            if k + 1 < len(buckets):  # overlaps the engines' receive and load of this bucket
-                payload = self._pack(buckets[k + 1], (k + 1) % 2, flattened)
+            if not last:  # overlaps the engines' receive and load of this bucket
+                following = next(buckets)
+                payload = self._pack(following[0], (k + 1) % 2, flattened)
             # Replies come after the engines received everything, so waiting on them first
             # turns an engine's refusal into an error here instead of a broadcast that hangs.
-            self._check(self._wait(replies), f"/update_weights_from_distributed (bucket {k + 1}/{len(buckets)})")
+            self._check(self._wait(replies), f"/update_weights_from_distributed (bucket {k + 1}{', the last' if last else ''})")
             for work in works:
                 work.wait()
-        return sum(b.nbytes for b in buckets), len(buckets)
+            nbytes += bucket.nbytes
+            if last:
+                return nbytes, k + 1
+            bucket, last = following
+            k += 1
 
     def _pack(self, bucket: Bucket, slot: int, flattened: bool) -> list[torch.Tensor]:
         """The tensors to broadcast for `bucket`, from reused buffers where a copy is needed."""
@@ -356,7 +476,7 @@ class WeightSync:
             self._disk_root.mkdir(parents=True, exist_ok=True)
         return self._disk_root
 
-    def _push_disk(self, named: list[tuple[str, torch.Tensor]], version: str) -> int:
+    def _push_disk(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> int:
         target = self._disk_dir() / f"weights-{version}"
         target.mkdir(exist_ok=True)
         state = {}
@@ -364,7 +484,7 @@ class WeightSync:
             dtype = self.wire_dtype if self.wire_dtype is not None and t.is_floating_point() else t.dtype
             state[name] = t.to("cpu", dtype).contiguous()
         save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
-        req = UpdateWeightsFromDiskReq(model_path=str(target), weight_version=version)
+        req = UpdateWeightsFromDiskReq(model_path=str(target), weight_version=version, flush_cache=self.cfg.pause_mode != "in_place")
         self._check(self._all(lambda c: c.update_weights_from_disk(req)), "/update_weights_from_disk")
         self._written(target)
         return sum(t.numel() * t.element_size() for t in state.values())
