@@ -57,6 +57,13 @@ def both(engines: list[str], **body) -> dict | list:
     return on
 
 
+def test_server_info_reports_the_cache_as_configured(engines):
+    """SGLang clients read these to know whether prefixes are reused (it said "disabled" always)."""
+    on, off = (httpx.get(url + "/server_info", timeout=10).json() for url in engines)
+    assert (on["disable_radix_cache"], off["disable_radix_cache"]) == (False, True)
+    assert on["page_size"] == off["page_size"] == PAGE
+
+
 def pages(n: int) -> int:
     return n // PAGE * PAGE
 

@@ -103,8 +103,8 @@ def _info_routes(router: APIRouter, engine: Engine, cfg: EngineConfig) -> None:
             "status": "ready",
             "max_total_num_tokens": capacity,
             "max_req_input_len": engine.context_length - 1,
-            "page_size": 1,
-            "disable_radix_cache": True,  # no prefix cache in the built-in engine
+            "page_size": cfg.page_size,  # the prefix cache's unit
+            "disable_radix_cache": cfg.disable_radix_cache,
             "startup_time": engine.started_at,
             "internal_states": [state],
             "version": slimish.__version__,
