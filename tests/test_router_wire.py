@@ -14,7 +14,10 @@ import json
 
 import pytest
 
+import uvloop
+
 from slimish.router import RouterConfig, create_app
+from slimish.router.upstream import Disconnected, _Pool
 from slimish.router.wire import bind
 
 REPLY = b'{"text": "a", "output_ids": [5], "meta_info": {"id": "0"}}'
@@ -220,6 +223,26 @@ def test_a_kept_alive_connection_the_worker_dropped_is_retried_on_a_fresh_one():
     assert replies == [(200, REPLY), (200, REPLY)]
     assert [w.generates for w in Worker.connections if w.generates] == [2, 1]  # the second went out again, alone
     assert "slimish_router_retries_total{" not in metrics and "slimish_router_upstream_errors_total{" not in metrics
+
+
+def test_a_connection_the_worker_resets_before_the_request_is_sent_is_a_disconnect():
+    """A worker being killed can accept a connection and reset it at once; the router's write then
+    found a closed transport (uvloop, the router's loop, raised RuntimeError: a 500 instead of a
+    retry on another worker, seen in test_train_faults)."""
+
+    async def main() -> None:
+        server = await asyncio.start_server(lambda _r, w: w.transport.abort(), "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        conn = await _Pool(url, asyncio.get_running_loop(), keepalive_timeout=5).connect(5)
+        with pytest.raises(Disconnected):  # waits (at most 5 s) for the reset to arrive
+            await conn._wait(5)
+        assert conn.transport.is_closing()
+        with pytest.raises(Disconnected):
+            await conn.exchange(b"POST /generate HTTP/1.1\r\ncontent-length: 0\r\n\r\n", 5)
+        server.close()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())
 
 
 def test_a_stop_lets_requests_in_flight_finish_and_takes_no_new_ones():

@@ -135,6 +135,11 @@ class Reply(asyncio.Protocol):
         connection is closed if they are not: nothing else can be sent on it)."""
         self._streaming = True  # wake at the headers
         self._deadline = self.pool.loop.time() + timeout
+        if self.transport.is_closing():  # type: ignore[union-attr]
+            # The worker reset it between connect and now (a worker being killed accepts, then
+            # resets): nothing was sent, so the request can go elsewhere. uvloop's write would
+            # raise RuntimeError, asyncio's would drop the bytes and wait for the timeout.
+            raise self._error or Disconnected("the worker closed the connection before the request was sent")
         self.transport.write(message)  # type: ignore[union-attr]
         try:
             while not self.status:
