@@ -68,8 +68,12 @@ class Workload:
         return self.tasks[agent * len(self.tasks) // len(self.tools)]
 
     def params(self, agent: int, turn: int) -> dict:
-        return {"temperature": 1.0, "max_new_tokens": self.reply_tokens, "ignore_eos": True,
-                "sampling_seed": self.seed + 1000 * agent + turn}  # fmt: skip
+        return {
+            "temperature": 1.0,
+            "max_new_tokens": self.reply_tokens,
+            "ignore_eos": True,
+            "sampling_seed": self.seed + 1000 * agent + turn,
+        }
 
 
 @dataclass
@@ -86,7 +90,9 @@ class Round:
 async def _generate(client: Client, routing_key: str, **body: object) -> tuple[GenerateResponse, str | None]:
     """`client.generate`, and which engine served it: the router's reply header (None from an engine)."""
     url = client.base_url + "/generate"
-    async with client.session.post(url, json={**body, "stream": False}, headers={ROUTING_KEY_HEADER: routing_key}) as reply:
+    async with client.session.post(
+        url, json={**body, "stream": False}, headers={ROUTING_KEY_HEADER: routing_key}
+    ) as reply:
         raw = await reply.read()
     if reply.status >= 400:
         raise ServerError(url, reply.status, raw.decode(errors="replace"))
@@ -96,7 +102,9 @@ async def _generate(client: Client, routing_key: str, **body: object) -> tuple[G
 async def _agent(client: Client, w: Workload, agent: int, r: Round) -> list[int]:
     history, replies = list(w.task(agent)), []
     for turn in range(w.turns):
-        out, engine = await _generate(client, f"agent-{agent}", input_ids=history, sampling_params=w.params(agent, turn))
+        out, engine = await _generate(
+            client, f"agent-{agent}", input_ids=history, sampling_params=w.params(agent, turn)
+        )
         if len(out.output_ids) != w.reply_tokens:
             raise RuntimeError(f"agent {agent} turn {turn}: {len(out.output_ids)} tokens, expected {w.reply_tokens}")
         r.prompt_tokens += len(history)
@@ -150,9 +158,16 @@ def time_hf(model: PreTrainedModel, w: Workload) -> Round:
         ids = torch.tensor(histories)
         torch.manual_seed(w.seed + turn)
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-            max_new_tokens=w.reply_tokens, min_new_tokens=w.reply_tokens, pad_token_id=model.config.pad_token_id,
-        )  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=w.reply_tokens,
+            min_new_tokens=w.reply_tokens,
+            pad_token_id=model.config.pad_token_id,
+        )
         r.prompt_tokens += ids.numel()
         histories = [h + o[len(h) :] + w.tools[a][turn] for a, (h, o) in enumerate(zip(histories, out.tolist()))]
     r.wall, r.cpu = time.perf_counter() - wall, time.process_time() - cpu
@@ -170,9 +185,14 @@ def main() -> None:
     model_arguments(ap)
     ap.add_argument("--repeats", type=int, default=1, help="timed rounds per path (median reported)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--router-policies", help="comma-separated router policies to compare instead of the three paths "
-                                              "(round_robin,least_inflight,cache_aware,session)")  # fmt: skip
-    ap.add_argument("--engines", type=int, default=2, help="prefix-cached engines behind the router (with --router-policies)")
+    ap.add_argument(
+        "--router-policies",
+        help="comma-separated router policies to compare instead of the three paths "
+        "(round_robin,least_inflight,cache_aware,session)",
+    )
+    ap.add_argument(
+        "--engines", type=int, default=2, help="prefix-cached engines behind the router (with --router-policies)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     load_start = os.getloadavg()
@@ -185,20 +205,26 @@ def main() -> None:
     w = Workload(
         tasks=random_prompts(args.groups, args.prompt_len, vocab, args.seed),
         tools=[tools[a * args.turns : (a + 1) * args.turns] for a in range(agents)],
-        turns=args.turns, reply_tokens=args.reply_tokens, seed=args.seed,
-    )  # fmt: skip
+        turns=args.turns,
+        reply_tokens=args.reply_tokens,
+        seed=args.seed,
+    )
     final = args.prompt_len + args.turns * (args.reply_tokens + args.tool_tokens)
-    print(f"model {model_dir} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, fp32); "
-          f"{args.groups} x group {args.group} x {args.turns} turns, task prompt {args.prompt_len}, reply {args.reply_tokens}, "
-          f"tool {args.tool_tokens}: history ends at {final} tokens; threads {torch.get_num_threads()}")  # fmt: skip
+    print(
+        f"model {model_dir} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, fp32); "
+        f"{args.groups} x group {args.group} x {args.turns} turns, task prompt {args.prompt_len}, reply {args.reply_tokens}, "
+        f"tool {args.tool_tokens}: history ends at {final} tokens; threads {torch.get_num_threads()}"
+    )
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in load_start)} ({os.cpu_count()} cores)")
 
     policies = args.router_policies.split(",") if args.router_policies else []
     if policies:
         engines = [engine_process(model_dir, max_running_requests=agents) for _ in range(args.engines)]
     else:
-        engines = [engine_process(model_dir, max_running_requests=agents),
-                   engine_process(model_dir, max_running_requests=agents, disable_radix_cache=True)]  # fmt: skip
+        engines = [
+            engine_process(model_dir, max_running_requests=agents),
+            engine_process(model_dir, max_running_requests=agents, disable_radix_cache=True),
+        ]
     rounds: dict[str, list[Round]] = {"cache": [], "no cache": [], "hf": []}
     try:
         start_all(engines, timeout=300)
@@ -239,31 +265,44 @@ def report(rounds: dict[str, list[Round]]) -> None:
         print(f"{k:>9}  {wall[k]:7.1f}  {cpu[k]:7.1f}  {v[0].prompt_tokens:10d}  {v[0].cached_tokens:10d}")
     same = sum(a == b for a, b in zip(rounds["cache"][0].outputs, rounds["no cache"][0].outputs))
     print()
-    print(f"cache / no cache: {wall['cache'] / wall['no cache']:.2f}x wall, {cpu['cache'] / cpu['no cache']:.2f}x engine CPU "
-          f"(target <= {TARGET}x): {'met' if wall['cache'] / wall['no cache'] <= TARGET else 'MISSED'} by wall")  # fmt: skip
-    print(f"cache / hf:       {wall['cache'] / wall['hf']:.2f}x wall; no cache / hf: {wall['no cache'] / wall['hf']:.2f}x wall")
+    print(
+        f"cache / no cache: {wall['cache'] / wall['no cache']:.2f}x wall, {cpu['cache'] / cpu['no cache']:.2f}x engine CPU "
+        f"(target <= {TARGET}x): {'met' if wall['cache'] / wall['no cache'] <= TARGET else 'MISSED'} by wall"
+    )
+    print(
+        f"cache / hf:       {wall['cache'] / wall['hf']:.2f}x wall; no cache / hf: {wall['no cache'] / wall['hf']:.2f}x wall"
+    )
     print(f"agents with the same tokens with and without the cache: {same} of {len(rounds['cache'][0].outputs)}")
 
 
 def report_routed(rounds: dict[str, list[Round]]) -> None:
     """Medians over rounds; engines/agent: the mean over agents and rounds, and the share of agents
     whose turns all landed on one engine; busiest: the share of all requests the busiest engine served."""
-    med = {k: {f: statistics.median(getattr(r, f) for r in v) for f in ("wall", "cpu", "router_cpu")} for k, v in rounds.items()}
+    med = {
+        k: {f: statistics.median(getattr(r, f) for r in v) for f in ("wall", "cpu", "router_cpu")}
+        for k, v in rounds.items()
+    }
     base = "round_robin" if "round_robin" in rounds else next(iter(rounds))
     print()
-    print(f"{'policy':>14}  {'wall s':>7}  {'engine CPU s':>12}  {'router CPU s':>12}  {'prompt tok':>10}  {'cached':>6}  {'engines/agent':>13}  {'busiest':>7}")
+    print(
+        f"{'policy':>14}  {'wall s':>7}  {'engine CPU s':>12}  {'router CPU s':>12}  {'prompt tok':>10}  {'cached':>6}  {'engines/agent':>13}  {'busiest':>7}"
+    )
     for k, v in rounds.items():
         cached = statistics.median(r.cached_tokens / r.prompt_tokens for r in v)
         spread = [len(set(e)) for r in v for e in r.served]
         one = sum(n == 1 for n in spread) / len(spread)
         busiest = statistics.median(max(Counter(sum(r.served, [])).values()) / sum(map(len, r.served)) for r in v)
-        print(f"{k:>14}  {med[k]['wall']:7.1f}  {med[k]['cpu']:12.1f}  {med[k]['router_cpu']:12.1f}  {v[0].prompt_tokens:10d}  "
-              f"{cached:6.0%}  {statistics.mean(spread):5.2f} ({one:4.0%} on 1)  {busiest:7.0%}")  # fmt: skip
+        print(
+            f"{k:>14}  {med[k]['wall']:7.1f}  {med[k]['cpu']:12.1f}  {med[k]['router_cpu']:12.1f}  {v[0].prompt_tokens:10d}  "
+            f"{cached:6.0%}  {statistics.mean(spread):5.2f} ({one:4.0%} on 1)  {busiest:7.0%}"
+        )
     print()
     for k, v in rounds.items():
         same = sum(a == b for a, b in zip(v[0].outputs, rounds[base][0].outputs))
-        print(f"{k:>14} / {base}: {med[k]['cpu'] / med[base]['cpu']:.2f}x engine CPU, {med[k]['wall'] / med[base]['wall']:.2f}x wall; "
-              f"agents with the same tokens: {same} of {len(v[0].outputs)}")  # fmt: skip
+        print(
+            f"{k:>14} / {base}: {med[k]['cpu'] / med[base]['cpu']:.2f}x engine CPU, {med[k]['wall'] / med[base]['wall']:.2f}x wall; "
+            f"agents with the same tokens: {same} of {len(v[0].outputs)}"
+        )
 
 
 if __name__ == "__main__":

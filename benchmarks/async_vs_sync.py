@@ -75,19 +75,30 @@ def on_cpus(cpus: set[int]) -> Iterator[None]:
 def run(mode: str, args: argparse.Namespace, model: Path, out: Path) -> list[dict]:
     run_dir = out / mode
     overrides = [
-        f"model={model}", f"run_dir={run_dir}", f"steps={args.steps + args.warmup}", f"mode={mode}",
+        f"model={model}",
+        f"run_dir={run_dir}",
+        f"steps={args.steps + args.warmup}",
+        f"mode={mode}",
         f"buffer.max_staleness={args.staleness if mode == 'async' else 0}",
-        "data.source=task:count", f"rollout.rollout_fn={HERE}:long_tail", "rollout.filter_fn=null",
-        f"rollout.n_samples_per_prompt={args.n}", f"rollout.rollout_batch_size={args.batch}",
-        f"rollout.max_new_tokens={MAX_LEN}", f"trainer.updates_per_step={args.updates}", "trainer.lr=1e-4",
+        "data.source=task:count",
+        f"rollout.rollout_fn={HERE}:long_tail",
+        "rollout.filter_fn=null",
+        f"rollout.n_samples_per_prompt={args.n}",
+        f"rollout.rollout_batch_size={args.batch}",
+        f"rollout.max_new_tokens={MAX_LEN}",
+        f"trainer.updates_per_step={args.updates}",
+        "trainer.lr=1e-4",
         # PPO as slime / verl run it by default: old logprobs recomputed, KL to a reference model
         # (three forward passes a step), so training is not negligible next to generation.
-        "algorithm.recompute_old_logprobs=true", "algorithm.kl_coef=0.05",
+        "algorithm.recompute_old_logprobs=true",
+        "algorithm.kl_coef=0.05",
         # The long tail outlives the bound: mask its too-old tokens rather than drop it whole
         # (dropping measured 13 of ~110 groups lost, all long ones). No effect on sync.
         "buffer.mask_stale_tokens=true",
-        "eval.every=0", "checkpoint.every=0", *args.set,
-    ]  # fmt: skip
+        "eval.every=0",
+        "checkpoint.every=0",
+        *args.set,
+    ]
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time
     run_dir.mkdir(parents=True)
     cpus = os.sched_getaffinity(0)
@@ -97,11 +108,19 @@ def run(mode: str, args: argparse.Namespace, model: Path, out: Path) -> list[dic
             with on_cpus({engine_cpu}):
                 engine = stack.enter_context(engine_process(model, log_path=run_dir / "engine.log"))
             # first, so that a `--set` of the same key still wins
-            overrides[:0] = ["launch.engine_kind=external", f"launch.engine_urls=[{engine.url}]", "trainer.cpu_threads=1"]
+            overrides[:0] = [
+                "launch.engine_kind=external",
+                f"launch.engine_urls=[{engine.url}]",
+                "trainer.cpu_threads=1",
+            ]
             cpus = {trainer_cpu}
         with on_cpus(cpus):
-            done = subprocess.run([sys.executable, "-m", "slimish.train", *overrides], stdout=log,
-                                  stderr=subprocess.STDOUT, timeout=args.timeout)  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, "-m", "slimish.train", *overrides],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=args.timeout,
+            )
     if done.returncode != 0:
         raise SystemExit(f"{mode} run failed ({done.returncode}); see {run_dir.with_suffix('.log')}")
     return [r for r in read_metrics(run_dir) if r["step"] > args.warmup]
@@ -129,36 +148,52 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="groups per step")
     parser.add_argument("--n", type=int, default=4, help="samples per group")
     parser.add_argument("--updates", type=int, default=4, help="trainer.updates_per_step")
-    parser.add_argument("--placement", choices=("split", "shared"), default="split",
-                        help="split: engine and trainer on a core each (as on disjoint devices); shared: both on all cores")  # fmt: skip
+    parser.add_argument(
+        "--placement",
+        choices=("split", "shared"),
+        default="split",
+        help="split: engine and trainer on a core each (as on disjoint devices); shared: both on all cores",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench-async"))
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--set", nargs="*", default=[], help="more key=value overrides for both runs")
     args = parser.parse_args()
     if args.placement == "split" and len(os.sched_getaffinity(0)) < 2:
-        raise SystemExit("--placement split needs 2 CPUs (one for the engine, one for the trainer); use --placement shared")
+        raise SystemExit(
+            "--placement split needs 2 CPUs (one for the engine, one for the trainer); use --placement shared"
+        )
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     model = args.out / "model"
     if not (model / "config.json").exists():
         make_tiny_model(model, arch="llama", size="tiny", seed=0)
     results = {mode: run(mode, args, model, args.out) for mode in ("sync", "async")}
-    print(f"\n{args.steps} steps after {args.warmup} warm-up, {args.batch} x {args.n} samples, "
-          f"Pareto lengths (min {MIN_LEN}, alpha {ALPHA}, cap {MAX_LEN}), async max_staleness {args.staleness}, "
-          f"placement {args.placement}\n")  # fmt: skip
+    print(
+        f"\n{args.steps} steps after {args.warmup} warm-up, {args.batch} x {args.n} samples, "
+        f"Pareto lengths (min {MIN_LEN}, alpha {ALPHA}, cap {MAX_LEN}), async max_staleness {args.staleness}, "
+        f"placement {args.placement}\n"
+    )
     print("| mode | wall s | s/step | rollout wait s/step | train s/step | trainer idle | engine idle | response len |")
     print("|---|---|---|---|---|---|---|---|")
     for mode, rows in results.items():
-        print(f"| {mode} | {wall(rows):.1f} | {wall(rows) / len(rows):.2f} | {mean(rows, 'time/rollout'):.2f} | "
-              f"{mean(rows, 'time/train'):.2f} | {idle(rows, 'time/trainer_idle_fraction'):.1%} | "
-              f"{idle(rows, 'rollout/engine_idle_fraction'):.1%} | {mean(rows, 'response/length'):.1f} |")  # fmt: skip
-    stale = {k.rsplit("/", 1)[1]: sum(r.get(k, 0.0) for r in results["async"])
-             for k in sorted({k for r in results["async"] for k in r if k.startswith("rollout/staleness/")})}  # fmt: skip
+        print(
+            f"| {mode} | {wall(rows):.1f} | {wall(rows) / len(rows):.2f} | {mean(rows, 'time/rollout'):.2f} | "
+            f"{mean(rows, 'time/train'):.2f} | {idle(rows, 'time/trainer_idle_fraction'):.1%} | "
+            f"{idle(rows, 'rollout/engine_idle_fraction'):.1%} | {mean(rows, 'response/length'):.1f} |"
+        )
+    stale = {
+        k.rsplit("/", 1)[1]: sum(r.get(k, 0.0) for r in results["async"])
+        for k in sorted({k for r in results["async"] for k in r if k.startswith("rollout/staleness/")})
+    }
     speedup = wall(results["sync"]) / wall(results["async"])
     trainer_idle = idle(results["async"], "time/trainer_idle_fraction")
-    print(f"\nasync trained groups by staleness: {stale}; dropped as too stale: "
-          f"{int(results['async'][-1]['rollout/dropped_stale_groups'])} groups")
-    print(f"sync / async wall: {speedup:.2f}x (target >= {TARGET_SPEEDUP}x); "
-          f"async trainer idle {trainer_idle:.1%} (target <= {TARGET_IDLE:.0%})")
+    print(
+        f"\nasync trained groups by staleness: {stale}; dropped as too stale: "
+        f"{int(results['async'][-1]['rollout/dropped_stale_groups'])} groups"
+    )
+    print(
+        f"sync / async wall: {speedup:.2f}x (target >= {TARGET_SPEEDUP}x); "
+        f"async trainer idle {trainer_idle:.1%} (target <= {TARGET_IDLE:.0%})"
+    )
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

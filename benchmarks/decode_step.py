@@ -35,9 +35,14 @@ from slimish.protocol import SamplingParams  # noqa: E402
 # aten ops by where the time goes; anything else is "other ops" (norms, rotary, element-wise, copies)
 GROUPS = {
     "linear": ("aten::mm", "aten::addmm"),
-    "attention": ("aten::bmm", "aten::_softmax", "aten::masked_fill_", "aten::logical_not",
-                  "aten::_scaled_dot_product_flash_attention_for_cpu"),
-}  # fmt: skip
+    "attention": (
+        "aten::bmm",
+        "aten::_softmax",
+        "aten::masked_fill_",
+        "aten::logical_not",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+    ),
+}
 SAMPLING = "sampling"  # a profiler range around `sample`: its ops are counted there
 
 
@@ -47,8 +52,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128, help="tokens per row before the timed steps")
     ap.add_argument("--steps", type=int, default=32)
     model_arguments(ap)
-    ap.add_argument("--decode-attention-backend", default=EngineConfig.decode_attention_backend, choices=DECODE_ATTENTION_BACKENDS)
-    ap.add_argument("--profile", action="store_true", help="print where the timed steps spent their time (torch.profiler)")
+    ap.add_argument(
+        "--decode-attention-backend", default=EngineConfig.decode_attention_backend, choices=DECODE_ATTENTION_BACKENDS
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="print where the timed steps spent their time (torch.profiler)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -58,7 +67,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, model.config.vocab_size, (args.batch, args.context), generator=g).tolist()
     batch.add([runner.prefill(p, None, None).slab for p in prompts], [args.context] * args.batch)
-    rows = [RowState(SamplingParams(temperature=1.0), p, [], set(), torch.Generator().manual_seed(i)) for i, p in enumerate(prompts)]
+    rows = [
+        RowState(SamplingParams(temperature=1.0), p, [], set(), torch.Generator().manual_seed(i))
+        for i, p in enumerate(prompts)
+    ]
     tokens = [p[-1] for p in prompts]
 
     def step() -> None:
@@ -75,11 +87,15 @@ def main() -> None:
         step_cpu, wall = (time.process_time() - start) / args.steps, time.perf_counter() - wall
     rate = 2 * n_params * args.batch / step_cpu / 1e9
     gemm = gemm_rate(args.batch, model.config.hidden_size, model.config.intermediate_size)
-    print(f"{args.decode_attention_backend}: B={args.batch} context {args.context}: {step_cpu * 1e3:.1f} ms/step (CPU), decode {rate:.1f} GFLOP/s, "
-          f"GEMM {gemm:.1f} GFLOP/s ({rate / gemm:.0%})")  # fmt: skip
+    print(
+        f"{args.decode_attention_backend}: B={args.batch} context {args.context}: {step_cpu * 1e3:.1f} ms/step (CPU), decode {rate:.1f} GFLOP/s, "
+        f"GEMM {gemm:.1f} GFLOP/s ({rate / gemm:.0%})"
+    )
     if args.profile:
         ops = prof.key_averages()
-        by_group = {name: sum(e.self_cpu_time_total for e in ops if e.key in keys) / 1e6 for name, keys in GROUPS.items()}
+        by_group = {
+            name: sum(e.self_cpu_time_total for e in ops if e.key in keys) / 1e6 for name, keys in GROUPS.items()
+        }
         by_group[SAMPLING] = sum(e.cpu_time_total for e in ops if e.key == SAMPLING) / 1e6
         in_ops = sum(e.self_cpu_time_total for e in ops) / 1e6
         by_group["other ops"] = in_ops - sum(by_group.values())

@@ -107,11 +107,20 @@ def cpu_seconds(pid: int) -> float:
 
 async def _engine_round(url: str, prompts: list[list[int]], new_tokens: int, seed: int) -> int:
     async with Client(url) as c:
-        outs = await asyncio.gather(*(
-            c.generate(input_ids=p, sampling_params={"temperature": 1.0, "max_new_tokens": new_tokens,
-                                                     "ignore_eos": True, "sampling_seed": seed + i})
-            for i, p in enumerate(prompts)
-        ))  # fmt: skip
+        outs = await asyncio.gather(
+            *(
+                c.generate(
+                    input_ids=p,
+                    sampling_params={
+                        "temperature": 1.0,
+                        "max_new_tokens": new_tokens,
+                        "ignore_eos": True,
+                        "sampling_seed": seed + i,
+                    },
+                )
+                for i, p in enumerate(prompts)
+            )
+        )
     lengths = [len(o.output_ids) for o in outs]
     if lengths != [new_tokens] * len(prompts):
         raise RuntimeError(f"engine returned {lengths} tokens, expected {new_tokens} each")
@@ -134,9 +143,16 @@ def time_hf(model: PreTrainedModel, prompts: list[list[int]], new_tokens: int, s
     torch.manual_seed(seed)
     wall, cpu = time.perf_counter(), time.process_time()
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-        max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=model.config.pad_token_id,
-    )  # fmt: skip
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=model.config.pad_token_id,
+    )
     sample = Sample(len(prompts) * new_tokens, time.perf_counter() - wall, time.process_time() - cpu)
     if out.shape[1] != ids.shape[1] + new_tokens:
         raise RuntimeError(f"HF generated {out.shape[1] - ids.shape[1]} tokens, expected {new_tokens}")
@@ -163,8 +179,10 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     n_params = sum(p.numel() for p in model.parameters())
     prompts = random_prompts(max(sizes), args.prompt_len, model.config.vocab_size, args.seed)
-    print(f"model {model_dir} ({n_params / 1e6:.1f}M params, fp32), prompt {args.prompt_len}, "
-          f"new tokens {args.new_tokens}, repeats {args.repeats}, threads {torch.get_num_threads()}")  # fmt: skip
+    print(
+        f"model {model_dir} ({n_params / 1e6:.1f}M params, fp32), prompt {args.prompt_len}, "
+        f"new tokens {args.new_tokens}, repeats {args.repeats}, threads {torch.get_num_threads()}"
+    )
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in load_start)} ({os.cpu_count()} cores)")
 
     rows = []
@@ -180,18 +198,41 @@ def main() -> None:
                 row.static.append(time_hf(model, batch, args.new_tokens, args.seed))
                 row.serial.append(time_hf(model, [prompts[r % len(prompts)]], args.new_tokens, args.seed + r))
             rows.append(row)
-            print(f"  done B={b}: engine {median(row.engine, lambda s: s.rate):.1f} tok/s, "
-                  f"static {median(row.static, lambda s: s.rate):.1f} tok/s", flush=True)  # fmt: skip
+            print(
+                f"  done B={b}: engine {median(row.engine, lambda s: s.rate):.1f} tok/s, "
+                f"static {median(row.static, lambda s: s.rate):.1f} tok/s",
+                flush=True,
+            )
 
     report(rows)
-    flop_report(rows, n_params, model.config.hidden_size, model.config.intermediate_size, (args.prompt_len + args.new_tokens) / args.new_tokens)
+    flop_report(
+        rows,
+        n_params,
+        model.config.hidden_size,
+        model.config.intermediate_size,
+        (args.prompt_len + args.new_tokens) / args.new_tokens,
+    )
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 def report(rows: list[Row]) -> None:
     head = ("", "tok/s:", "", "", "ratio:", "", "tok/CPU-s:", "", "", "CPU ratio:", "", "CPU/wall:", "", "")
-    names = ("B", "engine", "serial", "static", "eng/serial", "eng/static", "engine", "serial", "static",
-             "eng/serial", "eng/static", "engine", "serial", "static")  # fmt: skip
+    names = (
+        "B",
+        "engine",
+        "serial",
+        "static",
+        "eng/serial",
+        "eng/static",
+        "engine",
+        "serial",
+        "static",
+        "eng/serial",
+        "eng/static",
+        "engine",
+        "serial",
+        "static",
+    )
     lines, verdicts = [head, names], []
     biggest = max(row.size for row in rows)
     for row in rows:
@@ -199,15 +240,26 @@ def report(rows: list[Row]) -> None:
         wall = [median(p, lambda s: s.rate) for p in paths]
         cpu = [median(p, lambda s: s.cpu_rate) for p in paths]
         busy = [median(p, lambda s: s.cpu / s.wall) for p in paths]
-        lines.append((str(row.size), *(f"{x:.1f}" for x in wall), f"{wall[0] / wall[1]:.2f}x", f"{wall[0] / wall[2]:.2f}x",
-                      *(f"{x:.1f}" for x in cpu), f"{cpu[0] / cpu[1]:.2f}x", f"{cpu[0] / cpu[2]:.2f}x",
-                      *(f"{x:.0%}" for x in busy)))  # fmt: skip
+        lines.append(
+            (
+                str(row.size),
+                *(f"{x:.1f}" for x in wall),
+                f"{wall[0] / wall[1]:.2f}x",
+                f"{wall[0] / wall[2]:.2f}x",
+                *(f"{x:.1f}" for x in cpu),
+                f"{cpu[0] / cpu[1]:.2f}x",
+                f"{cpu[0] / cpu[2]:.2f}x",
+                *(f"{x:.0%}" for x in busy),
+            )
+        )
         checks = [("static", wall[0] / wall[2], cpu[0] / cpu[2], TARGET_STATIC)]
         if row.size == biggest:
             checks.insert(0, ("serial", wall[0] / wall[1], cpu[0] / cpu[1], TARGET_SERIAL))
         for name, by_wall, by_cpu, target in checks:
-            verdicts.append(f"B={row.size} engine/{name}: {by_wall:.2f}x wall, {by_cpu:.2f}x CPU (target >= {target}x): "
-                            f"{'met' if by_wall >= target else 'MISSED'} by wall, {'met' if by_cpu >= target else 'MISSED'} by CPU")  # fmt: skip
+            verdicts.append(
+                f"B={row.size} engine/{name}: {by_wall:.2f}x wall, {by_cpu:.2f}x CPU (target >= {target}x): "
+                f"{'met' if by_wall >= target else 'MISSED'} by wall, {'met' if by_cpu >= target else 'MISSED'} by CPU"
+            )
     widths = [max(len(line[i]) for line in lines) for i in range(len(names))]
     print()
     for line in lines:
@@ -234,12 +286,20 @@ def flop_report(rows: list[Row], n_params: int, hidden: int, ffn: int, all_token
     """`all_tokens`: (prompt + new tokens) / new tokens. The rate counts output tokens, but the
     time also holds each prompt's prefill; the share counting those FLOPs too is printed after."""
     print()
-    print(f"decode FLOP rate (2 x {n_params / 1e6:.1f}M params x tok/CPU-s) against fp32 GEMM [B, {hidden}] x [{hidden}, {ffn}]:")
+    print(
+        f"decode FLOP rate (2 x {n_params / 1e6:.1f}M params x tok/CPU-s) against fp32 GEMM [B, {hidden}] x [{hidden}, {ffn}]:"
+    )
     for row in rows:
         gemm = gemm_rate(row.size, hidden, ffn)
-        rates = {name: 2 * n_params * median(p, lambda s: s.cpu_rate) / 1e9 for name, p in (("engine", row.engine), ("static", row.static))}
-        print(f"  B={row.size}: GEMM {gemm:.1f} GFLOP/s; " + ", ".join(f"{k} {v:.1f} GFLOP/s ({v / gemm:.0%})" for k, v in rates.items())
-              + f"; with prompt tokens: engine {rates['engine'] * all_tokens / gemm:.0%}, static {rates['static'] * all_tokens / gemm:.0%}")
+        rates = {
+            name: 2 * n_params * median(p, lambda s: s.cpu_rate) / 1e9
+            for name, p in (("engine", row.engine), ("static", row.static))
+        }
+        print(
+            f"  B={row.size}: GEMM {gemm:.1f} GFLOP/s; "
+            + ", ".join(f"{k} {v:.1f} GFLOP/s ({v / gemm:.0%})" for k, v in rates.items())
+            + f"; with prompt tokens: engine {rates['engine'] * all_tokens / gemm:.0%}, static {rates['static'] * all_tokens / gemm:.0%}"
+        )
 
 
 if __name__ == "__main__":

@@ -63,8 +63,16 @@ def bench_model(cache: Path, vocab: int, max_tokens: int) -> Path:
         return path
     make_tiny_model(path, arch="llama", size="tiny", seed=0)  # the tokenizer; the model is replaced below
     tok = AutoTokenizer.from_pretrained(path)
-    config = LlamaConfig(vocab_size=vocab, max_position_embeddings=max_tokens, tie_word_embeddings=False, rms_norm_eps=1e-6,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None, **BODY)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=vocab,
+        max_position_embeddings=max_tokens,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        **BODY,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     return path
@@ -107,8 +115,17 @@ def child(args: argparse.Namespace) -> None:
     from slimish.trainer.torch_backend import TorchTrainer
     from slimish.types import Sample
 
-    cfg = load_run_config(None, [f"model={args.model}", "data.source=unused", "steps=2", "trainer.cpu_threads=1",
-                                 f"trainer.micro_batch_tokens={args.tokens}", f"trainer.logprob_chunk_tokens={args.chunk}"])  # fmt: skip
+    cfg = load_run_config(
+        None,
+        [
+            f"model={args.model}",
+            "data.source=unused",
+            "steps=2",
+            "trainer.cpu_threads=1",
+            f"trainer.micro_batch_tokens={args.tokens}",
+            f"trainer.logprob_chunk_tokens={args.chunk}",
+        ],
+    )
     trainer = TorchTrainer(cfg)
     rng = random.Random(0)
     per_sample = args.tokens // args.samples
@@ -120,12 +137,17 @@ def child(args: argparse.Namespace) -> None:
         s.append_model([rng.randrange(args.vocab) for _ in range(n)], [0.0] * n)
         s.reward = float(k % 2)
         group.append(s)
-    out: dict[str, object] = {"chunk": args.chunk, "tokens": sum(len(s.tokens) for s in group),
-                              "response_tokens": sum(s.response_length for s in group)}  # fmt: skip
+    out: dict[str, object] = {
+        "chunk": args.chunk,
+        "tokens": sum(len(s.tokens) for s in group),
+        "response_tokens": sum(s.response_length for s in group),
+    }
 
     def old_logprobs() -> None:
         for s, lp in zip(group, trainer.logprobs(group)):
-            s.rollout_logprobs = (lp + 0.1 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(s.index))).tolist()
+            s.rollout_logprobs = (
+                lp + 0.1 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(s.index))
+            ).tolist()
 
     out["logprobs"] = measure(old_logprobs)
     metrics: list[dict[str, float]] = []
@@ -150,25 +172,46 @@ def main() -> None:
         return child(args)
 
     model = bench_model(args.model_cache, args.vocab, args.tokens // args.samples)
-    print(f"model {model} (vocab {args.vocab}, {BODY}), batch {args.samples} x {args.tokens // args.samples} tokens, "
-          f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    print(
+        f"model {model} (vocab {args.vocab}, {BODY}), batch {args.samples} x {args.tokens // args.samples} tokens, "
+        f"load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     results = {}
     for name, chunk in (("full", 0), ("chunked", args.chunk)):
-        cmd = [sys.executable, __file__, "--child", f"--model={model}", f"--tokens={args.tokens}", f"--samples={args.samples}",
-               f"--vocab={args.vocab}", f"--chunk={chunk}"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            f"--model={model}",
+            f"--tokens={args.tokens}",
+            f"--samples={args.samples}",
+            f"--vocab={args.vocab}",
+            f"--chunk={chunk}",
+        ]
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)} if MMAP_THRESHOLD else None
         done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
         results[name] = json.loads(done.stdout.strip().splitlines()[-1])
     full, chunked = results["full"], results["chunked"]
     logits_mib = full["response_tokens"] * args.vocab * 4 / 2**20
-    print(f"{full['tokens']} tokens, {full['response_tokens']} scored; fp32 logits of the scored tokens: {logits_mib:.0f} MiB")
-    print(f"{'phase':<26} {'full added':>11} {'chunked added':>14} {'ratio':>6}   {'full peak':>10} {'chunked peak':>13} {'ratio':>6}   "
-          f"{'full s':>6} {'chunked s':>9}")  # fmt: skip
-    for phase, label in (("logprobs", "logprobs (no grad)"), ("step1", "train step 1 (+AdamW init)"), ("step2", "train step 2")):
+    print(
+        f"{full['tokens']} tokens, {full['response_tokens']} scored; fp32 logits of the scored tokens: {logits_mib:.0f} MiB"
+    )
+    print(
+        f"{'phase':<26} {'full added':>11} {'chunked added':>14} {'ratio':>6}   {'full peak':>10} {'chunked peak':>13} {'ratio':>6}   "
+        f"{'full s':>6} {'chunked s':>9}"
+    )
+    for phase, label in (
+        ("logprobs", "logprobs (no grad)"),
+        ("step1", "train step 1 (+AdamW init)"),
+        ("step2", "train step 2"),
+    ):
         a, b = full[phase], chunked[phase]
-        print(f"{label:<26} {a['added_mib']:>7.0f} MiB {b['added_mib']:>10.0f} MiB {b['added_mib'] / a['added_mib']:>5.2f}x   "
-              f"{a['peak_mib']:>6.0f} MiB {b['peak_mib']:>9.0f} MiB {b['peak_mib'] / a['peak_mib']:>5.2f}x   "
-              f"{a['seconds']:>6.1f} {b['seconds']:>9.1f}")  # fmt: skip
+        print(
+            f"{label:<26} {a['added_mib']:>7.0f} MiB {b['added_mib']:>10.0f} MiB {b['added_mib'] / a['added_mib']:>5.2f}x   "
+            f"{a['peak_mib']:>6.0f} MiB {b['peak_mib']:>9.0f} MiB {b['peak_mib'] / a['peak_mib']:>5.2f}x   "
+            f"{a['seconds']:>6.1f} {b['seconds']:>9.1f}"
+        )
     print(f"train/loss full {full['loss']}, chunked {chunked['loss']}")
     print(f"train/grad_norm full {full['grad_norm']}, chunked {chunked['grad_norm']}")
     ratio = chunked["step2"]["added_mib"] / full["step2"]["added_mib"]

@@ -59,14 +59,22 @@ def main() -> None:
     tensors, config = adapter_tensors(model), adapter_config(model)
     logs = args.model_cache / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    engine = engine_process(model_dir, log_path=logs / "lora-engine.log", enable_lora=True, max_lora_rank=args.rank,
-                            lora_target_modules=list(lora.target_modules))  # fmt: skip
+    engine = engine_process(
+        model_dir,
+        log_path=logs / "lora-engine.log",
+        enable_lora=True,
+        max_lora_rank=args.rank,
+        lora_target_modules=list(lora.target_modules),
+    )
     router = None
     try:
         start_all([engine], 300)
         router = router_process(LaunchConfig(), [engine.url], logs).start(60)
         cfg = WeightSyncConfig(timeout_s=600, flattened=args.flattened)
-        with WeightSync(cfg, [engine.url]) as full_sync, WeightSync(cfg, [engine.url], adapter=ADAPTER, router_url=router.url) as lora_sync:
+        with (
+            WeightSync(cfg, [engine.url]) as full_sync,
+            WeightSync(cfg, [engine.url], adapter=ADAPTER, router_url=router.url) as lora_sync,
+        ):
             fulls, adapters = [], []
             for r in range(args.rounds + 1):  # round 0 is the warm-up (and the adapter's load)
                 fulls.append(full_sync.push(full, f"full-{r}"))
@@ -78,11 +86,19 @@ def main() -> None:
     fulls, adapters = fulls[1:], adapters[1:]
     rows = []
     for name, pushes in (("full", fulls), (f"adapter r={args.rank}", adapters)):
-        rows.append((name, pushes[0]["bytes"], statistics.median(p["seconds"] for p in pushes),
-                     statistics.median(p["seconds_transfer"] for p in pushes)))  # fmt: skip
-    print(f"\n{sum(t.numel() for _, t in full) / 1e6:.1f}M base parameters, {sum(t.numel() for t in tensors.values()) / 1e6:.3f}M "
-          f"adapter parameters ({len(tensors)} tensors), fp32, 1 engine, full push {'flattened' if args.flattened else 'per tensor'}, "
-          f"medians of {args.rounds} rounds\n")  # fmt: skip
+        rows.append(
+            (
+                name,
+                pushes[0]["bytes"],
+                statistics.median(p["seconds"] for p in pushes),
+                statistics.median(p["seconds_transfer"] for p in pushes),
+            )
+        )
+    print(
+        f"\n{sum(t.numel() for _, t in full) / 1e6:.1f}M base parameters, {sum(t.numel() for t in tensors.values()) / 1e6:.3f}M "
+        f"adapter parameters ({len(tensors)} tensors), fp32, 1 engine, full push {'flattened' if args.flattened else 'per tensor'}, "
+        f"medians of {args.rounds} rounds\n"
+    )
     print("| push | MB | push s | buckets s |")
     print("|---|---|---|---|")
     for name, nbytes, whole, transfer in rows:

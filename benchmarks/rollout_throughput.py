@@ -93,8 +93,10 @@ async def run(cfg: RunConfig, servers: Servers, repeats: int) -> tuple[dict[str,
                 for path in rates:
                     rates[path].append(len(prompts) / seconds[path])
                     cpu_ms[path].append(1000 * cpu_s[path] / len(prompts))
-                print(f"round {r}: " + ", ".join(f"{p} {v[-1]:.1f}" for p, v in rates.items()) + " samples/s, "
-                      f"manager/direct {rates['manager'][-1] / rates['direct'][-1]:.2f}x")  # fmt: skip
+                print(
+                    f"round {r}: " + ", ".join(f"{p} {v[-1]:.1f}" for p, v in rates.items()) + " samples/s, "
+                    f"manager/direct {rates['manager'][-1] / rates['direct'][-1]:.2f}x"
+                )
     finally:
         for c in engines + router:
             await c.close()
@@ -115,20 +117,32 @@ def main() -> None:
     args = ap.parse_args()
 
     model = bench_model(args.model_size, "llama", args.model_cache)
-    cfg = load_run_config(None, [
-        f"model={model}", "data.source=task:add", f"data.task_size={args.prompts * (args.repeats + 1)}",
-        f"launch.engines={args.engines}", "rollout.filter_fn=null", f"rollout.n_samples_per_prompt={args.n}",
-        f"rollout.rollout_batch_size={args.prompts}", f"rollout.max_concurrency={args.concurrency}",
-        f"rollout.max_new_tokens={args.new_tokens}",
-    ])  # fmt: skip
-    print(f"{args.model_size} llama, {args.engines} engines, {args.prompts} prompts x {args.n} samples, concurrency {args.concurrency}, "
-          f"{args.new_tokens} new tokens each; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
+    cfg = load_run_config(
+        None,
+        [
+            f"model={model}",
+            "data.source=task:add",
+            f"data.task_size={args.prompts * (args.repeats + 1)}",
+            f"launch.engines={args.engines}",
+            "rollout.filter_fn=null",
+            f"rollout.n_samples_per_prompt={args.n}",
+            f"rollout.rollout_batch_size={args.prompts}",
+            f"rollout.max_concurrency={args.concurrency}",
+            f"rollout.max_new_tokens={args.new_tokens}",
+        ],
+    )
+    print(
+        f"{args.model_size} llama, {args.engines} engines, {args.prompts} prompts x {args.n} samples, concurrency {args.concurrency}, "
+        f"{args.new_tokens} new tokens each; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     with tempfile.TemporaryDirectory() as logs, local_servers(cfg.launch, model, logs) as servers:
         rates, cpu_ms = asyncio.run(run(cfg, servers, args.repeats))
     m, d, r = (statistics.median(rates[p]) for p in ("manager", "direct", "router"))
     print(f"median samples/s: manager {m:.1f}, direct {d:.1f}, router without manager {r:.1f}")
     print(f"manager/direct {m / d:.2f}x (target >= 0.90x); router/direct {r / d:.2f}x; manager/router {m / r:.2f}x")
-    print("this process's CPU per sample: " + ", ".join(f"{p} {statistics.median(v):.2f} ms" for p, v in cpu_ms.items()))
+    print(
+        "this process's CPU per sample: " + ", ".join(f"{p} {statistics.median(v):.2f} ms" for p, v in cpu_ms.items())
+    )
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

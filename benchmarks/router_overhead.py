@@ -32,17 +32,26 @@ import psutil
 
 from slimish.net import free_port
 
-GENERATE_BODY = json.dumps({"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}).encode()
+GENERATE_BODY = json.dumps(
+    {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+).encode()
 REPLY = json.dumps(
     {
         "text": "a",
         "output_ids": [5],
-        "meta_info": {"id": "0", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 4, "completion_tokens": 1},
+        "meta_info": {
+            "id": "0",
+            "finish_reason": {"type": "length", "length": 1},
+            "prompt_tokens": 4,
+            "completion_tokens": 1,
+        },
     }
 ).encode()
 JSON = {"content-type": "application/json"}
 # What sglang-router asks a worker for when it registers it (docs/protocol.md 5).
-INFO = json.dumps({"model_path": "/nonexistent/bench-model", "dp_size": 1, "tp_size": 1, "served_model_name": "bench"}).encode()
+INFO = json.dumps(
+    {"model_path": "/nonexistent/bench-model", "dp_size": 1, "tp_size": 1, "served_model_name": "bench"}
+).encode()
 
 
 # ---- the backend: raw asyncio HTTP/1.1, so it costs next to nothing per request ------------------
@@ -177,7 +186,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4000, help="per target and concurrency")
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3, help="rounds over all targets; req/s is the median")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="router processes of the scaled-out slimish target")
+    parser.add_argument(
+        "--workers", type=int, default=os.cpu_count() or 2, help="router processes of the scaled-out slimish target"
+    )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -188,21 +199,53 @@ def main() -> None:
     procs[0].start()
 
     def slimish_router(port: int, workers: int) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "slimish.cli", "router", "--workers", str(workers), "--port", str(port),
-                                 "--worker-urls", backend, "--policy", "round_robin"])  # fmt: skip
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "slimish.cli",
+                "router",
+                "--workers",
+                str(workers),
+                "--port",
+                str(port),
+                "--worker-urls",
+                backend,
+                "--policy",
+                "round_robin",
+            ]
+        )
 
     procs.append(slimish_router(slimish_port, 1))
     procs.append(
         subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(sglang_port),
-             "--worker-urls", backend, "--policy", "round_robin", "--prometheus-port", str(free_port()), "--log-level", "warn"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "sglang_router.launch_router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(sglang_port),
+                "--worker-urls",
+                backend,
+                "--policy",
+                "round_robin",
+                "--prometheus-port",
+                str(free_port()),
+                "--log-level",
+                "warn",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
     )
     procs.append(slimish_router(scaled_port, args.workers))
     scaled = f"slimish-w{args.workers}"
     targets = {
-        "direct": backend, "slimish": f"http://127.0.0.1:{slimish_port}", scaled: f"http://127.0.0.1:{scaled_port}",
+        "direct": backend,
+        "slimish": f"http://127.0.0.1:{slimish_port}",
+        scaled: f"http://127.0.0.1:{scaled_port}",
         "sglang-router": f"http://127.0.0.1:{sglang_port}",
     }
     pids = dict(zip(["direct", "slimish", "sglang-router", scaled], (p.pid for p in procs)))  # procs' order
@@ -233,20 +276,28 @@ def main() -> None:
 
 def report(results: list[Result], requests: int, scaled: str) -> None:
     by = {(r.target, r.concurrency): r for r in results}
-    print(f"\n{requests} POST /generate per row and round (req/s: median of rounds); the backend answers at once (cores: {os.cpu_count()})")
-    print(f"{'target':<14} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'CPU us/req':>10} {'added p50':>10} {'added p99':>10}")
+    print(
+        f"\n{requests} POST /generate per row and round (req/s: median of rounds); the backend answers at once (cores: {os.cpu_count()})"
+    )
+    print(
+        f"{'target':<14} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'CPU us/req':>10} {'added p50':>10} {'added p99':>10}"
+    )
     for r in results:
         d = by[("direct", r.concurrency)]
         added = "" if r.target == "direct" else f"{(r.p50 - d.p50) * 1e3:10.3f} {(r.p99 - d.p99) * 1e3:10.3f}"
-        print(f"{r.target:<14} {r.concurrency:>4} {r.rps:8.0f} {r.p50 * 1e3:8.3f} {r.p99 * 1e3:8.3f} {r.cpu_us:10.0f} {added}")
+        print(
+            f"{r.target:<14} {r.concurrency:>4} {r.rps:8.0f} {r.p50 * 1e3:8.3f} {r.p99 * 1e3:8.3f} {r.cpu_us:10.0f} {added}"
+        )
     g1, d1, g64 = by[("sglang-router", 1)], by[("direct", 1)], by[("sglang-router", 64)]
     print(f"\nadded p50 at concurrency 1: sglang-router {(g1.p50 - d1.p50) * 1e3:.3f} ms")
     for name in ("slimish", scaled):
         s1, s64 = by[(name, 1)], by[(name, 64)]
         added = (s1.p50 - d1.p50) * 1e3
-        print(f"{name}: added p50 at concurrency 1 {added:.3f} ms (target <= 1 ms: {'met' if added <= 1 else 'missed'}); "
-              f"req/s / sglang-router's at 64: {s64.rps / g64.rps:.2f}x (target >= 1.0x: {'met' if s64.rps >= g64.rps else 'missed'}), "
-              f"at 1: {s1.rps / g1.rps:.2f}x; requests per CPU-second / sglang-router's at 64: {g64.cpu_us / s64.cpu_us:.2f}x")  # fmt: skip
+        print(
+            f"{name}: added p50 at concurrency 1 {added:.3f} ms (target <= 1 ms: {'met' if added <= 1 else 'missed'}); "
+            f"req/s / sglang-router's at 64: {s64.rps / g64.rps:.2f}x (target >= 1.0x: {'met' if s64.rps >= g64.rps else 'missed'}), "
+            f"at 1: {s1.rps / g1.rps:.2f}x; requests per CPU-second / sglang-router's at 64: {g64.cpu_us / s64.cpu_us:.2f}x"
+        )
 
 
 if __name__ == "__main__":

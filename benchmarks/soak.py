@@ -67,13 +67,26 @@ def request(kind: str, rng: random.Random, vocab: int) -> tuple[str, dict, int]:
     ids = [rng.randrange(vocab) for _ in range(rng.randint(8, 64))]
     params = {"max_new_tokens": rng.randint(4, 32), "temperature": 1.0, "sampling_seed": rng.randrange(1 << 30)}
     if kind == "chat":
-        return "/v1/chat/completions", {"messages": [{"role": "user", "content": f"count to {rng.randint(1, 99)}"}], "max_tokens": params["max_new_tokens"]}, 200
+        return (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": f"count to {rng.randint(1, 99)}"}],
+                "max_tokens": params["max_new_tokens"],
+            },
+            200,
+        )
     if kind == "bad":
         return "/generate", {"input_ids": ids, "sampling_params": {**params, "no_such_param": 1}}, 400
-    return "/generate", {"input_ids": ids, "sampling_params": params, "return_logprob": True, "stream": kind == "stream"}, 200
+    return (
+        "/generate",
+        {"input_ids": ids, "sampling_params": params, "return_logprob": True, "stream": kind == "stream"},
+        200,
+    )
 
 
-async def worker(session: aiohttp.ClientSession, url: str, until: float, t0: float, seed: int, vocab: int, tally: Tally) -> None:
+async def worker(
+    session: aiohttp.ClientSession, url: str, until: float, t0: float, seed: int, vocab: int, tally: Tally
+) -> None:
     rng = random.Random(seed)
     kinds, weights = zip(*MIX)
     while time.perf_counter() < until:
@@ -109,13 +122,22 @@ class Probe:
 async def sample(pids: dict[str, int], every: float, until: float, t0: float, out: list[Probe]) -> None:
     while True:
         rss = {name: rss_mib(pid) for name, pid in pids.items()}
-        out.append(Probe(time.perf_counter() - t0, rss, {name: cpu_seconds(pid) for name, pid in pids.items()}, os.getloadavg()[0]))
+        out.append(
+            Probe(
+                time.perf_counter() - t0,
+                rss,
+                {name: cpu_seconds(pid) for name, pid in pids.items()},
+                os.getloadavg()[0],
+            )
+        )
         if time.perf_counter() >= until:
             return
         await asyncio.sleep(every)
 
 
-async def soak(url: str, pids: dict[str, int], seconds: float, concurrency: int, vocab: int) -> tuple[Tally, list[Probe]]:
+async def soak(
+    url: str, pids: dict[str, int], seconds: float, concurrency: int, vocab: int
+) -> tuple[Tally, list[Probe]]:
     tally, probes = Tally(), []
     t0 = time.perf_counter()
     until = t0 + seconds
@@ -129,7 +151,9 @@ async def soak(url: str, pids: dict[str, int], seconds: float, concurrency: int,
 
 
 def percentile(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))
+    return (
+        statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))
+    )
 
 
 def between(probes: list[Probe], start: float, end: float) -> tuple[Probe, Probe]:
@@ -140,7 +164,9 @@ def between(probes: list[Probe], start: float, end: float) -> tuple[Probe, Probe
 def report(tally: Tally, probes: list[Probe], seconds: float, window: float) -> bool:
     first = [lat * 1000 for t, lat in tally.done if t < window]
     last = [lat * 1000 for t, lat in tally.done if t >= seconds - window]
-    print(f"requests: {len(tally.done)} good, {tally.bad_refused} bad ones refused with 400, {len(tally.errors)} errors")
+    print(
+        f"requests: {len(tally.done)} good, {tally.bad_refused} bad ones refused with 400, {len(tally.errors)} errors"
+    )
     for e in tally.errors[:10]:
         print(f"  error: {e}")
     drift = {}
@@ -154,7 +180,9 @@ def report(tally: Tally, probes: list[Probe], seconds: float, window: float) -> 
     cpu = [(sum(b.cpu.values()) - sum(a.cpu.values())) * 1000 / max(n, 1) for (a, b), n in windows]
     drift["cpu"] = cpu[1] / cpu[0]
     print(f"  server CPU ms/req  {cpu[0]:>6.1f}  {cpu[1]:>22.1f}  {drift['cpu']:>9.2f}x")
-    print("  load average (1 min) in the windows: " + ", ".join(f"{a.load:.2f} -> {b.load:.2f}" for (a, b), _ in windows))
+    print(
+        "  load average (1 min) in the windows: " + ", ".join(f"{a.load:.2f} -> {b.load:.2f}" for (a, b), _ in windows)
+    )
     base = next(p.rss for p in probes if p.t >= window)  # the first sample after the first window
     start, end = probes[0].rss, probes[-1].rss
     print("RSS (MiB)     start  after first window    end  max  end/after-first-window")
@@ -162,13 +190,20 @@ def report(tally: Tally, probes: list[Probe], seconds: float, window: float) -> 
     for name in start:
         peak = max(p.rss[name] for p in probes)
         growth[name] = end[name] / base[name]
-        print(f"  {name:<9} {start[name]:>7.0f}  {base[name]:>18.0f}  {end[name]:>5.0f}  {peak:>4.0f}  {growth[name]:>8.3f}x")
+        print(
+            f"  {name:<9} {start[name]:>7.0f}  {base[name]:>18.0f}  {end[name]:>5.0f}  {peak:>4.0f}  {growth[name]:>8.3f}x"
+        )
     checks = [
         ("errors", len(tally.errors), len(tally.errors) == 0, "0"),
         ("p50 drift", f"{drift['p50']:.2f}x", drift["p50"] <= TARGETS["p50"], f"<= {TARGETS['p50']}x"),
         ("p99 drift", f"{drift['p99']:.2f}x", drift["p99"] <= TARGETS["p99"], f"<= {TARGETS['p99']}x"),
         ("CPU/req drift", f"{drift['cpu']:.2f}x", drift["cpu"] <= TARGETS["cpu"], f"<= {TARGETS['cpu']}x"),
-        ("RSS growth (worst)", f"{max(growth.values()):.3f}x", max(growth.values()) <= TARGETS["rss"], f"<= {TARGETS['rss']}x"),
+        (
+            "RSS growth (worst)",
+            f"{max(growth.values()):.3f}x",
+            max(growth.values()) <= TARGETS["rss"],
+            f"<= {TARGETS['rss']}x",
+        ),
     ]
     print("verdict: " + "; ".join(f"{n} {v} (target {t}) {'PASS' if ok else 'MISS'}" for n, v, ok, t in checks))
     return all(ok for *_, ok, _ in checks)
@@ -179,7 +214,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--smoke", action="store_true", help="a 20 s run")
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--window", type=float, default=None, help="seconds of the first and last windows (default: a fifth of the run)")
+    ap.add_argument(
+        "--window", type=float, default=None, help="seconds of the first and last windows (default: a fifth of the run)"
+    )
     ap.add_argument("--model-size", default="tiny", choices=["small", "tiny"])
     ap.add_argument("--model-cache", type=Path, default=Path("runs/bench-models"))
     args = ap.parse_args()
@@ -187,16 +224,24 @@ def main() -> None:
     window = args.window or seconds / 5
     model_dir = bench_model(args.model_size, "llama", args.model_cache)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    print(f"soak: router + 2 engines ({model_dir}), {seconds:.0f} s, concurrency {args.concurrency}, windows {window:.0f} s")
+    print(
+        f"soak: router + 2 engines ({model_dir}), {seconds:.0f} s, concurrency {args.concurrency}, windows {window:.0f} s"
+    )
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
     logs = Path(tempfile.mkdtemp(prefix="soak-"))
-    engines = [engine_process(model_dir, log_path=logs / f"engine{i}.log", max_running_requests=args.concurrency) for i in range(2)]
+    engines = [
+        engine_process(model_dir, log_path=logs / f"engine{i}.log", max_running_requests=args.concurrency)
+        for i in range(2)
+    ]
     router: ServerProcess | None = None
     try:
         start_all(engines, timeout=300)
         port = free_port()
-        router = ServerProcess(["router", "--port", str(port), "--worker-urls", *[e.url for e in engines]], port=port,
-                               log_path=logs / "router.log").start(60)  # fmt: skip
+        router = ServerProcess(
+            ["router", "--port", str(port), "--worker-urls", *[e.url for e in engines]],
+            port=port,
+            log_path=logs / "router.log",
+        ).start(60)
         pids = {"router": router.proc.pid, **{f"engine{i}": e.proc.pid for i, e in enumerate(engines)}}
         tally, probes = asyncio.run(soak(router.url, pids, seconds, args.concurrency, vocab))
     finally:

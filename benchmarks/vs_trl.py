@@ -117,8 +117,17 @@ class Result:
 
 
 def run_config(args: argparse.Namespace, model: Path, run_dir: Path, steps: int, extra: list[str] = ()) -> RunConfig:
-    overrides = [*SHARED, f"model={model}", f"run_dir={run_dir}", f"steps={steps}", f"seed={args.seed}",
-                 f"data.source=task:{args.task}", f"data.seed={args.seed}", *extra, *args.set]  # fmt: skip
+    overrides = [
+        *SHARED,
+        f"model={model}",
+        f"run_dir={run_dir}",
+        f"steps={steps}",
+        f"seed={args.seed}",
+        f"data.source=task:{args.task}",
+        f"data.seed={args.seed}",
+        *extra,
+        *args.set,
+    ]
     return load_run_config(None, overrides)
 
 
@@ -185,20 +194,43 @@ def trl_args(cfg: RunConfig, out_dir: Path, fixed: bool):
 
     alg, tr, ro = cfg.algorithm, cfg.trainer, cfg.rollout
     scale = {"grpo": "group", "dr_grpo": "none"}.get(alg.advantage)
-    loss_type = {"token": "dapo", "sample": "grpo", "dr_grpo": "dr_grpo"}[alg.loss_reduction]  # tests/test_algorithms.py
+    loss_type = {"token": "dapo", "sample": "grpo", "dr_grpo": "dr_grpo"}[
+        alg.loss_reduction
+    ]  # tests/test_algorithms.py
     if scale is None or alg.loss != "ppo" or alg.kl_coef or alg.entropy_coef or tr.updates_per_step != 1:
         raise SystemExit("vs_trl maps advantage grpo|dr_grpo, loss ppo, no KL / entropy terms, one update per step")
     return GRPOConfig(
-        output_dir=str(out_dir), use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1,
+        output_dir=str(out_dir),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
         disable_tqdm=True,
-        seed=cfg.seed, max_steps=cfg.steps, disable_dropout=True, gradient_checkpointing=False,
-        per_device_train_batch_size=ro.rollout_batch_size * ro.n_samples_per_prompt, num_generations=ro.n_samples_per_prompt,
-        max_completion_length=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p, top_k=max(ro.top_k, 0),
+        seed=cfg.seed,
+        max_steps=cfg.steps,
+        disable_dropout=True,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=ro.rollout_batch_size * ro.n_samples_per_prompt,
+        num_generations=ro.n_samples_per_prompt,
+        max_completion_length=ro.max_new_tokens,
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        top_k=max(ro.top_k, 0),
         generation_kwargs={"min_new_tokens": ro.max_new_tokens} if fixed else None,
-        num_iterations=1, scale_rewards=scale, loss_type=loss_type, beta=0.0,
-        epsilon=alg.eps_clip, epsilon_high=alg.eps_clip_high, learning_rate=tr.lr, lr_scheduler_type="constant",
-        weight_decay=tr.weight_decay, adam_beta1=tr.betas[0], adam_beta2=tr.betas[1], max_grad_norm=tr.grad_clip,
-    )  # fmt: skip
+        num_iterations=1,
+        scale_rewards=scale,
+        loss_type=loss_type,
+        beta=0.0,
+        epsilon=alg.eps_clip,
+        epsilon_high=alg.eps_clip_high,
+        learning_rate=tr.lr,
+        lr_scheduler_type="constant",
+        weight_decay=tr.weight_decay,
+        adam_beta1=tr.betas[0],
+        adam_beta2=tr.betas[1],
+        max_grad_norm=tr.grad_clip,
+    )
 
 
 def run_trl(cfg: RunConfig, warmup: int, fixed: bool, threads: int) -> Result:
@@ -235,9 +267,13 @@ def run_trl(cfg: RunConfig, warmup: int, fixed: bool, threads: int) -> Result:
                 result.truncated.append(logs.get("completions/clipped_ratio", float("nan")))
 
     trainer = GRPOTrainer(
-        model=cfg.model, reward_funcs=reward, args=trl_args(cfg, Path(cfg.run_dir), fixed), train_dataset=data,
-        processing_class=AutoTokenizer.from_pretrained(cfg.model), callbacks=[Timer()],
-    )  # fmt: skip
+        model=cfg.model,
+        reward_funcs=reward,
+        args=trl_args(cfg, Path(cfg.run_dir), fixed),
+        train_dataset=data,
+        processing_class=AutoTokenizer.from_pretrained(cfg.model),
+        callbacks=[Timer()],
+    )
     trainer.remove_callback(PrinterCallback)  # the per-step log dicts; the rewards are printed at the end
     trainer.train()
     return result
@@ -257,22 +293,30 @@ def report(results: dict[str, Result]) -> None:
     for side, r in results.items():
         print(f"  {LABELS[side]:14s} reward per step: {fmt(r.rewards, '.3f')}")
     for side, r in results.items():
-        print(f"  {LABELS[side]:14s} response length {statistics.mean(r.lengths):5.1f}, "
-              f"truncated {statistics.mean(r.truncated):.1%}  (per step: {fmt(r.lengths, '.0f')})")  # fmt: skip
+        print(
+            f"  {LABELS[side]:14s} response length {statistics.mean(r.lengths):5.1f}, "
+            f"truncated {statistics.mean(r.truncated):.1%}  (per step: {fmt(r.lengths, '.0f')})"
+        )
     if "trl" in results:
         for side in ("sync", "async"):
             if side in results:
                 ratio = results["trl"].mean / results[side].mean
-                print(f"  {LABELS[side]} speed-up over TRL: {ratio:.2f}x ({'meets' if ratio >= TARGET else 'misses'} "
-                      f"the >= {TARGET:.0f}x target)")  # fmt: skip
+                print(
+                    f"  {LABELS[side]} speed-up over TRL: {ratio:.2f}x ({'meets' if ratio >= TARGET else 'misses'} "
+                    f"the >= {TARGET:.0f}x target)"
+                )
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8, help="measured RL steps, after --warmup")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                   help="CPU threads for each side's generation and training (default: every usable core)")  # fmt: skip
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="CPU threads for each side's generation and training (default: every usable core)",
+    )
     p.add_argument("--workloads", nargs="+", choices=("fixed", "long_tail"), default=["fixed", "long_tail"])
     p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     p.add_argument("--fixed-tokens", type=int, default=32, help="the fixed workload's response length")
@@ -281,7 +325,9 @@ def main() -> int:
     p.add_argument("--arch", default="llama")
     p.add_argument("--model-size", default="tiny")
     p.add_argument("--model", type=Path, default=None, help="an HF model directory instead of a fresh tiny model")
-    p.add_argument("--sft-steps", type=int, default=100, help="slimish SFT warm start every side then starts from; 0: none")
+    p.add_argument(
+        "--sft-steps", type=int, default=100, help="slimish SFT warm start every side then starts from; 0: none"
+    )
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--long-share", type=float, default=0.125, help="share of long SFT demonstrations (the long tail)")
     p.add_argument("--set", nargs="*", default=[], metavar="key=value", help="RunConfig overrides, every side")
@@ -300,13 +346,22 @@ def main() -> int:
     model = args.model or bench_model(args.model_size, args.arch, Path("runs/bench-models"))
     if args.sft_steps:
         args.out.mkdir(parents=True, exist_ok=True)
-        demos = demonstrations(args.out / "sft.jsonl", args.task, 2000, args.seed, args.long_share, 2 * args.tail_tokens)
-        model = warm_start(run_config(args, model, args.out / "warm", 0), args.sft_steps, args.sft_lr, demos, args.timeout)
+        demos = demonstrations(
+            args.out / "sft.jsonl", args.task, 2000, args.seed, args.long_share, 2 * args.tail_tokens
+        )
+        model = warm_start(
+            run_config(args, model, args.out / "warm", 0), args.sft_steps, args.sft_lr, demos, args.timeout
+        )
     steps = args.steps + args.warmup
-    workloads = {"fixed": Workload("fixed", args.fixed_tokens, True), "long_tail": Workload("long_tail", args.tail_tokens, False)}
-    print(f"model {model} (SFT warm start: {args.sft_steps} steps), task {args.task}; threads {args.threads} for every "
-          f"side (TRL: torch and OMP threads; slimish: trainer.cpu_threads and the engine's OMP_NUM_THREADS); "
-          f"{args.warmup} warm-up + {args.steps} measured steps")  # fmt: skip
+    workloads = {
+        "fixed": Workload("fixed", args.fixed_tokens, True),
+        "long_tail": Workload("long_tail", args.tail_tokens, False),
+    }
+    print(
+        f"model {model} (SFT warm start: {args.sft_steps} steps), task {args.task}; threads {args.threads} for every "
+        f"side (TRL: torch and OMP threads; slimish: trainer.cpu_threads and the engine's OMP_NUM_THREADS); "
+        f"{args.warmup} warm-up + {args.steps} measured steps"
+    )
     for name in args.workloads:
         workload = workloads[name]
         results: dict[str, Result] = {}
@@ -319,10 +374,14 @@ def main() -> int:
             else:
                 results[side] = run_slimish(cfg, args.warmup, args.timeout)
         ro = cfg.rollout
-        print(f"\nworkload {name}: {ro.rollout_batch_size} prompts x {ro.n_samples_per_prompt} samples, {workload.describe()}")
+        print(
+            f"\nworkload {name}: {ro.rollout_batch_size} prompts x {ro.n_samples_per_prompt} samples, {workload.describe()}"
+        )
         report(results)
-    print(f"\nwhole run {time.perf_counter() - started:.0f} s; load average at start: {fmt(load_start, '.2f')}; "
-          f"at end: {fmt(os.getloadavg(), '.2f')}")  # fmt: skip
+    print(
+        f"\nwhole run {time.perf_counter() - started:.0f} s; load average at start: {fmt(load_start, '.2f')}; "
+        f"at end: {fmt(os.getloadavg(), '.2f')}"
+    )
     return 0
 
 

@@ -51,7 +51,9 @@ TARGET = 0.9
 TIMEOUT = timedelta(minutes=30)
 CTX = mp.get_context("spawn")
 # ~504M parameters: 31 x 15.7M per layer + two 8192 x 1024 embeddings.
-SYNTHETIC = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=31, num_attention_heads=16, num_key_value_heads=8)
+SYNTHETIC = dict(
+    hidden_size=1024, intermediate_size=4096, num_hidden_layers=31, num_attention_heads=16, num_key_value_heads=8
+)
 
 
 def small_model(cache: Path) -> Path:
@@ -87,7 +89,9 @@ def synthetic_model(cache: Path) -> Path:
 # -- the raw baseline ----------------------------------------------------------------------------
 
 
-def raw_receiver(rank: int, world: int, port: int, layout: list[list[tuple[list[int], torch.dtype]]], rounds: int) -> None:
+def raw_receiver(
+    rank: int, world: int, port: int, layout: list[list[tuple[list[int], torch.dtype]]], rounds: int
+) -> None:
     """Receive `rounds` pushes of `layout` (per bucket: the payload tensors' shapes and dtypes)."""
     torch.set_num_threads(1)
     group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", world, rank, "raw", TIMEOUT)
@@ -106,8 +110,10 @@ class RawBroadcast:
         self.payloads = payloads
         layout = [[(list(t.shape), t.dtype) for t in bucket] for bucket in payloads]
         port, world = free_port(), 1 + engines
-        self.procs = [CTX.Process(target=raw_receiver, args=(r, world, port, layout, rounds), daemon=True)
-                      for r in range(1, world)]  # fmt: skip
+        self.procs = [
+            CTX.Process(target=raw_receiver, args=(r, world, port, layout, rounds), daemon=True)
+            for r in range(1, world)
+        ]
         for p in self.procs:
             p.start()
         self.group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", world, 0, "raw", TIMEOUT)
@@ -139,7 +145,9 @@ def raw_payloads(named: list[tuple[str, torch.Tensor]], cfg: WeightSyncConfig) -
 # -- one configuration ---------------------------------------------------------------------------
 
 
-def measure(named: list[tuple[str, torch.Tensor]], urls: list[str], cfg: WeightSyncConfig, rounds: int) -> dict[str, float]:
+def measure(
+    named: list[tuple[str, torch.Tensor]], urls: list[str], cfg: WeightSyncConfig, rounds: int
+) -> dict[str, float]:
     sync = WeightSync(cfg, urls)
     raw = RawBroadcast(raw_payloads(named, cfg), len(urls), rounds + 1)
     try:
@@ -161,9 +169,11 @@ def measure(named: list[tuple[str, torch.Tensor]], urls: list[str], cfg: WeightS
 
 def report_row(name: str, engines: int, fmt: str, m: dict[str, float]) -> str:
     gb = m["bytes"] / 1e9
-    return (f"| {name} | {engines} | {fmt} | {gb:.3f} | {int(m['buckets_n'])} | {m['whole']:.3f} | {m['buckets']:.3f} | "
-            f"{m['raw']:.3f} | {gb / m['whole']:.2f} | {gb / m['raw']:.2f} | {m['raw'] / m['whole']:.2f}x | "
-            f"{m['raw'] / m['buckets']:.2f}x |")  # fmt: skip
+    return (
+        f"| {name} | {engines} | {fmt} | {gb:.3f} | {int(m['buckets_n'])} | {m['whole']:.3f} | {m['buckets']:.3f} | "
+        f"{m['raw']:.3f} | {gb / m['whole']:.2f} | {gb / m['raw']:.2f} | {m['raw'] / m['whole']:.2f}x | "
+        f"{m['raw'] / m['buckets']:.2f}x |"
+    )
 
 
 def main() -> None:
@@ -185,24 +195,34 @@ def main() -> None:
         named = []
         for f in sorted(model_dir.glob("*.safetensors")):
             named += list(load_file(f).items())
-        print(f"{name}: {sum(t.numel() for _, t in named) / 1e6:.0f}M parameters in {dtype} from {model_dir}", flush=True)
+        print(
+            f"{name}: {sum(t.numel() for _, t in named) / 1e6:.0f}M parameters in {dtype} from {model_dir}", flush=True
+        )
         for n in (int(x) for x in args.engines.split(",")):
             with ExitStack() as stack:
                 logs = args.model_cache / "logs"
                 logs.mkdir(parents=True, exist_ok=True)
-                procs = [engine_process(model_dir, log_path=logs / f"engine{i}.log", dtype=dtype, weight_sync_timeout_s=1800)
-                         for i in range(n)]  # fmt: skip
+                procs = [
+                    engine_process(model_dir, log_path=logs / f"engine{i}.log", dtype=dtype, weight_sync_timeout_s=1800)
+                    for i in range(n)
+                ]
                 for p in procs:
                     stack.callback(p.stop)
                 start_all(procs, 600)
                 for fmt in args.formats.split(","):
-                    cfg = WeightSyncConfig(bucket_mb=args.bucket_mb, flattened=fmt == "flattened", group_name=f"bench-{fmt}",
-                                           timeout_s=1800)  # fmt: skip
+                    cfg = WeightSyncConfig(
+                        bucket_mb=args.bucket_mb,
+                        flattened=fmt == "flattened",
+                        group_name=f"bench-{fmt}",
+                        timeout_s=1800,
+                    )
                     m = measure(named, [p.url for p in procs], cfg, args.rounds)
                     rows.append(report_row(name, n, fmt, m))
                     print(rows[-1], flush=True)
     print()
-    print("| set | engines | format | GB | buckets | push s | buckets s | raw s | push GB/s | raw GB/s | whole / raw | buckets / raw |")
+    print(
+        "| set | engines | format | GB | buckets | push s | buckets s | raw s | push GB/s | raw GB/s | whole / raw | buckets / raw |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(row)

@@ -27,7 +27,13 @@ async def main(url: str) -> None:
         batch = await client.generate(input_ids=out.output_ids[:4], sampling_params=sampled)
         for i, b in enumerate(batch):
             print(f"sample {i}: {b.output_ids} finish={b.meta_info.finish_reason.type}")
-        print("chunks streamed:", [len(c.output_ids) async for c in client.generate_stream(text="hello", sampling_params={**greedy, "max_new_tokens": 5})])
+        print(
+            "chunks streamed:",
+            [
+                len(c.output_ids)
+                async for c in client.generate_stream(text="hello", sampling_params={**greedy, "max_new_tokens": 5})
+            ],
+        )
         chat = await client.chat(messages=[{"role": "user", "content": "What is 2+3?"}], max_tokens=12, temperature=0)
         print(f"chat: {chat['choices'][0]['message']['content']!r}")
     print("(random weights: the text is noise; the tokens, logprobs and protocol are real)")

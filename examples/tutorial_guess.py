@@ -44,8 +44,10 @@ def demos(cfg, split):
     for _ in range(1000):
         guess, secret = rng.choice(DIGITS), rng.choice(DIGITS)
         answer = guess if rng.random() < 0.75 else secret
-        game = [{"role": "user", "content": QUESTION},
-                {"role": "assistant", "content": f"\\boxed{{{guess}}}"},
-                {"role": "user", "content": reply_to(guess, secret)}]
+        game = [
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": f"\\boxed{{{guess}}}"},
+            {"role": "user", "content": reply_to(guess, secret)},
+        ]
         out.append({"prompt": game, "response": f"\\boxed{{{answer}}}"})
     return out

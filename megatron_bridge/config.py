@@ -83,7 +83,9 @@ class BridgeConfig:
         if ffn % tp_size:
             raise ValueError(f"ffn hidden size {ffn} must be divisible by tp_size={tp_size}")
 
-    def transformer_config(self, tp_size: int = 1, pp_size: int = 1, dtype: torch.dtype = torch.float32, **overrides: Any):
+    def transformer_config(
+        self, tp_size: int = 1, pp_size: int = 1, dtype: torch.dtype = torch.float32, **overrides: Any
+    ):
         """The Megatron `TransformerConfig` for this model. Training options go in `overrides`
         (e.g. `recompute_granularity`, `attention_dropout`)."""
         import torch.nn.functional as F
@@ -148,8 +150,10 @@ class BridgeConfig:
                 num_experts=self.num_experts, moe_grouped_gemm=False, qk_layernorm=self.qk_norm, normalization="RMSNorm"
             )
         if not gpt_layer_specs.HAVE_TE:  # megatron-core sets it when `import transformer_engine` works
-            raise ValueError("spec='te' (trainer.megatron_spec in a run) needs Transformer Engine, which does not "
-                             "import here: pip install transformer-engine[pytorch] on a CUDA machine, or use 'local'")  # fmt: skip
+            raise ValueError(
+                "spec='te' (trainer.megatron_spec in a run) needs Transformer Engine, which does not "
+                "import here: pip install transformer-engine[pytorch] on a CUDA machine, or use 'local'"
+            )
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=self.num_experts, moe_grouped_gemm=False, qk_layernorm=self.qk_norm
         )

@@ -18,7 +18,11 @@ from megatron_bridge.weights import hf_to_megatron, stage_params
 
 
 def build_model(
-    cfg: BridgeConfig, dtype: torch.dtype = torch.float32, seed: int = 0, layer_spec: Any = None, **config_overrides: Any
+    cfg: BridgeConfig,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    layer_spec: Any = None,
+    **config_overrides: Any,
 ):
     """An (unloaded) GPTModel holding this rank's TP/PP shard; needs `initialize_model_parallel` first.
 
@@ -91,8 +95,10 @@ def load_hf_weights(model: torch.nn.Module, cfg: BridgeConfig, hf_dir: str | Pat
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("._extra_state")]
     if missing or unexpected:
-        raise ValueError(f"the spec={cfg.spec!r} name table does not fit this model: "
-                         f"not filled {missing[:5]}, not in the model {unexpected[:5]}")  # fmt: skip
+        raise ValueError(
+            f"the spec={cfg.spec!r} name table does not fit this model: "
+            f"not filled {missing[:5]}, not in the model {unexpected[:5]}"
+        )
 
 
 def load_model(

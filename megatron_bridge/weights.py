@@ -113,7 +113,11 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: BridgeConf
     groups, rest = cfg.num_query_groups, q.shape[1:]
     per_group = cfg.num_attention_heads // groups * cfg.head_dim
     return torch.cat(
-        [q.reshape(groups, per_group, *rest), k.reshape(groups, cfg.head_dim, *rest), v.reshape(groups, cfg.head_dim, *rest)],
+        [
+            q.reshape(groups, per_group, *rest),
+            k.reshape(groups, cfg.head_dim, *rest),
+            v.reshape(groups, cfg.head_dim, *rest),
+        ],
         dim=1,
     ).reshape(-1, *rest)
 
@@ -170,7 +174,9 @@ def hf_to_megatron(
     """
     cfg.check_parallel(tp_size, pp_size)
     get = hf_state.__getitem__ if isinstance(hf_state, Mapping) else hf_state
-    return {p.megatron: shard(p, [get(n) for n in p.hf], cfg, tp_rank, tp_size) for p in stage_params(cfg, pp_rank, pp_size)}
+    return {
+        p.megatron: shard(p, [get(n) for n in p.hf], cfg, tp_rank, tp_size) for p in stage_params(cfg, pp_rank, pp_size)
+    }
 
 
 def megatron_to_hf(

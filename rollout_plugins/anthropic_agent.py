@@ -17,8 +17,14 @@ from rollout_plugins.openai_agent import MAX_TURNS, NUDGE, SYSTEM, TOOLS as OPEN
 from slimish.rollout.rewards import extract_boxed
 
 # The calculator as an Anthropic tool.
-TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"], "input_schema": t["function"]["parameters"]}
-         for t in OPENAI_TOOLS]  # fmt: skip
+TOOLS = [
+    {
+        "name": t["function"]["name"],
+        "description": t["function"]["description"],
+        "input_schema": t["function"]["parameters"],
+    }
+    for t in OPENAI_TOOLS
+]
 # An explicit timeout: with the SDK's default one, it refuses a non-streaming call whose
 # `max_tokens` could take over 10 minutes on Anthropic's servers (over ~21k tokens).
 TIMEOUT_S = 600.0
@@ -43,11 +49,19 @@ async def rollout(ctx, sample):
     sp = ctx.sampling_params  # the run's sampling settings (eval lowers the temperature)
     text = ""
     base_url = await ctx.anthropic_base_url()
-    async with anthropic.AsyncAnthropic(base_url=base_url, api_key="slimish", max_retries=0, timeout=TIMEOUT_S) as client:
+    async with anthropic.AsyncAnthropic(
+        base_url=base_url, api_key="slimish", max_retries=0, timeout=TIMEOUT_S
+    ) as client:
         for _ in range(MAX_TURNS):
             # The SDK (2.16) has no temperature argument; the gateway reads it from the body.
-            reply = await client.messages.create(model="policy", system=system, messages=messages, tools=TOOLS,
-                                                 max_tokens=sp["max_new_tokens"], extra_body={"temperature": sp["temperature"]})  # fmt: skip
+            reply = await client.messages.create(
+                model="policy",
+                system=system,
+                messages=messages,
+                tools=TOOLS,
+                max_tokens=sp["max_new_tokens"],
+                extra_body={"temperature": sp["temperature"]},
+            )
             messages.append({"role": "assistant", "content": reply.content})
             calls = [b for b in reply.content if b.type == "tool_use"]
             text = "".join(b.text for b in reply.content if b.type == "text")

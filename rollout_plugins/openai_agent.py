@@ -21,12 +21,30 @@ from slimish.rollout.rewards import extract_boxed
 MAX_TURNS = 3
 SYSTEM = "Use the calculator tool for arithmetic. Write the final answer as \\boxed{ANSWER}."
 NUDGE = "Give the final answer as \\boxed{ANSWER}."
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression with + - * / ** and parentheses.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression with + - * / ** and parentheses.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 
-OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-             ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}  # fmt: skip
+OPERATORS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 
 
 def calculator(expression: str) -> str:
@@ -65,8 +83,13 @@ async def rollout(ctx, sample):
     sp = ctx.sampling_params  # the run's sampling settings (eval lowers the temperature)
     async with openai.AsyncOpenAI(base_url=await ctx.openai_base_url(), api_key="slimish", max_retries=0) as client:
         for _ in range(MAX_TURNS):
-            reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
-                                                         temperature=sp["temperature"], max_tokens=sp["max_new_tokens"])  # fmt: skip
+            reply = await client.chat.completions.create(
+                model="policy",
+                messages=messages,
+                tools=TOOLS,
+                temperature=sp["temperature"],
+                max_tokens=sp["max_new_tokens"],
+            )
             message = reply.choices[0].message
             messages.append(message)
             if message.tool_calls:

@@ -18,7 +18,9 @@ import openai
 from rollout_plugins.openai_agent import MAX_TURNS, NUDGE, SYSTEM, TOOLS, calculator
 from slimish.rollout.rewards import extract_boxed
 
-RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]  # the Responses shape: no `function` wrapper
+RESPONSES_TOOLS = [
+    {"type": "function", **tool["function"]} for tool in TOOLS
+]  # the Responses shape: no `function` wrapper
 
 
 def run_call(arguments: str) -> str:
@@ -35,13 +37,22 @@ async def rollout(ctx, sample):
     previous: str | None = None
     async with openai.AsyncOpenAI(base_url=await ctx.openai_base_url(), api_key="slimish", max_retries=0) as client:
         for _ in range(MAX_TURNS):
-            response = await client.responses.create(model="policy", instructions=SYSTEM, input=new_input, tools=RESPONSES_TOOLS,
-                                                     previous_response_id=previous, temperature=sp["temperature"],
-                                                     max_output_tokens=sp["max_new_tokens"])  # fmt: skip
+            response = await client.responses.create(
+                model="policy",
+                instructions=SYSTEM,
+                input=new_input,
+                tools=RESPONSES_TOOLS,
+                previous_response_id=previous,
+                temperature=sp["temperature"],
+                max_output_tokens=sp["max_new_tokens"],
+            )
             previous = response.id
             calls = [item for item in response.output if item.type == "function_call"]
             if calls:
-                new_input = [{"type": "function_call_output", "call_id": c.call_id, "output": run_call(c.arguments)} for c in calls]
+                new_input = [
+                    {"type": "function_call_output", "call_id": c.call_id, "output": run_call(c.arguments)}
+                    for c in calls
+                ]
             elif extract_boxed(response.output_text) is None:
                 new_input = [{"role": "user", "content": NUDGE}]
             else:

@@ -15,10 +15,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("slimish.engine.server", "run the built-in engine (SGLang native protocol)"),
     "router": ("slimish.router.app", "run the router in front of SGLang-protocol engines"),
     "serve": ("slimish.launch.serve", "serve a model: N built-in engines behind a router"),
-    "rollout": ("slimish.rollout.cli", "run rollout steps only and write the samples as JSONL (debug a rollout fn, make data)"),
+    "rollout": (
+        "slimish.rollout.cli",
+        "run rollout steps only and write the samples as JSONL (debug a rollout fn, make data)",
+    ),
     "train": ("slimish.train", "RL training: rollouts, trainer steps, weight pushes (torchrun when trainer.nproc > 1)"),
     "plot": ("slimish.plot", "draw a run's metric curves to PNG"),
-    "view": ("slimish.view", "a run in the browser: samples token by token, steps, a timeline (one HTML file; --serve)"),
+    "view": (
+        "slimish.view",
+        "a run in the browser: samples token by token, steps, a timeline (one HTML file; --serve)",
+    ),
     "convert": ("megatron_bridge.convert", "convert an HF checkpoint to per-rank Megatron-Core shards and back"),
 }
 

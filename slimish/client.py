@@ -99,8 +99,14 @@ class Client:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def request(self, method: str, path: str, body: Any = None, timeout: float | None = None,
-                       headers: dict[str, str] | None = None) -> Any:  # fmt: skip
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        timeout: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
         """The reply's JSON (None for an empty body)."""
         url = self.base_url + path
         kw = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout else {}
@@ -176,7 +182,9 @@ class Client:
     async def update_weights_from_distributed(self, req: UpdateWeightsFromDistributedReq) -> ControlResult:
         """A bucket of a push; with `req.lora_name`, into that adapter only (slimish's engine; the
         field is left out otherwise, so SGLang gets its own body)."""
-        return await self._control("/update_weights_from_distributed", req.model_dump(exclude=None if req.lora_name else {"lora_name"}))
+        return await self._control(
+            "/update_weights_from_distributed", req.model_dump(exclude=None if req.lora_name else {"lora_name"})
+        )
 
     async def destroy_weights_update_group(self, group_name: str) -> ControlResult:
         return await self._control("/destroy_weights_update_group", {"group_name": group_name})
@@ -198,7 +206,9 @@ class Client:
         return await self._control("/end_weight_update", {})
 
     async def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> ControlResult:
-        return await self._control("/update_weight_version", {"new_version": new_version, "abort_all_requests": abort_all_requests})
+        return await self._control(
+            "/update_weight_version", {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        )
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100, lora_name: str | None = None) -> list[Any]:
         """A parameter of the model, or with `lora_name` a tensor of that adapter (by its PEFT name)."""
@@ -212,8 +222,12 @@ class Client:
     # ---- LoRA adapters ------------------------------------------------------------------------
     # Failures raise ServerError (400) with the server's `error_message`.
 
-    async def load_lora_adapter(self, name: str, path: str, pinned: bool = False, weight_version: str | None = None) -> LoraUpdateResult:
-        body = LoadLoraAdapterReq(lora_name=name, lora_path=path, pinned=pinned, weight_version=weight_version).model_dump(exclude_none=True)
+    async def load_lora_adapter(
+        self, name: str, path: str, pinned: bool = False, weight_version: str | None = None
+    ) -> LoraUpdateResult:
+        body = LoadLoraAdapterReq(
+            lora_name=name, lora_path=path, pinned=pinned, weight_version=weight_version
+        ).model_dump(exclude_none=True)
         return LoraUpdateResult.model_validate(await self.request("POST", "/load_lora_adapter", body))
 
     async def unload_lora_adapter(self, name: str) -> LoraUpdateResult:

@@ -105,18 +105,36 @@ class EngineConfig:
     lora_target_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        at_least(1, self, "", "max_running_requests", "max_prefill_tokens", "max_body_bytes", "retry_after_s", "max_prompt_tokens", "max_new_tokens_cap",
-                 "max_loras_per_batch", "max_lora_rank", "page_size")  # fmt: skip
+        at_least(
+            1,
+            self,
+            "",
+            "max_running_requests",
+            "max_prefill_tokens",
+            "max_body_bytes",
+            "retry_after_s",
+            "max_prompt_tokens",
+            "max_new_tokens_cap",
+            "max_loras_per_batch",
+            "max_lora_rank",
+            "page_size",
+        )
         at_least(self.page_size, self, "", "radix_cache_max_tokens")
         at_least(0, self, "", "max_queued_requests")
         one_of("engine.decode_attention_backend", self.decode_attention_backend, DECODE_ATTENTION_BACKENDS)
         if self.enable_lora and not self.lora_paths and self.max_lora_rank is None:
-            raise ValueError("max_lora_rank (--max-lora-rank) is required with enable_lora when no lora_paths adapter gives the rank to reserve")
+            raise ValueError(
+                "max_lora_rank (--max-lora-rank) is required with enable_lora when no lora_paths adapter gives the rank to reserve"
+            )
         if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
-            raise ValueError(f"max_loaded_loras ({self.max_loaded_loras}) must be >= max_loras_per_batch ({self.max_loras_per_batch})")
+            raise ValueError(
+                f"max_loaded_loras ({self.max_loaded_loras}) must be >= max_loras_per_batch ({self.max_loras_per_batch})"
+            )
         if self.tp_size != 1:
-            raise ValueError(f"engine.tp_size (--tp-size) must be 1: the built-in engine runs on one device; tensor "
-                             f"parallelism needs SGLang (launch.engine_kind=sglang), got {self.tp_size}")  # fmt: skip
+            raise ValueError(
+                f"engine.tp_size (--tp-size) must be 1: the built-in engine runs on one device; tensor "
+                f"parallelism needs SGLang (launch.engine_kind=sglang), got {self.tp_size}"
+            )
         if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
             raise ValueError(f"engine.device (--device) must be cpu, cuda or cuda:K, got {self.device!r}")
         check_parsers("engine.", self.tool_call_parser, self.reasoning_parser)
@@ -127,9 +145,14 @@ def check_parsers(prefix: str, tool_call_parser: str | None, reasoning_parser: s
     from slimish.formats.reasoning import REASONING_PARSERS
     from slimish.formats.tool_parsers import TOOL_CALL_PARSERS
 
-    for name, value, known in (("tool_call_parser", tool_call_parser, TOOL_CALL_PARSERS), ("reasoning_parser", reasoning_parser, REASONING_PARSERS)):
+    for name, value, known in (
+        ("tool_call_parser", tool_call_parser, TOOL_CALL_PARSERS),
+        ("reasoning_parser", reasoning_parser, REASONING_PARSERS),
+    ):
         if value is not None and value != "none" and value not in known:
-            raise ValueError(f"{prefix}{name} must be one of {sorted(known)}, 'none' or null (detect from the chat template), got {value!r}")
+            raise ValueError(
+                f"{prefix}{name} must be one of {sorted(known)}, 'none' or null (detect from the chat template), got {value!r}"
+            )
 
 
 POLICIES = ("least_inflight", "round_robin", "cache_aware", "session")
@@ -190,8 +213,18 @@ class RouterConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         at_least(0, self, "", "max_retries")
-        at_least(1, self, "", "max_new_tokens_cap", "max_prompt_tokens", "max_body_bytes", "max_concurrent_requests", "retry_after_s",
-                 "health_failure_threshold", "workers")  # fmt: skip
+        at_least(
+            1,
+            self,
+            "",
+            "max_new_tokens_cap",
+            "max_prompt_tokens",
+            "max_body_bytes",
+            "max_concurrent_requests",
+            "retry_after_s",
+            "health_failure_threshold",
+            "workers",
+        )
 
 
 @dataclass
@@ -262,14 +295,20 @@ def add_config_arguments(parser: argparse.ArgumentParser, schema: type, skip: tu
         default = None if default is MISSING else default
         names = ["--" + name.replace("_", "-") for name in (f.name, *FLAG_ALIASES.get(f.name, ()))]
         if hint is bool:  # BooleanOptionalAction adds "(default: ...)" to the help itself
-            parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=default, help=docs.get(f.name) or None)
+            parser.add_argument(
+                *names, action=argparse.BooleanOptionalAction, default=default, help=docs.get(f.name) or None
+            )
             continue
         is_list = typing.get_origin(hint) is list
         kind = typing.get_args(hint)[0] if is_list else _scalar(hint)
         parser.add_argument(
-            *names, type=kind, default=default, required=f.default is MISSING,
-            nargs="*" if is_list else None, help=f"{docs.get(f.name, '')} (default: {default})".lstrip(),
-        )  # fmt: skip
+            *names,
+            type=kind,
+            default=default,
+            required=f.default is MISSING,
+            nargs="*" if is_list else None,
+            help=f"{docs.get(f.name, '')} (default: {default})".lstrip(),
+        )
     for old, new in RENAMED_FLAGS.items():
         if new in hints and new not in skip:
             parser.add_argument("--" + old.replace("_", "-"), dest=new, action=_RenamedFlag, help=argparse.SUPPRESS)
@@ -283,7 +322,13 @@ RENAMED_FLAGS = {"admin_key": "admin_api_key", "engine_start_timeout": "start_ti
 
 
 class _RenamedFlag(argparse.Action):
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         new = "--" + self.dest.replace("_", "-")
         log.warning("%s is now %s; the old name will stop working in the next release", option_string, new)
         setattr(namespace, self.dest, values)
@@ -338,10 +383,14 @@ class TeacherConfig:
         one_of("launch.teacher.engine_kind", self.engine_kind, ("builtin", "sglang"))
         at_least(1, self, "launch.teacher.", "engines")
         if self.model and self.router_url:
-            raise ValueError("launch.teacher: set model (engines started by the run) or router_url (an existing server), not both")
+            raise ValueError(
+                "launch.teacher: set model (engines started by the run) or router_url (an existing server), not both"
+            )
         if self.served_name is not None and (not self.served_name.strip() or self.router_url):
-            raise ValueError("launch.teacher.served_name: a non-empty name the teacher is served under on the policy's router; "
-                             f"not with launch.teacher.router_url (a teacher router of its own), got {self.served_name!r}")  # fmt: skip
+            raise ValueError(
+                "launch.teacher.served_name: a non-empty name the teacher is served under on the policy's router; "
+                f"not with launch.teacher.router_url (a teacher router of its own), got {self.served_name!r}"
+            )
 
     @property
     def configured(self) -> bool:
@@ -390,28 +439,44 @@ class LaunchConfig:
         if self.mode == "ray" and (self.engine_kind == "external" or self.router_url):
             raise ValueError("launch.mode=ray places engines it starts: not with engine_kind=external or router_url")
         if self.router_workers < 1:
-            raise ValueError(f"launch.router_workers must be >= 1 (router processes on one port), got {self.router_workers}")
+            raise ValueError(
+                f"launch.router_workers must be >= 1 (router processes on one port), got {self.router_workers}"
+            )
         if self.engines < 1 or self.engine_cpus < 0 or self.engine_gpus < 0:
-            raise ValueError(f"launch.engines must be >= 1 and engine_cpus/engine_gpus >= 0, got "
-                             f"{self.engines}, {self.engine_cpus}, {self.engine_gpus}")  # fmt: skip
+            raise ValueError(
+                f"launch.engines must be >= 1 and engine_cpus/engine_gpus >= 0, got "
+                f"{self.engines}, {self.engine_cpus}, {self.engine_gpus}"
+            )
         if self.teacher.served_name and not (self.teacher.model or self.router_url):
-            raise ValueError("launch.teacher.served_name without launch.teacher.model names a teacher already registered on "
-                             "the policy's router: that needs launch.router_url (a router this run starts has none)")  # fmt: skip
-        if self.router_url and self.teacher.router_url and self.router_url.rstrip("/") == self.teacher.router_url.rstrip("/"):
-            raise ValueError(f"launch.teacher.router_url is the policy's launch.router_url ({self.router_url}): weight pushes would "
-                             "reach the teacher; serve the teacher from its own router or engine")  # fmt: skip
+            raise ValueError(
+                "launch.teacher.served_name without launch.teacher.model names a teacher already registered on "
+                "the policy's router: that needs launch.router_url (a router this run starts has none)"
+            )
+        if (
+            self.router_url
+            and self.teacher.router_url
+            and self.router_url.rstrip("/") == self.teacher.router_url.rstrip("/")
+        ):
+            raise ValueError(
+                f"launch.teacher.router_url is the policy's launch.router_url ({self.router_url}): weight pushes would "
+                "reach the teacher; serve the teacher from its own router or engine"
+            )
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
-            raise ValueError(f"launch.placement_strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, "
-                             f"got {self.placement_strategy!r}")  # fmt: skip
+            raise ValueError(
+                f"launch.placement_strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, "
+                f"got {self.placement_strategy!r}"
+            )
         if self.start_timeout is None:
             self.start_timeout = 1800.0 if "sglang" in (self.engine_kind, self.teacher.engine_kind) else 300.0
         if self.mode == "ray" and self.engine_kind == "sglang":
             from slimish.launch.sglang import sglang_tp
 
             if self.engine_gpus < sglang_tp(self.sglang_args):
-                raise ValueError(f"launch.engine_gpus ({self.engine_gpus:g}) must be >= the SGLang engines' tp size "
-                                 f"({sglang_tp(self.sglang_args)}, launch.sglang_args) under launch.mode=ray: each engine "
-                                 "sees only the GPUs of its Ray bundle")  # fmt: skip
+                raise ValueError(
+                    f"launch.engine_gpus ({self.engine_gpus:g}) must be >= the SGLang engines' tp size "
+                    f"({sglang_tp(self.sglang_args)}, launch.sglang_args) under launch.mode=ray: each engine "
+                    "sees only the GPUs of its Ray bundle"
+                )
 
 
 @dataclass
@@ -499,13 +564,24 @@ class RolloutConfig:
     realign_tokens: int = 8
 
     def __post_init__(self) -> None:
-        at_least(1, self, "rollout.", "n_samples_per_prompt", "rollout_batch_size", "max_concurrency", "max_new_tokens",
-                 "over_sampling", "max_prompts_factor")  # fmt: skip
+        at_least(
+            1,
+            self,
+            "rollout.",
+            "n_samples_per_prompt",
+            "rollout_batch_size",
+            "max_concurrency",
+            "max_new_tokens",
+            "over_sampling",
+            "max_prompts_factor",
+        )
         at_least(0, self, "rollout.", "max_consecutive_failures", "overlong_buffer", "overlong_penalty")
         limit = self.overlong_max_tokens or self.max_new_tokens
         if self.overlong_buffer > limit:
-            raise ValueError(f"rollout.overlong_buffer ({self.overlong_buffer}) must be at most the length it ends at "
-                             f"(rollout.overlong_max_tokens or max_new_tokens: {limit})")  # fmt: skip
+            raise ValueError(
+                f"rollout.overlong_buffer ({self.overlong_buffer}) must be at most the length it ends at "
+                f"(rollout.overlong_max_tokens or max_new_tokens: {limit})"
+            )
         one_of("rollout.history", self.history, ("exact", "template"))
         check_parsers("rollout.", self.tool_call_parser, self.reasoning_parser)
 
@@ -545,7 +621,9 @@ class OPDConfig:
     def __post_init__(self) -> None:
         at_least(0, self, "algorithm.opd.", "coef")
         if not self.task_reward and self.coef == 0:
-            raise ValueError("algorithm.opd.task_reward=false (pure distillation) needs algorithm.opd.coef > 0: nothing would train the policy")
+            raise ValueError(
+                "algorithm.opd.task_reward=false (pure distillation) needs algorithm.opd.coef > 0: nothing would train the policy"
+            )
 
 
 @dataclass
@@ -601,7 +679,12 @@ class AlgorithmConfig:
     lam: float = 1.0
 
     def __post_init__(self) -> None:
-        choices = {"advantage": ADVANTAGES + CRITIC_ADVANTAGES, "loss": LOSSES, "loss_reduction": LOSS_REDUCTIONS, "kl_estimator": KL_ESTIMATORS}
+        choices = {
+            "advantage": ADVANTAGES + CRITIC_ADVANTAGES,
+            "loss": LOSSES,
+            "loss_reduction": LOSS_REDUCTIONS,
+            "kl_estimator": KL_ESTIMATORS,
+        }
         for name, allowed in choices.items():
             if name in ("advantage", "loss"):
                 if ":" in getattr(self, name):
@@ -609,8 +692,10 @@ class AlgorithmConfig:
                 allowed = (*allowed, "module:function")
             one_of(f"algorithm.{name}", getattr(self, name), allowed)
         if self.segment_credit not in SEGMENT_CREDITS and ":" not in self.segment_credit:
-            raise ValueError(f"algorithm.segment_credit must be one of {', '.join(SEGMENT_CREDITS)} or module:function, "
-                             f"got {self.segment_credit!r}")  # fmt: skip
+            raise ValueError(
+                f"algorithm.segment_credit must be one of {', '.join(SEGMENT_CREDITS)} or module:function, "
+                f"got {self.segment_credit!r}"
+            )
         if not 0 < self.eps_clip < 1:
             raise ValueError(f"algorithm.eps_clip must be in (0, 1), got {self.eps_clip}")
         if self.eps_clip_high is not None and self.eps_clip_high <= 0:
@@ -621,7 +706,9 @@ class AlgorithmConfig:
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"algorithm.{name} must be > 0, got {getattr(self, name)}")
         if self.tis_cap is not None and self.mis_cap is not None:
-            raise ValueError("algorithm.tis_cap and algorithm.mis_cap: set one importance-sampling correction, not both")
+            raise ValueError(
+                "algorithm.tis_cap and algorithm.mis_cap: set one importance-sampling correction, not both"
+            )
         at_least(0, self, "algorithm.", "advantage_eps", "kl_coef", "ptx_coef")
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
@@ -632,9 +719,11 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 TRANSPORTS = ("distributed", "disk")
 PAUSE_MODES = ("abort", "retract", "in_place", "drain")
 # trainer.lora's pushes into SGLang 0.5.23 engines (slimish/trainer/weight_sync.py): a reload from disk under an abort pause.
-SGLANG_LORA = ("SGLang 0.5.23 loads an adapter only from a directory (/load_lora_adapter; its broadcast update has no adapter "
-               "target), and its unload waits for the adapter's requests, which only an abort pause ends: set "
-               "weight_sync.transport=disk and weight_sync.pause_mode=abort")  # fmt: skip
+SGLANG_LORA = (
+    "SGLang 0.5.23 loads an adapter only from a directory (/load_lora_adapter; its broadcast update has no adapter "
+    "target), and its unload waits for the adapter's requests, which only an abort pause ends: set "
+    "weight_sync.transport=disk and weight_sync.pause_mode=abort"
+)
 
 
 LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -664,7 +753,9 @@ class LoraConfig:
         if not self.target_modules:
             raise ValueError("trainer.lora.target_modules must name at least one module (e.g. q_proj v_proj)")
         if not LORA_NAME.fullmatch(self.name):
-            raise ValueError(f"trainer.lora.name must be letters, digits, '.', '_' or '-' (it is a URL and directory part), got {self.name!r}")
+            raise ValueError(
+                f"trainer.lora.name must be letters, digits, '.', '_' or '-' (it is a URL and directory part), got {self.name!r}"
+            )
 
     @property
     def adapter(self) -> str | None:
@@ -712,7 +803,9 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         one_of("trainer.backend", self.backend, ("torch", "megatron"))
         if self.lora.enabled and self.backend != "torch":
-            raise ValueError(f"trainer.lora needs trainer.backend=torch, got {self.backend!r}: the Megatron backend trains every weight")
+            raise ValueError(
+                f"trainer.lora needs trainer.backend=torch, got {self.backend!r}: the Megatron backend trains every weight"
+            )
         if self.backend == "torch" and (self.tp, self.pp) != (1, 1):
             raise ValueError(f"trainer.tp and trainer.pp need trainer.backend=megatron, got tp={self.tp}, pp={self.pp}")
         one_of("trainer.megatron_spec", self.megatron_spec, ("local", "te"))
@@ -720,7 +813,17 @@ class TrainerConfig:
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"trainer.betas must be two numbers in [0, 1), got {list(self.betas)}")
         at_least(1, self, "trainer.", "nproc", "tp", "pp", "micro_batch_tokens", "updates_per_step")
-        at_least(0, self, "trainer.", "lr", "warmup_steps", "weight_decay", "grad_clip", "cpu_threads", "logprob_chunk_tokens")
+        at_least(
+            0,
+            self,
+            "trainer.",
+            "lr",
+            "warmup_steps",
+            "weight_decay",
+            "grad_clip",
+            "cpu_threads",
+            "logprob_chunk_tokens",
+        )
         one_of("trainer.dtype", self.dtype, (None, "float32", "bfloat16", "float16"))
 
     def compute_dtype(self, device_type: str) -> str:
@@ -902,20 +1005,32 @@ class RunConfig:
         one_of("mode", self.mode, ("sync", "async"))
         opd = self.algorithm.opd
         if opd.coef > 0 and not self.launch.teacher.configured:
-            raise ValueError("algorithm.opd.coef > 0 needs a teacher: set launch.teacher.model (an HF directory; the run starts "
-                             "its engines), launch.teacher.router_url (a running teacher server) or launch.teacher.served_name "
-                             "(a teacher registered by name on launch.router_url)")  # fmt: skip
+            raise ValueError(
+                "algorithm.opd.coef > 0 needs a teacher: set launch.teacher.model (an HF directory; the run starts "
+                "its engines), launch.teacher.router_url (a running teacher server) or launch.teacher.served_name "
+                "(a teacher registered by name on launch.router_url)"
+            )
         if not opd.task_reward and self.rollout.filter_fn == ZERO_VARIANCE_FILTER:
-            raise ValueError(f"algorithm.opd.task_reward=false (pure distillation) trains every group whatever its rewards: "
-                             f"set rollout.filter_fn=null (or a filter that does not judge by reward), not {ZERO_VARIANCE_FILTER}")  # fmt: skip
+            raise ValueError(
+                f"algorithm.opd.task_reward=false (pure distillation) trains every group whatever its rewards: "
+                f"set rollout.filter_fn=null (or a filter that does not judge by reward), not {ZERO_VARIANCE_FILTER}"
+            )
         if self.algorithm.advantage == "gae" and self.trainer.backend != "torch":
-            raise ValueError(f"algorithm.advantage=gae (PPO with a critic) needs trainer.backend=torch, got {self.trainer.backend!r}: "
-                             "the Megatron backend has no value model")  # fmt: skip
+            raise ValueError(
+                f"algorithm.advantage=gae (PPO with a critic) needs trainer.backend=torch, got {self.trainer.backend!r}: "
+                "the Megatron backend has no value model"
+            )
         if self.algorithm.advantage == "gae" and self.trainer.lora.enabled:
-            raise ValueError("algorithm.advantage=gae with trainer.lora: the critic would be a second full model trained in full, "
-                             "which LoRA is meant to avoid; use a reward-only advantage (e.g. grpo) with LoRA")  # fmt: skip
+            raise ValueError(
+                "algorithm.advantage=gae with trainer.lora: the critic would be a second full model trained in full, "
+                "which LoRA is meant to avoid; use a reward-only advantage (e.g. grpo) with LoRA"
+            )
         sync = self.weight_sync
-        if self.trainer.lora.enabled and self.launch.engine_kind == "sglang" and (sync.transport, sync.pause_mode) != ("disk", "abort"):
+        if (
+            self.trainer.lora.enabled
+            and self.launch.engine_kind == "sglang"
+            and (sync.transport, sync.pause_mode) != ("disk", "abort")
+        ):
             raise ValueError(f"trainer.lora with launch.engine_kind=sglang: {SGLANG_LORA}")
         for section in (self.data, self.trainer):
             if section.seed is None:
@@ -953,7 +1068,11 @@ def load_run_config(path: str | None, overrides: list[str] = (), **named: Any) -
         for key, value in named.items():
             if value is not None:
                 OmegaConf.update(cfg, key, value, merge=True)
-        if not any((v.get("weight_sync") or {}).get("master_address") for v in given) and cfg.launch.mode == "ray" and cfg.launch.ray_address:
+        if (
+            not any((v.get("weight_sync") or {}).get("master_address") for v in given)
+            and cfg.launch.mode == "ray"
+            and cfg.launch.ray_address
+        ):
             import ray.util  # unset on a Ray cluster: engines on other nodes reach rank 0 at this node's IP
 
             cfg.weight_sync.master_address = ray.util.get_node_ip_address()

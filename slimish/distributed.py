@@ -106,7 +106,9 @@ def broadcast_tensors(tensors: list[torch.Tensor], group: ProcessGroup, flattene
     if not tensors:
         raise ValueError("broadcast_tensors: no tensors to send")
     if flattened:
-        flattened_layout([f"tensors[{i}]" for i in range(len(tensors))], [t.dtype for t in tensors], [t.shape for t in tensors])
+        flattened_layout(
+            [f"tensors[{i}]" for i in range(len(tensors))], [t.dtype for t in tensors], [t.shape for t in tensors]
+        )
         payloads = [torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])]
     else:
         payloads = [t.contiguous() for t in tensors]

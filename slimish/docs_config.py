@@ -67,10 +67,23 @@ def section(schema: type, title: str, prefix: str) -> list[str]:
             continue
         if item is not None and dataclasses.is_dataclass(item):  # a list of sections (eval.datasets)
             nested.append((item, f"{prefix}{f.name}[]."))
-        rows.append(f"| `{prefix}{f.name}` | `{cell(type_name(hint))}` | {default_text(_default(f))} | {cell(docs.get(f.name, ''))} |")
-    about = inspect.cleandoc(schema.__doc__ or "") if schema.__doc__ and not schema.__doc__.startswith(schema.__name__ + "(") else ""
-    out = [f"### {title}", "", *([" ".join(about.split()), ""] if about else []), "| key | type | default | what it does |", "|---|---|---|---|",
-           *rows, ""]  # fmt: skip
+        rows.append(
+            f"| `{prefix}{f.name}` | `{cell(type_name(hint))}` | {default_text(_default(f))} | {cell(docs.get(f.name, ''))} |"
+        )
+    about = (
+        inspect.cleandoc(schema.__doc__ or "")
+        if schema.__doc__ and not schema.__doc__.startswith(schema.__name__ + "(")
+        else ""
+    )
+    out = [
+        f"### {title}",
+        "",
+        *([" ".join(about.split()), ""] if about else []),
+        "| key | type | default | what it does |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+    ]
     for sub, sub_prefix in nested:
         out += section(sub, f"`{sub_prefix.rstrip('.')}`", sub_prefix)
     return out

@@ -53,9 +53,16 @@ class WandbSink:
         if directory:
             Path(directory).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
-            project=cfg.project, entity=cfg.entity, name=cfg.name or run_dir.resolve().name, id=run_id, resume="allow",
-            mode=wandb_mode(cfg), dir=directory, config=_plain(config), reinit="create_new",
-        )  # fmt: skip
+            project=cfg.project,
+            entity=cfg.entity,
+            name=cfg.name or run_dir.resolve().name,
+            id=run_id,
+            resume="allow",
+            mode=wandb_mode(cfg),
+            dir=directory,
+            config=_plain(config),
+            reinit="create_new",
+        )
         self.table = wandb.Table(columns=self.COLUMNS, log_mode="INCREMENTAL") if cfg.sample_groups else None
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -67,8 +74,15 @@ class WandbSink:
             return
         for group in groups[: self.cfg.sample_groups]:
             for s in group:
-                self.table.add_data(step, s.group_id, s.index, _prompt_text(s.prompt), s.response,
-                                    _reward(s, reward_key), str(getattr(s.status, "value", s.status)))  # fmt: skip
+                self.table.add_data(
+                    step,
+                    s.group_id,
+                    s.index,
+                    _prompt_text(s.prompt),
+                    s.response,
+                    _reward(s, reward_key),
+                    str(getattr(s.status, "value", s.status)),
+                )
         self.run.log({"samples": self.table}, step=step)
 
     def close(self) -> None:
@@ -98,8 +112,15 @@ def _reward(sample: Sample, key: str | None) -> float | None:
 
 
 class RunLog:
-    def __init__(self, run_dir: str | Path, total_steps: int, start_step: int = 0, console: bool = True,
-                 wandb: WandbConfig | None = None, config: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run_dir: str | Path,
+        total_steps: int,
+        start_step: int = 0,
+        console: bool = True,
+        wandb: WandbConfig | None = None,
+        config: Any = None,
+    ) -> None:
         """`wandb` (`metrics.wandb`) adds a W&B sink when enabled and not mode `disabled`;
         `config` (the RunConfig) is recorded as the W&B run's config."""
         self.dir = Path(run_dir)
@@ -112,9 +133,16 @@ class RunLog:
         self.wandb = WandbSink(wandb, self.dir, config) if on else None
         self.console = Console(stderr=True) if console else None
         self.progress = Progress(
-            TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-            TextColumn("{task.description}"), console=self.console, disable=not (console and self.console.is_terminal), transient=True,
-        )  # fmt: skip
+            TextColumn("[bold]RL"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.description}"),
+            console=self.console,
+            disable=not (console and self.console.is_terminal),
+            transient=True,
+        )
         self.task = self.progress.add_task("", total=total_steps, completed=start_step)
         self.progress.start()
         self.last_eval: dict[str, float] = {}
@@ -141,8 +169,11 @@ class RunLog:
 
     def summary(self) -> str:
         """One line for the end of a run: each console metric's first and last value."""
-        return ", ".join(f"{label} {fmt.format(self.seen[key][0])} -> {fmt.format(self.seen[key][1])}"
-                         for key, label, fmt in CONSOLE_KEYS[:3] if key in self.seen)  # fmt: skip
+        return ", ".join(
+            f"{label} {fmt.format(self.seen[key][0])} -> {fmt.format(self.seen[key][1])}"
+            for key, label, fmt in CONSOLE_KEYS[:3]
+            if key in self.seen
+        )
 
     def log_samples(self, step: int, groups: list[list[Sample]], reward_key: str | None = None) -> None:
         """A few of the step's groups as rows of the W&B `samples` table (nothing without W&B)."""

@@ -400,7 +400,11 @@ class ResponseFormat(BaseModel):
 
     @model_validator(mode="after")
     def _has_schema(self) -> "ResponseFormat":
-        if self.type == "json_schema" and self.schema_ is None and not isinstance((self.json_schema or {}).get("schema"), dict):
+        if (
+            self.type == "json_schema"
+            and self.schema_ is None
+            and not isinstance((self.json_schema or {}).get("schema"), dict)
+        ):
             raise ValueError("json_schema.schema is required for a json_schema response format request")
         return self
 

@@ -55,7 +55,9 @@ def load_json(raw: bytes) -> Any:
         try:
             json.dumps(data, ensure_ascii=False).encode()
         except UnicodeEncodeError as exc:
-            raise ValueError(f"a string holds a lone surrogate {exc.object[exc.start:exc.end]!r}, which is not valid Unicode") from None
+            raise ValueError(
+                f"a string holds a lone surrogate {exc.object[exc.start : exc.end]!r}, which is not valid Unicode"
+            ) from None
     return data
 
 
@@ -71,5 +73,9 @@ def is_loopback(host: str) -> bool:
 def warn_if_exposed(server: str, host: str, api_key: str | None) -> None:
     """Listening beyond loopback is allowed (clusters need it), but not silently without a key."""
     if not is_loopback(host) and api_key is None:
-        log.warning("%s listens on %s with no --api-key: anyone who can reach this port can generate, "
-                    "pause generation and replace the weights", server, host)  # fmt: skip
+        log.warning(
+            "%s listens on %s with no --api-key: anyone who can reach this port can generate, "
+            "pause generation and replace the weights",
+            server,
+            host,
+        )

@@ -54,8 +54,15 @@ ARCHS: dict[str, type[PretrainedConfig]] = {"qwen2": Qwen2Config, "qwen3": Qwen3
 
 # Shared shape per size; ARCH_OVERRIDES keeps every arch of a size in the same parameter band
 # (small: 28-32M) although qwen3's wider attention and llama's untied head cost parameters.
-SHAPE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-         "max_position_embeddings")  # fmt: skip
+SHAPE = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+)
 SIZES: dict[str, dict[str, int]] = {
     name: dict(zip(SHAPE, values))
     for name, values in {
@@ -208,11 +215,11 @@ def _python(rng: random.Random, lexicon: list[str]) -> str:
         [
             f"def {f}({x}, {y}={n}):\n    return {x} + {y}\n",
             f"for {x} in range({n}):\n    {y}.append({x} * {n})\n",
-            f"if {x} > {n}:\n    print(f\"{{{x}}} is big\")\nelse:\n    {x} += 1\n",
+            f'if {x} > {n}:\n    print(f"{{{x}}} is big")\nelse:\n    {x} += 1\n',
             f"class {f.title().replace('_', '')}:\n    def __init__(self, {x}):\n        self.{x} = {x}\n",
             f"{x} = [{', '.join(str(rng.randint(0, 99)) for _ in range(rng.randint(1, 6)))}]\n",
             f"import {x}\nfrom {y} import {f}\n",
-            f"{x} = {{\"{y}\": {n}, \"{f}\": \"{rng.choice(WORDS)}\"}}\n",
+            f'{x} = {{"{y}": {n}, "{f}": "{rng.choice(WORDS)}"}}\n',
             " ".join(rng.choices(PY_KEYWORDS, k=4)) + f" {x}:\n",
         ]
     )

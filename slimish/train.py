@@ -61,20 +61,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reward-fn", default=None)
     parser.add_argument("--filter-fn", default=None)
     parser.add_argument("--resume", default=None, help="auto (newest checkpoint in run_dir) or a checkpoint directory")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="RunConfig overrides, e.g. rollout.temperature=0.7")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="start nothing, load no weights: print where the trainer ranks and engines would go, the parallel sizes, "
-                             "memory per GPU and the engines' command lines; fail on sizes that do not fit")  # fmt: skip
-    parser.add_argument("--gpus-per-node", type=int, default=None,
-                        help=f"--dry-run: GPUs per node (default: this machine's, else {ASSUMED.gpus_per_node})")  # fmt: skip
-    parser.add_argument("--gpu-memory-gib", type=float, default=None,
-                        help=f"--dry-run: memory of one GPU (default: this machine's, else {ASSUMED.gpu_memory_gib:g})")  # fmt: skip
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="RunConfig overrides, e.g. rollout.temperature=0.7"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="start nothing, load no weights: print where the trainer ranks and engines would go, the parallel sizes, "
+        "memory per GPU and the engines' command lines; fail on sizes that do not fit",
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help=f"--dry-run: GPUs per node (default: this machine's, else {ASSUMED.gpus_per_node})",
+    )
+    parser.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        help=f"--dry-run: memory of one GPU (default: this machine's, else {ASSUMED.gpu_memory_gib:g})",
+    )
     document_run_config(parser)
 
 
 def config_of(args: argparse.Namespace) -> RunConfig:
-    named = {"rollout.rollout_fn": args.rollout_fn, "rollout.reward_fn": args.reward_fn,
-             "rollout.filter_fn": args.filter_fn, "checkpoint.resume": args.resume}  # fmt: skip
+    named = {
+        "rollout.rollout_fn": args.rollout_fn,
+        "rollout.reward_fn": args.reward_fn,
+        "rollout.filter_fn": args.filter_fn,
+        "checkpoint.resume": args.resume,
+    }
     return load_run_config(args.config, args.overrides, **named)
 
 
@@ -86,8 +103,11 @@ class Driver:
         self.teacher: Servers | None = None  # on-policy distillation's teacher: never pushed to
         if cfg.algorithm.opd.coef > 0:  # its local GPU engines go after the policy's
             first = first_free_gpu(cfg, torch.cuda.is_available())
-            self.teacher = stack.enter_context(teacher_servers(cfg.launch, Path(cfg.run_dir) / "logs" / "teacher", servers.router_url,
-                                                               next_gpu(cfg.launch, first)))  # fmt: skip
+            self.teacher = stack.enter_context(
+                teacher_servers(
+                    cfg.launch, Path(cfg.run_dir) / "logs" / "teacher", servers.router_url, next_gpu(cfg.launch, first)
+                )
+            )
         self.loop = LoopThread("rollout")
         stack.callback(self.loop.close)
         teacher_url = self.teacher.router_url if self.teacher else None
@@ -108,8 +128,13 @@ class Driver:
     def _weight_sync(self) -> WeightSync:
         """The push into the policy's engines, and only theirs (never the teacher's)."""
         check_push_targets(self.servers.engine_urls, self.teacher.engine_urls if self.teacher else [])
-        return WeightSync(self.cfg.weight_sync, self.servers.engine_urls, self.cfg.launch.api_key, self.cfg.trainer.lora.adapter,
-                          self.servers.router_url)  # fmt: skip
+        return WeightSync(
+            self.cfg.weight_sync,
+            self.servers.engine_urls,
+            self.cfg.launch.api_key,
+            self.cfg.trainer.lora.adapter,
+            self.servers.router_url,
+        )
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """Times a phase of the step for view/timeline.jsonl (rollout, train, push, eval, checkpoint)."""
@@ -133,9 +158,13 @@ class Driver:
         """Every engine serves `version` after this. An engine of ours that died (the router has
         routed around it since) is started again first and joins a new weight-update group:
         it serves nothing until this push has set all its weights."""
-        restarted = self.servers.restart_dead(self.cfg.launch.start_timeout, await_weights=not self.cfg.trainer.lora.enabled)
+        restarted = self.servers.restart_dead(
+            self.cfg.launch.start_timeout, await_weights=not self.cfg.trainer.lora.enabled
+        )
         if restarted:
-            self.run_log.message(f"engines {', '.join(restarted)} had exited: restarted, they serve from version {version} on")
+            self.run_log.message(
+                f"engines {', '.join(restarted)} had exited: restarted, they serve from version {version} on"
+            )
             self.sync.close()
             self.sync = self._weight_sync()
             self.sync.connect()
@@ -173,7 +202,12 @@ class Driver:
             return self.manager.state_dict()
 
         with self.phase("checkpoint"):
-            state = {"step": step, "trainer": trainer.state_dict(), "rng": checkpoint.rng_state(), "rollout": self.loop.run(rollout_state())}
+            state = {
+                "step": step,
+                "trainer": trainer.state_dict(),
+                "rng": checkpoint.rng_state(),
+                "rollout": self.loop.run(rollout_state()),
+            }
             checkpoint.save(self.cfg.run_dir, step, state, keep=self.cfg.checkpoint.keep)
             if self.world > 1:
                 dist.barrier()  # the followers wait for the write
@@ -198,7 +232,11 @@ class Driver:
     def done(self) -> None:
         self.run_log.message(f"done: {self.cfg.steps} steps; {self.run_log.summary()}")
         lora = self.cfg.trainer.lora
-        what = "PEFT adapter" + (" (merged HF model in hf/merged)" if lora.export_merged else "") if lora.enabled else "HF export"
+        what = (
+            "PEFT adapter" + (" (merged HF model in hf/merged)" if lora.export_merged else "")
+            if lora.enabled
+            else "HF export"
+        )
         self.run_log.message(f"{what} in {Path(self.cfg.run_dir) / 'hf'}")
 
 
@@ -292,19 +330,25 @@ def train(cfg: RunConfig) -> None:
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     resume_from = checkpoint.resolve(cfg.run_dir, cfg.checkpoint.resume)
     if resume_from is None and checkpoint.latest(cfg.run_dir) is not None:
-        raise SystemExit(f"run_dir {cfg.run_dir} holds checkpoints of an earlier run: pass --resume auto to continue it, "
-                         "or choose another run_dir")  # fmt: skip
+        raise SystemExit(
+            f"run_dir {cfg.run_dir} holds checkpoints of an earlier run: pass --resume auto to continue it, "
+            "or choose another run_dir"
+        )
     state = checkpoint.load(resume_from) if resume_from else None
     start_step = state["step"] if state else 0
     with ExitStack() as stack:
         trainer = make_trainer(cfg)
-        ptx = ptx_batches(cfg, trainer.tokenizer) if cfg.algorithm.ptx_coef > 0 else None  # bad demonstrations fail here
+        ptx = (
+            ptx_batches(cfg, trainer.tokenizer) if cfg.algorithm.ptx_coef > 0 else None
+        )  # bad demonstrations fail here
         if rank == 0:
             launch = lora_launch(cfg.launch, cfg.trainer.lora)
             first_gpu = first_free_gpu(cfg, torch.cuda.is_available())
             if torch.cuda.is_available():
                 try:
-                    check_placement(launch, cfg.trainer.nproc, first_gpu, torch.cuda.device_count(), teacher_launch(cfg))
+                    check_placement(
+                        launch, cfg.trainer.nproc, first_gpu, torch.cuda.device_count(), teacher_launch(cfg)
+                    )
                 except ValueError as exc:
                     raise SystemExit(f"slimish train: {exc}") from None
             servers = stack.enter_context(start_servers(launch, cfg.model, Path(cfg.run_dir) / "logs", first_gpu))
@@ -367,17 +411,35 @@ def dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
     from slimish.launch.plan import Machine, describe, load_model, model_source
 
     cuda = torch.cuda.is_available()
-    here = Machine(torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory / (1 << 30)) if cuda else ASSUMED
-    machine = Machine(args.gpus_per_node or here.gpus_per_node, args.gpu_memory_gib or here.gpu_memory_gib,
-                      here.assumed and not (args.gpus_per_node and args.gpu_memory_gib))  # fmt: skip
+    here = (
+        Machine(torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory / (1 << 30))
+        if cuda
+        else ASSUMED
+    )
+    machine = Machine(
+        args.gpus_per_node or here.gpus_per_node,
+        args.gpu_memory_gib or here.gpu_memory_gib,
+        here.assumed and not (args.gpus_per_node and args.gpu_memory_gib),
+    )
     try:
         source = model_source(cfg.model, args.config)
         lines = describe(cfg, load_model(source), source, machine)
     except ValueError as exc:
         raise SystemExit(f"slimish train --dry-run: {exc}") from None
-    named = {"--rollout-fn": args.rollout_fn, "--reward-fn": args.reward_fn, "--filter-fn": args.filter_fn, "--resume": args.resume}
-    rest = [*(["--config", args.config] if args.config else []), *(a for k, v in named.items() if v for a in (k, v)), *args.overrides]
-    print(f"slimish train --dry-run{f' --config {args.config}' if args.config else ''}: nothing started, no weights loaded")
+    named = {
+        "--rollout-fn": args.rollout_fn,
+        "--reward-fn": args.reward_fn,
+        "--filter-fn": args.filter_fn,
+        "--resume": args.resume,
+    }
+    rest = [
+        *(["--config", args.config] if args.config else []),
+        *(a for k, v in named.items() if v for a in (k, v)),
+        *args.overrides,
+    ]
+    print(
+        f"slimish train --dry-run{f' --config {args.config}' if args.config else ''}: nothing started, no weights loaded"
+    )
     print("\n".join(lines))
     print(f"  trainer: python {shlex.join(trainer_argv(cfg.trainer.nproc, rest))}")
     return 0

@@ -32,7 +32,9 @@ class SampleStatus(str, Enum):
 
 def status_of(finish_reason: str) -> SampleStatus:
     """A sample's status after the engine's finish reason (stop, length or abort)."""
-    return {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}[finish_reason]
+    return {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}[
+        finish_reason
+    ]
 
 
 @dataclass
@@ -59,7 +61,9 @@ class Sample:
     # On-policy distillation (algorithm.opd): the teacher's log-probs of the response tokens, one
     # per token as `rollout_logprobs` and at the same temperature; None until the teacher scored it.
     teacher_logprobs: list[float] | None = None
-    reward: float | dict[str, Any] | None = None  # a dict: named values, `rollout.reward_key` the numeric one trained on
+    reward: float | dict[str, Any] | None = (
+        None  # a dict: named values, `rollout.reward_key` the numeric one trained on
+    )
     status: SampleStatus = SampleStatus.PENDING
     weight_versions: list[int] = field(default_factory=list)  # versions that produced its tokens, in order
     # Per response token: the version number that made it; -1 for environment tokens and where
@@ -91,10 +95,14 @@ class Sample:
     def set_prompt(self, ids: list[int]) -> None:
         """The prompt's token ids; only before any response token exists."""
         if self.response_length:
-            raise ValueError(f"sample {self.group_id}/{self.index}: set_prompt after {self.response_length} response tokens")
+            raise ValueError(
+                f"sample {self.group_id}/{self.index}: set_prompt after {self.response_length} response tokens"
+            )
         self.tokens = list(ids)
 
-    def append_model(self, ids: list[int], logprobs: list[float], weight_version: int | list[int] | None = None) -> None:
+    def append_model(
+        self, ids: list[int], logprobs: list[float], weight_version: int | list[int] | None = None
+    ) -> None:
         """Tokens the policy generated: trained on (mask 1), with the engine's logprobs and the
         weight version that made them (one per token when they span a weight update)."""
         if len(ids) != len(logprobs):
@@ -148,14 +156,20 @@ class Sample:
         """The scalar the advantage uses: the reward, or `reward[key]` for dict rewards."""
         if isinstance(self.reward, dict):
             if key is None:
-                raise ValueError(f"sample {self.group_id}/{self.index}: dict reward {sorted(self.reward)} needs rollout.reward_key")
+                raise ValueError(
+                    f"sample {self.group_id}/{self.index}: dict reward {sorted(self.reward)} needs rollout.reward_key"
+                )
             if key not in self.reward:
-                raise ValueError(f"sample {self.group_id}/{self.index}: rollout.reward_key {key!r} is not in its reward {sorted(self.reward)}")
+                raise ValueError(
+                    f"sample {self.group_id}/{self.index}: rollout.reward_key {key!r} is not in its reward {sorted(self.reward)}"
+                )
             value = self.reward[key]
             if not isinstance(value, (int, float)):
                 numeric = sorted(k for k, v in self.reward.items() if isinstance(v, (int, float)))
-                raise ValueError(f"sample {self.group_id}/{self.index}: rollout.reward_key {key!r} names a {type(value).__name__} "
-                                 f"({value!r}); it must name a number (numeric keys: {numeric})")  # fmt: skip
+                raise ValueError(
+                    f"sample {self.group_id}/{self.index}: rollout.reward_key {key!r} names a {type(value).__name__} "
+                    f"({value!r}); it must name a number (numeric keys: {numeric})"
+                )
             return float(value)
         if self.reward is None:
             raise ValueError(f"sample {self.group_id}/{self.index}: reward is missing")
@@ -166,10 +180,14 @@ class Sample:
         where = f"sample {self.group_id}/{self.index}"
         if not 0 <= self.response_length <= len(self.tokens):
             raise ValueError(f"{where}: response_length {self.response_length} outside 0..{len(self.tokens)} tokens")
-        optional = (("token_versions",) if self.token_versions else ()) + (("teacher_logprobs",) if self.teacher_logprobs is not None else ())
+        optional = (("token_versions",) if self.token_versions else ()) + (
+            ("teacher_logprobs",) if self.teacher_logprobs is not None else ()
+        )
         for name in ("loss_mask", "rollout_logprobs", *optional):
             if len(getattr(self, name)) != self.response_length:
-                raise ValueError(f"{where}: {name} has {len(getattr(self, name))} entries, response_length is {self.response_length}")
+                raise ValueError(
+                    f"{where}: {name} has {len(getattr(self, name))} entries, response_length is {self.response_length}"
+                )
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError(f"{where}: loss_mask must hold only 0 and 1")
         if self.status in (SampleStatus.FAILED, SampleStatus.INFRA_FAILED) and not self.error:
@@ -178,7 +196,9 @@ class Sample:
             try:
                 json.dumps(value)
             except (TypeError, ValueError) as exc:
-                raise ValueError(f"{where}: metadata[{key!r}] must be a JSON value (it is saved and logged): {exc}") from None
+                raise ValueError(
+                    f"{where}: metadata[{key!r}] must be a JSON value (it is saved and logged): {exc}"
+                ) from None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -189,7 +209,9 @@ class Sample:
     def from_dict(cls, d: dict[str, Any]) -> "Sample":
         d = copy.deepcopy(d)  # the sample must not share lists with saved state
         d["status"] = SampleStatus(d.get("status", "pending"))
-        d["weight_versions"] = [version_number(v) if isinstance(v, str) else v for v in d.get("weight_versions", [])]  # saved as strings before
+        d["weight_versions"] = [
+            version_number(v) if isinstance(v, str) else v for v in d.get("weight_versions", [])
+        ]  # saved as strings before
         return cls(**d)
 
 

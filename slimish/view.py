@@ -34,8 +34,19 @@ from slimish.types import Sample
 PHASES = ("rollout", "train", "push", "eval", "checkpoint")
 # Columns of metrics.jsonl the page shows (the step list, the timeline's tooltips); eval/NAME/...
 # keys of eval datasets are kept too.
-METRIC_KEYS = ("reward/mean", "eval/accuracy", "eval/reward", "response/length", "rollout/truncated_fraction",
-               "rollout/engine_idle_fraction", "time/step", "time/rollout", "time/weight_push", "train/kl", "train/mismatch")  # fmt: skip
+METRIC_KEYS = (
+    "reward/mean",
+    "eval/accuracy",
+    "eval/reward",
+    "response/length",
+    "rollout/truncated_fraction",
+    "rollout/engine_idle_fraction",
+    "time/step",
+    "time/rollout",
+    "time/weight_push",
+    "train/kl",
+    "train/mismatch",
+)
 
 
 def chosen_groups(groups: list[list[Sample]], n: int) -> list[list[Sample]]:
@@ -53,15 +64,29 @@ def _finite(x: float) -> float | None:
 def sample_record(step: int, sample: Sample, pieces: Any) -> dict[str, Any]:
     """One line of samples.jsonl; `pieces(ids)` decodes each id on its own."""
     prompt_ids, response_ids = sample.tokens[: sample.prompt_length], sample.response_ids
-    versions = sample.token_versions if len(sample.token_versions) == sample.response_length else [-1] * sample.response_length
+    versions = (
+        sample.token_versions if len(sample.token_versions) == sample.response_length else [-1] * sample.response_length
+    )
     return {
-        "step": step, "group_id": sample.group_id, "index": sample.index, "trajectory_id": sample.trajectory_id,
-        "status": sample.status.value, "reward": sample.reward, "weight_versions": list(sample.weight_versions),
-        "exclude_from_loss": sample.exclude_from_loss, "error": sample.error, "metadata": sample.metadata,
+        "step": step,
+        "group_id": sample.group_id,
+        "index": sample.index,
+        "trajectory_id": sample.trajectory_id,
+        "status": sample.status.value,
+        "reward": sample.reward,
+        "weight_versions": list(sample.weight_versions),
+        "exclude_from_loss": sample.exclude_from_loss,
+        "error": sample.error,
+        "metadata": sample.metadata,
         "prompt": {"ids": prompt_ids, "pieces": pieces(prompt_ids)},
-        "response": {"ids": response_ids, "pieces": pieces(response_ids), "mask": list(sample.loss_mask),
-                     "logprobs": [_finite(x) for x in sample.rollout_logprobs], "versions": list(versions)},
-    }  # fmt: skip
+        "response": {
+            "ids": response_ids,
+            "pieces": pieces(response_ids),
+            "mask": list(sample.loss_mask),
+            "logprobs": [_finite(x) for x in sample.rollout_logprobs],
+            "versions": list(versions),
+        },
+    }
 
 
 class ViewWriter:
@@ -109,9 +134,15 @@ class ViewWriter:
     def end_step(self, step: int, metrics: dict[str, Any]) -> None:
         """The step's timeline line: its phases since the last one, its versions, the engines' idle share."""
         pushed = "time/weight_push" in metrics  # every step ends on a push: the engines serve `step` then
-        row = {"step": step, "time": time.time(), "phases": self.phases, "version": step if pushed else None,
-               "trained_versions": self.trained_versions, "engine_idle_fraction": metrics.get("rollout/engine_idle_fraction"),
-               "first": self.first}  # fmt: skip
+        row = {
+            "step": step,
+            "time": time.time(),
+            "phases": self.phases,
+            "version": step if pushed else None,
+            "trained_versions": self.trained_versions,
+            "engine_idle_fraction": metrics.get("rollout/engine_idle_fraction"),
+            "first": self.first,
+        }
         self.timeline.write(json.dumps(row) + "\n")
         self.timeline.flush()
         self.phases, self.trained_versions, self.first = [], [], False
@@ -142,7 +173,11 @@ def read_run(run_dir: str | Path, sample_steps: int = 100) -> dict[str, Any]:
     run_dir = Path(run_dir)
     metrics: dict[int, dict[str, Any]] = {}
     for row in _jsonl(run_dir / "metrics.jsonl"):
-        keep = {k: v for k, v in row.items() if k in METRIC_KEYS or (k.startswith("eval/") and k.endswith(("/accuracy", "/reward")))}
+        keep = {
+            k: v
+            for k, v in row.items()
+            if k in METRIC_KEYS or (k.startswith("eval/") and k.endswith(("/accuracy", "/reward")))
+        }
         metrics.setdefault(row["step"], {"step": row["step"]}).update(keep)
     timeline: dict[int, dict[str, Any]] = {}
     for row in _jsonl(run_dir / "view" / "timeline.jsonl"):
@@ -155,13 +190,19 @@ def read_run(run_dir: str | Path, sample_steps: int = 100) -> dict[str, Any]:
         samples[(row["step"], row["group_id"], row["index"], row.get("trajectory_id"))] = row
     steps = sorted({k[0] for k in samples})
     if len(steps) > sample_steps > 0:
-        steps = sorted({steps[round(i * (len(steps) - 1) / (sample_steps - 1))] for i in range(sample_steps)}) if sample_steps > 1 else steps[-1:]
+        steps = (
+            sorted({steps[round(i * (len(steps) - 1) / (sample_steps - 1))] for i in range(sample_steps)})
+            if sample_steps > 1
+            else steps[-1:]
+        )
     kept = set(steps)
     return {
         "run_dir": str(run_dir),
         "metrics": [metrics[s] for s in sorted(metrics)],
         "timeline": [timeline[s] for s in sorted(timeline)],
-        "samples": [r for k, r in sorted(samples.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])) if k[0] in kept],
+        "samples": [
+            r for k, r in sorted(samples.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])) if k[0] in kept
+        ],
         "sample_steps_total": len({k[0] for k in samples}),
     }
 
@@ -182,7 +223,9 @@ def page_html(data: dict[str, Any]) -> str:
     from slimish.view_page import PAGE
 
     blob = json.dumps(_json_safe(data), separators=(",", ":"), allow_nan=False).replace("<", "\\u003c")
-    return PAGE.replace("__TITLE__", data["run_dir"].replace("&", "&amp;").replace("<", "&lt;")).replace("__DATA__", blob)
+    return PAGE.replace("__TITLE__", data["run_dir"].replace("&", "&amp;").replace("<", "&lt;")).replace(
+        "__DATA__", blob
+    )
 
 
 def build(run_dir: str | Path, out: str | Path | None = None, sample_steps: int = 100) -> Path:
@@ -215,7 +258,12 @@ def serve(page: Path, port: int = 0) -> http.server.ThreadingHTTPServer:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR")
     parser.add_argument("--out", default=None, help="HTML path (default: RUN_DIR/view.html)")
-    parser.add_argument("--sample-steps", type=int, default=100, help="embed the samples of at most this many steps, evenly spaced (0: all)")
+    parser.add_argument(
+        "--sample-steps",
+        type=int,
+        default=100,
+        help="embed the samples of at most this many steps, evenly spaced (0: all)",
+    )
     parser.add_argument("--serve", action="store_true", help="serve the page on 127.0.0.1 until interrupted")
     parser.add_argument("--port", type=int, default=0, help="with --serve (default: a free port)")
 

@@ -103,7 +103,9 @@ def running_router(**settings) -> Iterator[str]:
     router, sock = create_app(cfg), bind("127.0.0.1", 0, reuse_port=False)
     loop, ready = asyncio.new_event_loop(), threading.Event()
     stop = asyncio.Event()
-    thread = threading.Thread(target=lambda: loop.run_until_complete(router.serve([sock], ready=ready.set, stop=stop)), daemon=True)
+    thread = threading.Thread(
+        target=lambda: loop.run_until_complete(router.serve([sock], ready=ready.set, stop=stop)), daemon=True
+    )
     thread.start()
     assert ready.wait(30), "router did not start within 30 s"
     try:
@@ -170,12 +172,26 @@ def sglang_double(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 def quickstart_argv(tmp_path: Path, *overrides: str, model: Path, config: str = "configs/quickstart.yaml") -> list[str]:
     """The command line of a quickstart run in `tmp_path/run`, shortened by `overrides`."""
-    return [sys.executable, "-m", "slimish.train", "--config", str(ROOT / config), f"model={model}", f"run_dir={tmp_path / 'run'}",
-            "checkpoint.every=0", *overrides]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "slimish.train",
+        "--config",
+        str(ROOT / config),
+        f"model={model}",
+        f"run_dir={tmp_path / 'run'}",
+        "checkpoint.every=0",
+        *overrides,
+    ]
 
 
-def run_quickstart(tmp_path: Path, *overrides: str, model: Path | None = None, timeout: float = 1200,
-                   config: str = "configs/quickstart.yaml") -> list[dict]:  # fmt: skip
+def run_quickstart(
+    tmp_path: Path,
+    *overrides: str,
+    model: Path | None = None,
+    timeout: float = 1200,
+    config: str = "configs/quickstart.yaml",
+) -> list[dict]:
     """`python -m slimish.train --config configs/quickstart.yaml` (or `config`), shortened by
     `overrides`, on `model` or a fresh tiny model as `make demo` builds it; its metrics rows (it
     must exit 0)."""
@@ -184,7 +200,9 @@ def run_quickstart(tmp_path: Path, *overrides: str, model: Path | None = None, t
 
     model = model or make_tiny_model(tmp_path / "model", arch="llama", size="tiny", seed=0)
     argv = quickstart_argv(tmp_path, *overrides, model=model, config=config)
-    done = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=timeout
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return read_metrics(tmp_path / "run")
 
@@ -203,10 +221,23 @@ def torchrun_ranks(worker: Path, args: list[str], out: Path, timeout: float = 30
     it failed). Own session, so a hung run is killed with all its ranks."""
     from slimish.net import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(worker), *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(worker),
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         _, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -242,7 +273,9 @@ async def rollout(ctx, sample):
 """
 
 
-def assert_run_survives_an_engine_kill(tmp_path: Path, kill: str, *overrides: str, env: dict[str, str] | None = None) -> None:
+def assert_run_survives_an_engine_kill(
+    tmp_path: Path, kill: str, *overrides: str, env: dict[str, str] | None = None
+) -> None:
     """A 4-step run on 2 engines in which `kill` kills one mid-rollout of step 3: the router
     retries its requests elsewhere, the run restarts it before the next push, and the run
     finishes with every prompt trained once, none failed, and step 4 on step 3's weights."""
@@ -253,10 +286,24 @@ def assert_run_survives_an_engine_kill(tmp_path: Path, kill: str, *overrides: st
     plugin = tmp_path / "kill_plugin.py"
     plugin.write_text(KILL_PLUGIN.replace("{kill}", "\n".join("    " + line for line in kill.strip().splitlines())))
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "slimish.train", f"model={model}", f"run_dir={run_dir}", "steps=4",
-            "data.source=task:max_digit", "launch.engines=2", f"rollout.rollout_fn={plugin}:rollout",
-            "rollout.filter_fn=null", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
-            "rollout.max_new_tokens=8", "eval.every=0", "checkpoint.every=0", *overrides]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "slimish.train",
+        f"model={model}",
+        f"run_dir={run_dir}",
+        "steps=4",
+        "data.source=task:max_digit",
+        "launch.engines=2",
+        f"rollout.rollout_fn={plugin}:rollout",
+        "rollout.filter_fn=null",
+        "rollout.rollout_batch_size=4",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.max_new_tokens=8",
+        "eval.every=0",
+        "checkpoint.every=0",
+        *overrides,
+    ]
     env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "KILL_MARKER": str(tmp_path / "killed")}
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -277,8 +324,12 @@ def metric_total(url: str, sample: str, **labels: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))  # fmt: skip
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def post(url: str, path: str, body: object = None, timeout: float = 120.0, **kw: object) -> httpx.Response:
@@ -295,7 +346,9 @@ def wait_for(predicate: Callable[[], bool], what: str = "the condition", timeout
 
 
 @contextmanager
-def running_engines(model_dir: Path, factory: pytest.TempPathFactory, n: int = 2, timeout: float = 120.0, **flags: object) -> Iterator[list]:
+def running_engines(
+    model_dir: Path, factory: pytest.TempPathFactory, n: int = 2, timeout: float = 120.0, **flags: object
+) -> Iterator[list]:
     """`n` built-in engine processes loading their model at once (logs in a fresh directory);
     stopped when the block ends."""
     from slimish.launch.local import engine_process
@@ -315,7 +368,13 @@ def make_cfg(model: Path, source: str, *overrides: str):
     """A rollout-test RunConfig: in stream order, no filter, 8 new tokens, then `overrides`."""
     from slimish.config import load_run_config
 
-    base = [f"model={model}", f"data.source={source}", "data.shuffle=false", "rollout.filter_fn=null", "rollout.max_new_tokens=8"]
+    base = [
+        f"model={model}",
+        f"data.source={source}",
+        "data.shuffle=false",
+        "rollout.filter_fn=null",
+        "rollout.max_new_tokens=8",
+    ]
     return load_run_config(None, [*base, *overrides])
 
 
@@ -332,7 +391,9 @@ def run_manager(cfg, router: str, rollout_fn, body, reward_fn=None, filter_fn=No
         runtime = await RolloutRuntime.create(cfg, router)
         try:
             buffer = Buffer(Staleness.of(cfg.buffer))
-            return await body(RolloutManager(runtime, PromptData(cfg.data), buffer, rollout_fn, reward_fn, filter_fn, **hooks))
+            return await body(
+                RolloutManager(runtime, PromptData(cfg.data), buffer, rollout_fn, reward_fn, filter_fn, **hooks)
+            )
         finally:
             await runtime.close()
 
@@ -359,7 +420,9 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 def prompts(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Ten "What is i + i?" prompts labelled 2i, as JSONL: their path."""
     path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "label": str(2 * i)}) + "\n" for i in range(10)))
+    path.write_text(
+        "".join(json.dumps({"prompt": f"What is {i} + {i}?", "label": str(2 * i)}) + "\n" for i in range(10))
+    )
     return str(path)
 
 

@@ -25,10 +25,22 @@ import model_families
 from slimish.formats.model import ModelFormat
 from slimish.launch.local import engine_process
 
-CALCULATOR = {"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic",
-              "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}  # fmt: skip
-BRAVE_SEARCH = {"type": "function", "function": {"name": "brave_search", "description": "Search the web",
-                "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}  # fmt: skip
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate arithmetic",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
+BRAVE_SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "brave_search",
+        "description": "Search the web",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -65,8 +77,16 @@ CASES = [
     Case("deepseek-v3", "deepseek-v3", "deepseekv3", None, keeps_history=False),
     Case("deepseek-v3.1", "deepseek-v3.1", "deepseekv31", "deepseek-v3", args="string"),
     # Thinking mode: the generation prompt opens `<think>`, except after a tool result.
-    Case("deepseek-v3.1-thinking", "deepseek-v3.1", "deepseekv31", "deepseek-v3", kwargs={"thinking": True},
-         reasoning=(THINKING[0], None, THINKING[2]), args="string", keeps_history=False),  # fmt: skip
+    Case(
+        "deepseek-v3.1-thinking",
+        "deepseek-v3.1",
+        "deepseekv31",
+        "deepseek-v3",
+        kwargs={"thinking": True},
+        reasoning=(THINKING[0], None, THINKING[2]),
+        args="string",
+        keeps_history=False,
+    ),
     Case("glm4.6", "glm4.6", "glm45", "glm45", reasoning=THINKING, keeps_history=False),
 ]
 CASE_IDS = [c.name for c in CASES]
@@ -78,7 +98,11 @@ def conversation(case: Case) -> list[dict[str, Any]]:
     def think(k: int) -> dict[str, Any]:
         return {"reasoning_content": case.reasoning[k]} if case.reasoning[k] is not None else {}
 
-    call = {"id": "call_1", "type": "function", "function": {"name": case.tool["function"]["name"], "arguments": json.dumps(case.call_args)}}
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": case.tool["function"]["name"], "arguments": json.dumps(case.call_args)},
+    }
     return [
         {"role": "system", "content": f"You are a careful assistant ({case.name})."},  # one context per case
         {"role": "user", "content": "What is 2+3?"},
@@ -121,7 +145,11 @@ def expected(fmt: ModelFormat, case: Case) -> Expected:
     turns = []
     for k, at in enumerate(TURNS):
         turn = chat.assistant_ids(conv[:at], conv[at], conv[at + 1] if at + 1 < len(conv) else None)
-        if case.reasoning[k] and fmt.opens_reasoning(prompts[k]) and case.reasoning[k] not in fmt.tokenizer.decode(turn):
+        if (
+            case.reasoning[k]
+            and fmt.opens_reasoning(prompts[k])
+            and case.reasoning[k] not in fmt.tokenizer.decode(turn)
+        ):
             # The template renders no reasoning at all (DeepSeek-V3.1): the model writes it after the
             # prompt's `<think>`, before the `</think>` the template's turn starts with.
             turn = fmt.tokenizer.encode(case.reasoning[k], add_special_tokens=False) + turn
@@ -155,7 +183,9 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def served(case: Case, family_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def served(
+    case: Case, family_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path]]:
     """A real engine on the fitted model of the module's `case` (a parametrized fixture each
     module defines): its URL and the model dir."""
     model = family_dirs[case.family]

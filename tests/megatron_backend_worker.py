@@ -40,7 +40,12 @@ def export(trainer: MegatronTrainer) -> dict[str, torch.Tensor]:
 
 def run_layout(spec: dict, layout: dict, out: Path) -> dict:
     ps.destroy_model_parallel()
-    overrides = [*spec["overrides"], "trainer.backend=megatron", f"trainer.tp={layout['tp']}", f"trainer.pp={layout['pp']}"]
+    overrides = [
+        *spec["overrides"],
+        "trainer.backend=megatron",
+        f"trainer.tp={layout['tp']}",
+        f"trainer.pp={layout['pp']}",
+    ]
     cfg = load_run_config(None, overrides)
     name, rank = layout["name"], dist.get_rank()
     trainer = MegatronTrainer(cfg)

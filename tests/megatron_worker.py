@@ -234,7 +234,8 @@ def check_pipeline_grads(key: str, path: str) -> None:
 
     hf = hf_model(path)
     ref_loss = sum(
-        torch.nn.functional.cross_entropy(hf(mb[:, :-1]).logits.flatten(0, 1), mb[:, 1:].flatten()) for mb in microbatches
+        torch.nn.functional.cross_entropy(hf(mb[:, :-1]).logits.flatten(0, 1), mb[:, 1:].flatten())
+        for mb in microbatches
     ) / len(microbatches)
     ref_loss.backward()
     if parallel_state.is_pipeline_last_stage():
@@ -245,7 +246,9 @@ def check_pipeline_grads(key: str, path: str) -> None:
     results[f"{key}/grad_diff"] = max(diff(g, ref_grads[n].grad) for n, g in grads.items())
     results[f"{key}/grad_max"] = max(g.abs().max().item() for g in grads.values())
 
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1e-3, bf16=False, fp16=False), [ddp])
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1e-3, bf16=False, fp16=False), [ddp]
+    )
     before = {n: t.clone() for n, t in export_hf(ddp, cfg)}
     ok, grad_norm, _ = opt.step()
     hf_norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), float("inf")).item()
@@ -281,7 +284,9 @@ def main(spec: dict, out: Path) -> None:
     for i, (arch, path) in enumerate(sorted(te_models.items())):
         if i % world == rank:
             check_model(f"te_tp1/{arch}", path, 1, 128, spec="te")
-    bf16_checks = [(f"bf16/{a}", models[a], "local") for a in BF16_ARCHS] + [(f"te_bf16/{a}", te_models[a], "te") for a in BF16_ARCHS]
+    bf16_checks = [(f"bf16/{a}", models[a], "local") for a in BF16_ARCHS] + [
+        (f"te_bf16/{a}", te_models[a], "te") for a in BF16_ARCHS
+    ]
     for i, (key, path, spec_name) in enumerate(bf16_checks):
         if i % world == rank:
             check_bf16_model(key, path, spec_name)

@@ -59,9 +59,7 @@ QWEN_PATTERN = (
 )
 # Llama 3's (meta-llama tokenizer.json; tiktoken's cl100k pattern): digits in runs of up to 3.
 # GLM-4's tokenizer uses the same pattern (to our recollection of ChatGLM4Tokenizer; not verified here).
-LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
 # The stand-in network: the tiny model's (only vocab_size differs), with room for long conversations.
 NETWORK = {**{k: v for k, v in SIZES["tiny"].items() if k != "vocab_size"}, "max_position_embeddings": 4096}
@@ -107,10 +105,18 @@ def numbered(first: int, tokens: str, special: bool) -> tuple[Special, ...]:
 
 
 QWEN25_SPECIALS: tuple[Special, ...] = numbered(
-    151643, "<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> <|box_end|> "
-    "<|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> <|vision_pad|> <|image_pad|> <|video_pad|>", True,
-) + numbered(151657, "<tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> <|fim_suffix|> <|fim_pad|> <|repo_name|> <|file_sep|>", False)
-QWEN3_SPECIALS: tuple[Special, ...] = QWEN25_SPECIALS + numbered(151665, "<tool_response> </tool_response> <think> </think>", False)
+    151643,
+    "<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> <|box_end|> "
+    "<|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> <|vision_pad|> <|image_pad|> <|video_pad|>",
+    True,
+) + numbered(
+    151657,
+    "<tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> <|fim_suffix|> <|fim_pad|> <|repo_name|> <|file_sep|>",
+    False,
+)
+QWEN3_SPECIALS: tuple[Special, ...] = QWEN25_SPECIALS + numbered(
+    151665, "<tool_response> </tool_response> <think> </think>", False
+)
 
 # --- Llama 3.1 / 3.2 -------------------------------------------------------------------------------
 # meta-llama Llama-3.1/3.2 tokenizer_config.json: all 256 added tokens special. Verified: 128000,
@@ -148,8 +154,16 @@ LLAMA3_SPECIALS = _llama3_specials()
 # GUESS: Hermes 3 puts its ChatML and tool tags into Llama 3's reserved slots, but no stored public
 # source had Hermes 3's tokenizer_config.json, so the slots (from reserved_special_token_3 = 128011
 # on, in this order) and their special flags (true, as the reserved slots they replace) are ours.
-HERMES3_TOKENS = ["<|im_start|>", "<|im_end|>", "<tools>", "</tools>", "<tool_call>", "</tool_call>",
-                  "<tool_response>", "</tool_response>"]  # fmt: skip
+HERMES3_TOKENS = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tools>",
+    "</tools>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
 HERMES3_SPECIALS = _llama3_specials({128011 + i: (t, True) for i, t in enumerate(HERMES3_TOKENS)})
 HERMES3_IM_END = 128011 + HERMES3_TOKENS.index("<|im_end|>")
 
@@ -291,13 +305,22 @@ class Family:
         return max(i for i, _, _ in self.specials) + 1
 
 
-_QWEN = dict(vocab="qwen", eos="<|im_end|>", pad="<|endoftext|>", eos_token_ids=(151645, 151643),
-             config_vocab_size=151936)  # fmt: skip
-_LLAMA = dict(vocab="llama3", bos="<|begin_of_text|>", add_bos=True, clean_up_tokenization_spaces=True,
-              config_vocab_size=128256)  # fmt: skip
-_DEEPSEEK = dict(vocab="deepseek", specials=DEEPSEEK_SPECIALS, bos="<｜begin▁of▁sentence｜>",
-                 eos="<｜end▁of▁sentence｜>", pad="<｜end▁of▁sentence｜>", add_bos=True, eos_token_ids=(1,),
-                 config_vocab_size=129280)  # fmt: skip
+_QWEN = dict(
+    vocab="qwen", eos="<|im_end|>", pad="<|endoftext|>", eos_token_ids=(151645, 151643), config_vocab_size=151936
+)
+_LLAMA = dict(
+    vocab="llama3", bos="<|begin_of_text|>", add_bos=True, clean_up_tokenization_spaces=True, config_vocab_size=128256
+)
+_DEEPSEEK = dict(
+    vocab="deepseek",
+    specials=DEEPSEEK_SPECIALS,
+    bos="<｜begin▁of▁sentence｜>",
+    eos="<｜end▁of▁sentence｜>",
+    pad="<｜end▁of▁sentence｜>",
+    add_bos=True,
+    eos_token_ids=(1,),
+    config_vocab_size=129280,
+)
 
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -305,24 +328,55 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2.5", template="Qwen-Qwen2.5-7B-Instruct.jinja", specials=QWEN25_SPECIALS, **_QWEN),
         Family("qwen3", template="Qwen-Qwen3-0.6B.jinja", specials=QWEN3_SPECIALS, **_QWEN),
         Family("qwen3-coder", template="Qwen3-Coder.jinja", specials=QWEN3_SPECIALS, **_QWEN),
-        Family("llama3.1", template="meta-llama-Llama-3.1-8B-Instruct.jinja", specials=LLAMA3_SPECIALS,
-               eos="<|eot_id|>", eos_token_ids=(128001, 128008, 128009), **_LLAMA),  # fmt: skip
-        Family("llama3.2", template="meta-llama-Llama-3.2-3B-Instruct.jinja", specials=LLAMA3_SPECIALS,
-               eos="<|eot_id|>", eos_token_ids=(128001, 128008, 128009), **_LLAMA),  # fmt: skip
+        Family(
+            "llama3.1",
+            template="meta-llama-Llama-3.1-8B-Instruct.jinja",
+            specials=LLAMA3_SPECIALS,
+            eos="<|eot_id|>",
+            eos_token_ids=(128001, 128008, 128009),
+            **_LLAMA,
+        ),
+        Family(
+            "llama3.2",
+            template="meta-llama-Llama-3.2-3B-Instruct.jinja",
+            specials=LLAMA3_SPECIALS,
+            eos="<|eot_id|>",
+            eos_token_ids=(128001, 128008, 128009),
+            **_LLAMA,
+        ),
         # GUESS: stop ids. Hermes 3 ends turns with <|im_end|>; 128001 kept as Llama 3's end of text.
-        Family("hermes3", template="NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja",
-               specials=HERMES3_SPECIALS, eos="<|im_end|>", eos_token_ids=(HERMES3_IM_END, 128001),
-               notes="Hermes' ChatML/tool token ids are guesses (reserved slots from 128011)", **_LLAMA),  # fmt: skip
+        Family(
+            "hermes3",
+            template="NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja",
+            specials=HERMES3_SPECIALS,
+            eos="<|im_end|>",
+            eos_token_ids=(HERMES3_IM_END, 128001),
+            notes="Hermes' ChatML/tool token ids are guesses (reserved slots from 128011)",
+            **_LLAMA,
+        ),
         # DeepSeek-V3 through SGLang's tool template (DeepSeek-V3's own HF template has no tools
         # section); the vocabulary has V3.1's four tokens at 128796-128799 (V3: placeholders). The
         # template tojson-encodes the first call's arguments and concatenates later ones (a string).
         Family("deepseek-v3", template="deepseek-v3-sglang-tool.jinja", notes="stand-in ranks", **_DEEPSEEK),
-        Family("deepseek-v3.1", template="deepseek-ai-DeepSeek-V3.1-hf.jinja", arguments="str",
-               notes="stand-in ranks", **_DEEPSEEK),  # fmt: skip
+        Family(
+            "deepseek-v3.1",
+            template="deepseek-ai-DeepSeek-V3.1-hf.jinja",
+            arguments="str",
+            notes="stand-in ranks",
+            **_DEEPSEEK,
+        ),
         # GLM's assistant turn has no closing token: it stops on the next role token.
-        Family("glm4.6", vocab="glm", template="GLM-4.6.jinja", specials=GLM_SPECIALS, eos="<|endoftext|>",
-               pad="<|endoftext|>", eos_token_ids=(151329, 151336, 151338), config_vocab_size=151552,
-               notes="stand-in ranks"),  # fmt: skip
+        Family(
+            "glm4.6",
+            vocab="glm",
+            template="GLM-4.6.jinja",
+            specials=GLM_SPECIALS,
+            eos="<|endoftext|>",
+            pad="<|endoftext|>",
+            eos_token_ids=(151329, 151336, 151338),
+            config_vocab_size=151552,
+            notes="stand-in ranks",
+        ),
     ]
 }
 
@@ -413,8 +467,14 @@ def tokenizer_config(family: Family | str) -> dict:
     named = {f.bos, f.eos, f.pad} - {None}
     return {
         "added_tokens_decoder": {
-            str(i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-                     "special": s}  # fmt: skip
+            str(i): {
+                "content": c,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": s,
+            }
             for i, c, s in sorted(f.specials)
         },
         # So that `all_special_ids` is exactly the set of added tokens flagged special.
@@ -536,8 +596,18 @@ def fit(model_dirs: list[Path], sequences: list[tuple[list[int], list[int]]], ma
     shapes = set()
     for d in dirs:
         c = AutoConfig.from_pretrained(d)
-        shapes.add((c.model_type, c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads,
-                    c.num_key_value_heads, c.intermediate_size, c.tie_word_embeddings))  # fmt: skip
+        shapes.add(
+            (
+                c.model_type,
+                c.vocab_size,
+                c.hidden_size,
+                c.num_hidden_layers,
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.intermediate_size,
+                c.tie_word_embeddings,
+            )
+        )
     if len(shapes) != 1:
         raise ValueError(f"model dirs must share one architecture and vocab_size to share weights: {shapes}")
     vocab_size = shapes.pop()[1]

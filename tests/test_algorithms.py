@@ -192,7 +192,9 @@ def test_micro_batches_sum_to_the_full_batch(mode):
     def run(rows: slice):
         lp = logprobs[rows, : max(lengths[rows])].clone().requires_grad_(True)
         cut = lambda x: x[rows, : lp.shape[1]]  # noqa: E731
-        loss, stats = A.rl_loss(cfg, lp, cut(old), adv[rows], cut(mask), norm, ref_logprobs=cut(ref), entropy=cut(entropy))
+        loss, stats = A.rl_loss(
+            cfg, lp, cut(old), adv[rows], cut(mask), norm, ref_logprobs=cut(ref), entropy=cut(entropy)
+        )
         loss.backward()
         grad = torch.zeros(lp.shape[0], T)
         grad[:, : lp.shape[1]] = lp.grad
@@ -312,12 +314,22 @@ def _trl_trainer(kind: str, model_dir, out_dir, reward_fn, **kwargs):
 
     config_cls, trainer_cls = (trl.GRPOConfig, trl.GRPOTrainer) if kind == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
     args = config_cls(
-        output_dir=str(out_dir), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=B,
-        num_generations=4, max_completion_length=MAX_COMPLETION, save_strategy="no", seed=0, **kwargs,
-    )  # fmt: skip
+        output_dir=str(out_dir),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=B,
+        num_generations=4,
+        max_completion_length=MAX_COMPLETION,
+        save_strategy="no",
+        seed=0,
+        **kwargs,
+    )
     data = Dataset.from_list([{"prompt": f"p{i}: 1+{i}="} for i in range(B)])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return trainer_cls(model=str(model_dir), reward_funcs=reward_fn, args=args, train_dataset=data, processing_class=tokenizer)
+    return trainer_cls(
+        model=str(model_dir), reward_funcs=reward_fn, args=args, train_dataset=data, processing_class=tokenizer
+    )
 
 
 def _our_logprobs(model, inputs, temperature: float = 1.0):
@@ -342,7 +354,9 @@ def _loss_inputs(model, vocab: int) -> dict[str, torch.Tensor]:
     completion_ids = torch.randint(10, vocab, (B, T), generator=g)
     lengths = torch.tensor([6, 2, 5, 6, 1, 4, 6, 3])
     completion_mask = (torch.arange(T)[None] < lengths[:, None]).long()
-    inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask)
+    inputs = dict(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask
+    )
     with torch.no_grad():
         logps, _ = _our_logprobs(model, inputs)
     inputs["advantages"] = torch.randn(B, generator=g)
@@ -357,13 +371,21 @@ def _loss_inputs(model, vocab: int) -> dict[str, torch.Tensor]:
 LOCAL = lambda x: None  # noqa: E731  (the micro-batch's own normaliser)
 TRL_CASES = {
     "grpo": (dict(loss_type="grpo"), dict(loss_reduction="sample"), LOCAL),
-    "bnpo+clip_higher": (dict(loss_type="bnpo", epsilon_high=0.28), dict(loss_reduction="token", eps_clip_high=0.28), LOCAL),
+    "bnpo+clip_higher": (
+        dict(loss_type="bnpo", epsilon_high=0.28),
+        dict(loss_reduction="token", eps_clip_high=0.28),
+        LOCAL,
+    ),
     "dr_grpo": (
         dict(loss_type="dr_grpo"),
         dict(loss_reduction="dr_grpo"),
         lambda x: A.loss_normalizer("dr_grpo", 0, B, MAX_COMPLETION),  # TRL: B x max_completion_length
     ),
-    "dapo_global_tokens": (dict(loss_type="dapo"), dict(loss_reduction="token"), lambda x: float(x["num_items_in_batch"])),
+    "dapo_global_tokens": (
+        dict(loss_type="dapo"),
+        dict(loss_reduction="token"),
+        lambda x: float(x["num_items_in_batch"]),
+    ),
     "grpo+kl_k3": (
         dict(loss_type="grpo", beta=0.05, use_bias_correction_kl=False),
         dict(loss_reduction="sample", kl_coef=0.05, kl_estimator="k3"),
@@ -374,7 +396,11 @@ TRL_CASES = {
         dict(loss_reduction="token", kl_coef=0.1, kl_importance_weight=True, entropy_coef=0.02),
         LOCAL,
     ),
-    "gspo": (dict(loss_type="grpo", importance_sampling_level="sequence"), dict(loss="gspo", loss_reduction="sample"), LOCAL),
+    "gspo": (
+        dict(loss_type="grpo", importance_sampling_level="sequence"),
+        dict(loss="gspo", loss_reduction="sample"),
+        LOCAL,
+    ),
 }
 
 
@@ -382,7 +408,9 @@ TRL_CASES = {
 @pytest.mark.parametrize("case", list(TRL_CASES))
 def test_loss_matches_trl_grpo_trainer(case, tiny_model_dir, tmp_path):
     trl_kwargs, our_kwargs, normalizer = TRL_CASES[case]
-    trainer = _trl_trainer("grpo", tiny_model_dir, tmp_path, lambda completions, **_: [0.0] * len(completions), **trl_kwargs)
+    trainer = _trl_trainer(
+        "grpo", tiny_model_dir, tmp_path, lambda completions, **_: [0.0] * len(completions), **trl_kwargs
+    )
     model = trainer.model
     model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train() for each optimiser step
@@ -398,9 +426,15 @@ def test_loss_matches_trl_grpo_trainer(case, tiny_model_dir, tmp_path):
     logprobs, entropy = _our_logprobs(model, inputs, temperature)
     mask = inputs["completion_mask"]
     ours, stats = A.rl_loss(
-        cfg, logprobs, inputs["old_per_token_logps"], inputs["advantages"], mask, normalizer(inputs),
-        ref_logprobs=inputs["ref_per_token_logps"], entropy=entropy,
-    )  # fmt: skip
+        cfg,
+        logprobs,
+        inputs["old_per_token_logps"],
+        inputs["advantages"],
+        mask,
+        normalizer(inputs),
+        ref_logprobs=inputs["ref_per_token_logps"],
+        entropy=entropy,
+    )
     ours.backward()
 
     assert abs(ours.item() - trl_loss.item()) <= 1e-6, (ours.item(), trl_loss.item())
@@ -411,7 +445,9 @@ def test_loss_matches_trl_grpo_trainer(case, tiny_model_dir, tmp_path):
     with torch.no_grad():
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         attention = torch.cat([inputs["prompt_mask"], mask], 1)
-        trl_logps, trl_entropy, _ = trainer._get_per_token_logps_and_entropies(model, ids, attention, T, compute_entropy=True)
+        trl_logps, trl_entropy, _ = trainer._get_per_token_logps_and_entropies(
+            model, ids, attention, T, compute_entropy=True
+        )
     m = mask.bool()
     assert_close(logprobs.detach()[m], trl_logps[m], atol=1e-6, rtol=0)
     assert_close(entropy.detach()[m], trl_entropy[m], atol=1e-6, rtol=0)

@@ -58,9 +58,17 @@ def test_a_request_that_outlived_an_update_ages_its_group_by_its_oldest_tokens()
     """The engine reports which version made which output tokens; the sample keeps them all, so a
     group is as old as its first tokens, not its last (else retract / in_place would hide staleness)."""
     spans = [{"version": "2", "start": 0, "end": 3}, {"version": "3", "start": 3, "end": 5}]
-    meta = {"id": "r", "prompt_tokens": 2, "completion_tokens": 5, "weight_version": "3",
-            "output_token_logprobs": [[-0.1, t, None] for t in range(5)], "finish_reason": {"type": "length"}}  # fmt: skip
-    result = to_result(GenerateResponse(text="", output_ids=list(range(5)), meta_info=MetaInfo(**meta, weight_versions=spans)))
+    meta = {
+        "id": "r",
+        "prompt_tokens": 2,
+        "completion_tokens": 5,
+        "weight_version": "3",
+        "output_token_logprobs": [[-0.1, t, None] for t in range(5)],
+        "finish_reason": {"type": "length"},
+    }
+    result = to_result(
+        GenerateResponse(text="", output_ids=list(range(5)), meta_info=MetaInfo(**meta, weight_versions=spans))
+    )
     assert result.token_versions == [2, 2, 2, 3, 3] and result.weight_version == 3
     s = Sample(prompt="p", tokens=[1, 2])
     s.append_model(result.output_ids, result.logprobs, result.token_versions)

@@ -21,8 +21,20 @@ from slimish.types import Sample, SampleStatus
 
 from conftest import run_plugin, running_router, with_capture
 
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic",
-          "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate arithmetic",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 OPENING = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is (2+3)*4?"}]
 TEMPLATE = Sample(prompt=OPENING, label="20", group_id=7, index=2, metadata={"task": "calc"})
 
@@ -39,7 +51,9 @@ def sdk(capture: CaptureServer, session: str) -> openai.AsyncOpenAI:
 
 def direct(engine: str, ids: list[int], params: dict) -> tuple[list[int], list[float]]:
     """The engine itself, on the same input ids: the reference for every captured turn."""
-    r = httpx.post(engine + "/generate", json={"input_ids": ids, "sampling_params": params, "return_logprob": True}, timeout=60)
+    r = httpx.post(
+        engine + "/generate", json={"input_ids": ids, "sampling_params": params, "return_logprob": True}, timeout=60
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     return out["output_ids"], [e[0] for e in out["meta_info"]["output_token_logprobs"]]
@@ -51,14 +65,19 @@ def test_three_turn_tool_session_is_one_exact_sample(engine, router, tok):
     # end-of-turn token after 3 tokens (forced by a bias, held back by min_tokens).
     turns = [
         ({"max_tokens": 5}, [{"role": "tool", "tool_call_id": "call_1", "content": "5"}]),
-        ({"max_tokens": 9, "extra_body": {"min_tokens": 3}, "logit_bias": {str(eot): 100}}, [{"role": "user", "content": "And times 4?"}]),
+        (
+            {"max_tokens": 9, "extra_body": {"min_tokens": 3}, "logit_bias": {str(eot): 100}},
+            [{"role": "user", "content": "And times 4?"}],
+        ),
         ({"max_tokens": 4}, []),
     ]
 
     async def agent(capture: CaptureServer) -> tuple[list[Any], list[Sample]]:
         client, messages, replies = sdk(capture, "s1"), list(OPENING), []
         for kwargs, env in turns:
-            reply = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0, **kwargs)
+            reply = await client.chat.completions.create(
+                model="m", messages=messages, tools=TOOLS, temperature=0, **kwargs
+            )
             replies.append(reply)
             messages += [reply.choices[0].message, *env]  # the SDK's own message object, as agents do
         return replies, capture.pop_samples("s1", TEMPLATE)
@@ -69,9 +88,17 @@ def test_three_turn_tool_session_is_one_exact_sample(engine, router, tok):
 
     # The reference, built from the engine's own outputs and ChatTokens' env ids.
     chat = ModelFormat(tok).chat(TOOLS)
-    params = [{"temperature": 0.0, "max_new_tokens": 5, "skip_special_tokens": False},
-              {"temperature": 0.0, "max_new_tokens": 9, "min_new_tokens": 3, "logit_bias": {str(eot): 100.0}, "skip_special_tokens": False},
-              {"temperature": 0.0, "max_new_tokens": 4, "skip_special_tokens": False}]  # fmt: skip
+    params = [
+        {"temperature": 0.0, "max_new_tokens": 5, "skip_special_tokens": False},
+        {
+            "temperature": 0.0,
+            "max_new_tokens": 9,
+            "min_new_tokens": 3,
+            "logit_bias": {str(eot): 100.0},
+            "skip_special_tokens": False,
+        },
+        {"temperature": 0.0, "max_new_tokens": 4, "skip_special_tokens": False},
+    ]
     prompt = chat.prompt_ids(OPENING)
     context, mask, logprobs, env = list(prompt), [], [], []
     for i, (p, reply) in enumerate(zip(params, replies)):
@@ -91,8 +118,15 @@ def test_three_turn_tool_session_is_one_exact_sample(engine, router, tok):
     assert s.loss_mask == mask and s.rollout_logprobs == logprobs
     assert s.status == SampleStatus.TRUNCATED and s.weight_versions == [0]
     assert (s.prompt, s.label, s.group_id, s.index, s.metadata["task"]) == (OPENING, "20", 7, 2, "calc")
-    assert s.metadata["capture"] == {"session": "s1", "segments": 1, "realignments": 0, "segment": 0, "branch": 0, "turns": 3,
-                                     "how": ["start", "continue", "continue"]}
+    assert s.metadata["capture"] == {
+        "session": "s1",
+        "segments": 1,
+        "realignments": 0,
+        "segment": 0,
+        "branch": 0,
+        "turns": 3,
+        "how": ["start", "continue", "continue"],
+    }
 
 
 THREE = {"temperature": 0, "max_tokens": 3, "extra_body": {"ignore_eos": True}}
@@ -105,24 +139,43 @@ def test_an_edited_reply_realigns_and_a_rewritten_history_forks(engine, router, 
 
     async def agent(capture: CaptureServer) -> list[Sample]:
         client, messages = sdk(capture, "s2"), list(OPENING)
-        first = await client.chat.completions.create(model="m", messages=messages, **{**THREE, "extra_body": {"ignore_eos": True, "return_token_ids": True}})
-        messages += [{"role": "assistant", "content": first.choices[0].message.content + " (ok)"}, {"role": "user", "content": "go on"}]
+        first = await client.chat.completions.create(
+            model="m", messages=messages, **{**THREE, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+        )
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content + " (ok)"},
+            {"role": "user", "content": "go on"},
+        ]
         await client.chat.completions.create(model="m", messages=messages, **THREE)
         compacted = [OPENING[0], {"role": "user", "content": "Summary: we talked. Go on."}]
         await client.chat.completions.create(model="m", messages=compacted, **THREE)
         assert capture.pop_samples("never-used", TEMPLATE) == []
-        return capture.pop_samples("s2", TEMPLATE), messages, compacted, first.choices[0].model_dump()["response_token_ids"]
+        return (
+            capture.pop_samples("s2", TEMPLATE),
+            messages,
+            compacted,
+            first.choices[0].model_dump()["response_token_ids"],
+        )
 
     samples, messages, compacted, first_ids = with_capture(router, tok, agent)
     chat = ModelFormat(tok).chat()
     assert [s.metadata["capture"]["how"] for s in samples] == [["start", "realign"], ["fork"]]
-    assert [s.metadata["capture"]["segment"] for s in samples] == [0, 1] and samples[0].metadata["capture"]["realignments"] == 1
+    assert [s.metadata["capture"]["segment"] for s in samples] == [0, 1] and samples[0].metadata["capture"][
+        "realignments"
+    ] == 1
     realigned, forked = samples
-    assert realigned.tokens == chat.prompt_ids(messages) + realigned.response_ids[-3:]  # the context is the template's, edit included
-    keep = realigned.loss_mask.index(0)  # the model's ids up to where the edited reply's tokens differ (BPE may merge across)
+    assert (
+        realigned.tokens == chat.prompt_ids(messages) + realigned.response_ids[-3:]
+    )  # the context is the template's, edit included
+    keep = realigned.loss_mask.index(
+        0
+    )  # the model's ids up to where the edited reply's tokens differ (BPE may merge across)
     assert 1 <= keep <= 3 and realigned.loss_mask == [1] * keep + [0] * (realigned.response_length - 3 - keep) + [1] * 3
     assert realigned.response_ids[:keep] == first_ids[:keep]
-    assert realigned.response_ids[-3:] == direct(engine, realigned.tokens[:-3], {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True})[0]
+    assert (
+        realigned.response_ids[-3:]
+        == direct(engine, realigned.tokens[:-3], {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True})[0]
+    )
     assert forked.tokens[: forked.prompt_length] == chat.prompt_ids(compacted) and forked.loss_mask == [1] * 3
 
 
@@ -133,9 +186,13 @@ def test_default_sampling_and_explicit_overrides(engine, router, tok):
         await client.chat.completions.create(model="m", messages=OPENING, max_tokens=2)  # a new segment: same history
         return capture.pop_samples("s3", TEMPLATE)
 
-    samples = with_capture(router, tok, agent, default_sampling={"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True})
+    samples = with_capture(
+        router, tok, agent, default_sampling={"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+    )
     ids = ModelFormat(tok).chat().prompt_ids(OPENING)
-    assert [s.response_ids for s in samples] == [direct(engine, ids, {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True})[0] for n in (6, 2)]
+    assert [s.response_ids for s in samples] == [
+        direct(engine, ids, {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True})[0] for n in (6, 2)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -176,8 +233,11 @@ def test_openai_agent_plugin_yields_exact_samples(engine, router, tok, tiny_mode
     """rollout_plugins/openai_agent.py through ctx (H1's api): each run of model tokens is what the
     engine generates greedily from the context before it; everything else is mask 0."""
     from rollout_plugins.openai_agent import MAX_TURNS, calculator, rollout
+
     params = {"temperature": 0.0, "max_new_tokens": 6}
-    (s,) = run_plugin(rollout, tiny_model_dir, router, tok, Sample(prompt="What is 2 + 3?", label="5", group_id=3), params)
+    (s,) = run_plugin(
+        rollout, tiny_model_dir, router, tok, Sample(prompt="What is 2 + 3?", label="5", group_id=3), params
+    )
     s.check()
     assert s.reward in (0.0, 1.0) and s.metadata["capture"]["turns"] == MAX_TURNS  # a random model never boxes
     runs, start = [], None
@@ -192,7 +252,11 @@ def test_openai_agent_plugin_yields_exact_samples(engine, router, tok, tiny_mode
     for a, b in runs:
         out, lps = direct(engine, s.tokens[: offset + a], {**params, "skip_special_tokens": False})
         assert s.tokens[offset + a : offset + b] == out and s.rollout_logprobs[a:b] == lps
-    assert calculator("(2+3)*4") == "20" and calculator("7/2") == "3.5" and calculator("__import__('os')").startswith("error")
+    assert (
+        calculator("(2+3)*4") == "20"
+        and calculator("7/2") == "3.5"
+        and calculator("__import__('os')").startswith("error")
+    )
 
 
 def test_parallel_requests_on_one_turn_branch_and_share_it_once(engine, router, tok):
@@ -203,12 +267,18 @@ def test_parallel_requests_on_one_turn_branch_and_share_it_once(engine, router, 
         client = sdk(capture, "s4")
         first = await client.chat.completions.create(model="m", messages=OPENING, **THREE)
         history = [*OPENING, first.choices[0].message]
-        await asyncio.gather(*(client.chat.completions.create(model="m", messages=[*history, {"role": "user", "content": q}], **THREE)
-                               for q in ("left", "right")))  # fmt: skip
+        await asyncio.gather(
+            *(
+                client.chat.completions.create(model="m", messages=[*history, {"role": "user", "content": q}], **THREE)
+                for q in ("left", "right")
+            )
+        )
         return capture.pop_samples("s4", TEMPLATE)
 
     samples = with_capture(router, tok, agent)
-    assert [s.metadata["capture"]["turns"] for s in samples] == [2, 2] and [s.metadata["capture"]["branch"] for s in samples] == [0, 1]
+    assert [s.metadata["capture"]["turns"] for s in samples] == [2, 2] and [
+        s.metadata["capture"]["branch"] for s in samples
+    ] == [0, 1]
     assert samples[0].tokens[: samples[0].prompt_length + 3] == samples[1].tokens[: samples[1].prompt_length + 3]
     assert samples[0].loss_mask[:3] == [1, 1, 1] and samples[1].loss_mask[:3] == [0, 0, 0]
     greedy = {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True}

@@ -16,17 +16,36 @@ from slimish.formats.model import ModelFormat
 from slimish.formats.template import ChatTemplate, TemplateError, end_token_ids
 from slimish.formats.tokens import ChatTokens, same_message
 
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic",
-          "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate arithmetic",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 
 
 def call(expression: str) -> dict:
     """An OpenAI tool call: `arguments` is a JSON string."""
-    return {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}
+    return {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})},
+    }
 
 
 def decoded(message: dict) -> dict:
-    calls = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}} for c in message.get("tool_calls", [])]
+    calls = [
+        {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+        for c in message.get("tool_calls", [])
+    ]
     return {**message, "tool_calls": calls} if calls else message
 
 
@@ -34,7 +53,10 @@ def decoded(message: dict) -> dict:
 OPENING = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is (2+3)*4?"}]
 TURNS = [
     ({"role": "assistant", "content": "", "tool_calls": [call("2+3")]}, [{"role": "tool", "content": "5"}]),
-    ({"role": "assistant", "content": "Now multiply.", "tool_calls": [call("5*4")]}, [{"role": "tool", "content": "20"}]),
+    (
+        {"role": "assistant", "content": "Now multiply.", "tool_calls": [call("5*4")]},
+        [{"role": "tool", "content": "20"}],
+    ),
     ({"role": "assistant", "content": "The answer is \\boxed{20}."}, [{"role": "user", "content": "Thanks! And 1+1?"}]),
 ]
 # A template whose assistant turn has no closing token: the next turn's opener ends it (GLM's shape).
@@ -76,15 +98,18 @@ def test_three_tool_turns_equal_the_template(tok, tools):
     chat = ModelFormat(tok).chat(tools)
     history = list(OPENING)
     ids = chat.prompt_ids(history)
-    assert ids == tok.apply_chat_template(history, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ids == tok.apply_chat_template(
+        history, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     for assistant, env in TURNS:
         turn = model_turn(chat, history, assistant)
         ids += turn + chat.env_ids(env, last_token=turn[-1])
         history += [assistant, *env]
     assert ids == chat.render(history, add_generation_prompt=True)
     # and against HF itself, given the arguments as objects (what this template's `tojson` wants)
-    assert ids == tok.apply_chat_template([decoded(m) for m in history], tools=tools, add_generation_prompt=True,
-                                          tokenize=True, return_dict=False)  # fmt: skip
+    assert ids == tok.apply_chat_template(
+        [decoded(m) for m in history], tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def test_turn_without_a_stop_token_is_closed_by_env_ids(tok):
@@ -105,7 +130,10 @@ def test_a_secondary_end_token_closes_the_turn(tok):
     env = [{"role": "user", "content": "more"}]
     endoftext = tok.convert_tokens_to_ids("<|endoftext|>")
     assert chat.env_ids(env, last_token=endoftext) == chat.env_ids(env, last_token=chat.close_id)
-    assert tok.decode(chat.env_ids(env, last_token=endoftext)) == "\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tok.decode(chat.env_ids(env, last_token=endoftext))
+        == "\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_empty_new_messages_open_a_new_assistant_turn(tok):
@@ -141,7 +169,9 @@ def test_turn_closed_by_the_next_turns_opener(tok):
     env = [{"role": "user", "content": "more"}]
     history = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "ok"}]
     prompt = chat.prompt_ids(history[:1])
-    turn = chat.render(history, add_generation_prompt=False)[len(prompt) :] + [opener]  # content, then the model stops on the opener
+    turn = chat.render(history, add_generation_prompt=False)[len(prompt) :] + [
+        opener
+    ]  # content, then the model stops on the opener
     ids = prompt + turn + chat.env_ids(env, last_token=opener)
     assert ids == chat.render([*history, *env], add_generation_prompt=True)
     assert chat.env_ids(env, last_token=turn[-2])[0] == opener  # cut off: the opener is the environment's
@@ -151,13 +181,17 @@ def test_turn_closed_by_the_next_turns_opener(tok):
 def test_arguments_take_the_form_the_template_renders_as_json(tok):
     """A template that concatenates `arguments` (DeepSeek-V3.1's shape) gets the JSON string; one
     that applies `tojson` gets the object: both render the call's JSON once."""
-    concat = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
-              "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name + ':' + c.function.arguments }}</tool_call>{% endfor %}"
-              "<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+    concat = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+        "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name + ':' + c.function.arguments }}</tool_call>{% endfor %}"
+        "<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     history = [OPENING[1], TURNS[0][0]]
     as_string = ChatTemplate(with_template(tok, concat))
     assert as_string.arguments_form == "string"
-    assert '<tool_call>calculator:{"expression": "2+3"}</tool_call>' in tok.decode(as_string.render(history, TOOLS, False))
+    assert '<tool_call>calculator:{"expression": "2+3"}</tool_call>' in tok.decode(
+        as_string.render(history, TOOLS, False)
+    )
     as_object = ChatTemplate(tok)
     assert as_object.arguments_form == "object"
     assert '"arguments": {"expression": "2+3"}' in tok.decode(as_object.render(history, TOOLS, False))

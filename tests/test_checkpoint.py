@@ -33,8 +33,12 @@ def test_round_trip_continues_training_exactly(tiny_model_dir, tmp_path):
     random.seed(5)
     np.random.seed(5)
     torch.manual_seed(5)
-    checkpoint.save(tmp_path, 1, {"step": 1, "trainer": straight.state_dict(), "rng": checkpoint.rng_state(),
-                                  "rollout": {"cursor": 12}}, keep=2)  # fmt: skip
+    checkpoint.save(
+        tmp_path,
+        1,
+        {"step": 1, "trainer": straight.state_dict(), "rng": checkpoint.rng_state(), "rollout": {"cursor": 12}},
+        keep=2,
+    )
     draws = (random.random(), np.random.rand(), torch.rand(1).item())
     straight.train_step(batches[1], 2)
 

@@ -17,7 +17,9 @@ def test_generate_and_stream_agree(engine: str) -> None:
     async def go():
         async with Client(engine) as c:
             whole = await c.generate(input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
-            chunks = [ch async for ch in c.generate_stream(input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)]
+            chunks = [
+                ch async for ch in c.generate_stream(input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
+            ]
             return whole, chunks
 
     whole, chunks = asyncio.run(go())
@@ -32,7 +34,12 @@ def test_a_long_streamed_line_is_read_whole(engine: str) -> None:
 
     async def go():
         async with Client(engine) as c:
-            return [ch async for ch in c.generate_stream(input_ids=PROMPT, sampling_params=params, return_logprob=True, top_logprobs_num=100)]
+            return [
+                ch
+                async for ch in c.generate_stream(
+                    input_ids=PROMPT, sampling_params=params, return_logprob=True, top_logprobs_num=100
+                )
+            ]
 
     chunks = asyncio.run(go())
     assert len(chunks[-1].output_ids) == 120

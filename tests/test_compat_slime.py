@@ -39,12 +39,31 @@ def rendered(tok: Any, prompt: str) -> str:
     return tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
 
 
-def rollout_cli(tmp_path: Path, model: Path, router: str, prompts: str, flags: list[str], *overrides: str) -> tuple[list[Sample], str]:
+def rollout_cli(
+    tmp_path: Path, model: Path, router: str, prompts: str, flags: list[str], *overrides: str
+) -> tuple[list[Sample], str]:
     out = tmp_path / "samples.jsonl"
-    argv = [sys.executable, "-m", "slimish.cli", "rollout", "--steps", "1", "--out", str(out), *flags, f"model={model}",
-            f"data.source={prompts}", "data.shuffle=false", f"launch.router_url={router}", f"run_dir={tmp_path}",
-            "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2", f"rollout.max_new_tokens={MAX_NEW}",
-            "rollout.temperature=0.0", *overrides]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "slimish.cli",
+        "rollout",
+        "--steps",
+        "1",
+        "--out",
+        str(out),
+        *flags,
+        f"model={model}",
+        f"data.source={prompts}",
+        "data.shuffle=false",
+        f"launch.router_url={router}",
+        f"run_dir={tmp_path}",
+        "rollout.n_samples_per_prompt=2",
+        "rollout.rollout_batch_size=2",
+        f"rollout.max_new_tokens={MAX_NEW}",
+        "rollout.temperature=0.0",
+        *overrides,
+    ]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [Sample.from_dict(json.loads(line)) for line in out.read_text().splitlines()], proc.stderr
@@ -52,7 +71,9 @@ def rollout_cli(tmp_path: Path, model: Path, router: str, prompts: str, flags: l
 
 async def greedy(url: str, ids: list[int]) -> tuple[list[int], list[float]]:
     async with Client(url) as client:
-        out = await client.generate(input_ids=ids, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0.0}, return_logprob=True)
+        out = await client.generate(
+            input_ids=ids, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0.0}, return_logprob=True
+        )
     return out.output_ids, [e[0] for e in out.meta_info.output_token_logprobs]
 
 
@@ -61,11 +82,16 @@ async def greedy(url: str, ids: list[int]) -> tuple[list[int], list[float]]:
 
 def test_load_errors_name_the_flag_and_the_fix(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
-    bad.write_text("def sync_generate(args, sample, sampling_params):\n    return sample\n\n"
-                   "async def two_params(args, sample):\n    return sample\n\nNOT_A_FUNCTION = 3\n")  # fmt: skip
+    bad.write_text(
+        "def sync_generate(args, sample, sampling_params):\n    return sample\n\n"
+        "async def two_params(args, sample):\n    return sample\n\nNOT_A_FUNCTION = 3\n"
+    )
     cases = {
         ("slime:no_colon", "rollout"): "'slime:no_colon': expected `module:function`",
-        (f"slime:{PLUGINS}/rewards.py:missing", "reward"): "has no function 'missing'; it defines: group_rm, legacy_filter, nonzero_std, rm",
+        (
+            f"slime:{PLUGINS}/rewards.py:missing",
+            "reward",
+        ): "has no function 'missing'; it defines: group_rm, legacy_filter, nonzero_std, rm",
         (f"slime:{bad}:sync_generate", "rollout"): "must be an async function",
         (f"slime:{bad}:two_params", "rollout"): "write `async def two_params(args, sample, sampling_params)`",
         (f"slime:{bad}:NOT_A_FUNCTION", "rollout"): "NOT_A_FUNCTION is a int, not a function",
@@ -77,7 +103,9 @@ def test_load_errors_name_the_flag_and_the_fix(tmp_path: Path) -> None:
             load_function(spec, kind)
         assert message in str(err.value), (spec, str(err.value))
     assert not is_group_reward(load_function(f"slime:{PLUGINS}/rewards.py:rm", "reward"))
-    assert is_group_reward(load_function(f"slime:{PLUGINS}/rewards.py:group_rm", "reward"))  # second parameter `samples`
+    assert is_group_reward(
+        load_function(f"slime:{PLUGINS}/rewards.py:group_rm", "reward")
+    )  # second parameter `samples`
 
 
 def test_the_slime_namespace_appears_only_when_a_slime_spec_is_loaded() -> None:
@@ -115,25 +143,45 @@ def test_filter_answers_map_to_drop_reasons() -> None:
 def test_replies_align_only_with_trained_tokens() -> None:
     """A reply's output found among mask-1 tokens only (an observation holding the same id is not
     it); a reply the function cut short is not matched (its tokens need their own logprobs)."""
-    replies = [compat._Reply([1, 2], [7], [-0.5], [3], "stop"), compat._Reply(None, [8, 9, 9], [-0.1, -0.2, -0.3], [4, 4, 4], "length")]
+    replies = [
+        compat._Reply([1, 2], [7], [-0.5], [3], "stop"),
+        compat._Reply(None, [8, 9, 9], [-0.1, -0.2, -0.3], [4, 4, 4], "length"),
+    ]
     logprobs, versions = compat._match([7, 7, 8, 9], [0, 1, 1, 1], replies)
     assert logprobs == [None, -0.5, None, None] and versions == [-1, 3, -1, -1]
-    tokens, length, mask, lps = compat._chain("w", [compat._Reply([1, 2], [7], [-0.5], [3], "stop"), compat._Reply([1, 2, 7, 5], [6], [-0.2], [3], "stop")])
+    tokens, length, mask, lps = compat._chain(
+        "w", [compat._Reply([1, 2], [7], [-0.5], [3], "stop"), compat._Reply([1, 2, 7, 5], [6], [-0.2], [3], "stop")]
+    )
     assert (tokens, length, mask, lps) == ([1, 2, 7, 5, 6], 3, [1, 0, 1], [-0.5, 0.0, -0.2])
     with pytest.raises(ValueError, match="do not extend one another"):
-        compat._chain("w", [compat._Reply([1, 2], [7], [-0.5], [3], "stop"), compat._Reply([1, 3], [6], [-0.2], [3], "stop")])
+        compat._chain(
+            "w", [compat._Reply([1, 2], [7], [-0.5], [3], "stop"), compat._Reply([1, 3], [6], [-0.2], [3], "stop")]
+        )
 
 
 # ---- through `slimish rollout` ------------------------------------------------------------------
 
 
-def test_slimes_default_generate_with_a_dict_reward_and_filter(servers: Servers, tiny_model_dir: Path, prompts: str, tmp_path: Path) -> None:
+def test_slimes_default_generate_with_a_dict_reward_and_filter(
+    servers: Servers, tiny_model_dir: Path, prompts: str, tmp_path: Path
+) -> None:
     """slime's own default `generate`, a dict rm with string fields and a DynamicFilterOutput
     filter: exact engine tokens and logprobs, all trained (slime sets no mask), versions."""
-    samples, stderr = rollout_cli(tmp_path, tiny_model_dir, servers.router_url, prompts,
-                                  ["--rollout-fn", "slime:slime.rollout.sglang_rollout:generate",
-                                   "--reward-fn", f"slime:{PLUGINS}/rewards.py:rm", "--filter-fn", f"slime:{PLUGINS}/rewards.py:nonzero_std"],
-                                  "rollout.reward_key=score")  # fmt: skip
+    samples, stderr = rollout_cli(
+        tmp_path,
+        tiny_model_dir,
+        servers.router_url,
+        prompts,
+        [
+            "--rollout-fn",
+            "slime:slime.rollout.sglang_rollout:generate",
+            "--reward-fn",
+            f"slime:{PLUGINS}/rewards.py:rm",
+            "--filter-fn",
+            f"slime:{PLUGINS}/rewards.py:nonzero_std",
+        ],
+        "rollout.reward_key=score",
+    )
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert sorted((s.group_id, s.index) for s in samples) == [(g, i) for g in range(2) for i in range(2)]
     for s in samples:
@@ -149,14 +197,27 @@ def test_slimes_default_generate_with_a_dict_reward_and_filter(servers: Servers,
     assert "step 1: 2 groups kept" in stderr
 
 
-def test_a_multi_turn_search_generate_with_a_group_rm(servers: Servers, tiny_model_dir: Path, prompts: str, tmp_path: Path) -> None:
+def test_a_multi_turn_search_generate_with_a_group_rm(
+    servers: Servers, tiny_model_dir: Path, prompts: str, tmp_path: Path
+) -> None:
     """Model turns mask 1 with the engine's logprobs and versions, fake retrieval observations
     mask 0; text re-sent by the function counted where it re-tokenizes differently; a group rm;
     the filter's reason on the dropped group."""
-    samples, _ = rollout_cli(tmp_path, tiny_model_dir, servers.router_url, prompts,
-                             ["--rollout-fn", f"slime:{PLUGINS}/search.py:generate",
-                              "--reward-fn", f"slime:{PLUGINS}/rewards.py:group_rm", "--filter-fn", f"slime:{PLUGINS}/rewards.py:nonzero_std"],
-                             "rollout.args.search_payload=alternate")  # fmt: skip
+    samples, _ = rollout_cli(
+        tmp_path,
+        tiny_model_dir,
+        servers.router_url,
+        prompts,
+        [
+            "--rollout-fn",
+            f"slime:{PLUGINS}/search.py:generate",
+            "--reward-fn",
+            f"slime:{PLUGINS}/rewards.py:group_rm",
+            "--filter-fn",
+            f"slime:{PLUGINS}/rewards.py:nonzero_std",
+        ],
+        "rollout.args.search_payload=alternate",
+    )
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     by_group: dict[int, list[Sample]] = {}
     for s in samples:
@@ -168,11 +229,15 @@ def test_a_multi_turn_search_generate_with_a_group_rm(servers: Servers, tiny_mod
         assert s.response_ids == [t for turn in turns for t in turn["output_ids"] + turn["obs_ids"]]
         assert s.loss_mask == [m for turn in turns for m in [1] * len(turn["output_ids"]) + [0] * len(turn["obs_ids"])]
         assert s.rollout_logprobs == [lp for turn in turns for lp in turn["logprobs"] + [0.0] * len(turn["obs_ids"])]
-        assert s.token_versions == [v for turn in turns for v in [0] * len(turn["output_ids"]) + [-1] * len(turn["obs_ids"])]
+        assert s.token_versions == [
+            v for turn in turns for v in [0] * len(turn["output_ids"]) + [-1] * len(turn["obs_ids"])
+        ]
         assert s.tokens[: s.prompt_length] == s.metadata["prompt_ids"]
         mode = "text" if s.index % 2 else "input_ids"
         assert {turn["mode"] for turn in turns} == {mode}
-        assert s.metadata["retokenized_mismatch"] == (expected_mismatches(tok, rendered(tok, s.prompt[0]["content"]), turns) if mode == "text" else 0)
+        assert s.metadata["retokenized_mismatch"] == (
+            expected_mismatches(tok, rendered(tok, s.prompt[0]["content"]), turns) if mode == "text" else 0
+        )
     assert [s.reward for s in sorted(by_group[0], key=lambda s: s.index)] == [1.0, 0.0]
     assert all(s.reward == 0.5 and s.metadata["dropped"] == "zero_std_0.5" for s in by_group[1])
     assert all("dropped" not in s.metadata for s in by_group[0] + by_group[2])
@@ -193,8 +258,12 @@ def expected_mismatches(tok: Any, prompt: str, turns: list[dict[str, Any]]) -> i
 # ---- in process: hand-written generate functions ------------------------------------------------
 
 
-def run_slime(spec: str, cfg_overrides: list[str], router: str, model: Path, samples: list[Sample], **ctx_kw: Any) -> list[Any]:
-    cfg = load_run_config(None, [f"model={model}", "data.source=task:add", f"rollout.max_new_tokens={MAX_NEW}", *cfg_overrides])
+def run_slime(
+    spec: str, cfg_overrides: list[str], router: str, model: Path, samples: list[Sample], **ctx_kw: Any
+) -> list[Any]:
+    cfg = load_run_config(
+        None, [f"model={model}", "data.source=task:add", f"rollout.max_new_tokens={MAX_NEW}", *cfg_overrides]
+    )
     fn = load_function(spec, "rollout")
 
     async def main() -> list[Any]:
@@ -213,17 +282,33 @@ def test_hand_written_single_turn_generates(servers: Servers, tiny_model_dir: Pa
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     messages = [{"role": "user", "content": "What is 4 + 4?"}]
     kept = Sample(prompt=messages, label="8", group_id=3, index=1)
-    (out,) = run_slime(f"slime:{PLUGINS}/single_turn.py:generate", ["rollout.temperature=0.0"], servers.router_url, tiny_model_dir, [kept])
-    assert out is kept and out.metadata["prompt_ids"] == tok.encode(rendered(tok, "What is 4 + 4?"), add_special_tokens=False)
+    (out,) = run_slime(
+        f"slime:{PLUGINS}/single_turn.py:generate",
+        ["rollout.temperature=0.0"],
+        servers.router_url,
+        tiny_model_dir,
+        [kept],
+    )
+    assert out is kept and out.metadata["prompt_ids"] == tok.encode(
+        rendered(tok, "What is 4 + 4?"), add_special_tokens=False
+    )
     ids, logprobs = asyncio.run(greedy(servers.engine_urls[0], out.metadata["prompt_ids"]))
     assert out.response_ids == ids and out.loss_mask == [1] * len(ids)
     assert out.rollout_logprobs == out.metadata["engine_logprobs"] == pytest.approx(logprobs, abs=1e-4)
     assert out.token_versions == [0] * len(ids) and out.status in (SampleStatus.TRUNCATED, SampleStatus.COMPLETED)
 
     bare = Sample(prompt="Largest digit: 1 2 3", label="3", metadata={"eval": True})
-    (out,) = run_slime(f"slime:{PLUGINS}/single_turn.py:generate_minimal", ["rollout.temperature=0.0"], servers.router_url, tiny_model_dir, [bare])
+    (out,) = run_slime(
+        f"slime:{PLUGINS}/single_turn.py:generate_minimal",
+        ["rollout.temperature=0.0"],
+        servers.router_url,
+        tiny_model_dir,
+        [bare],
+    )
     assert out.tokens == out.metadata["engine_prompt_ids"] + out.metadata["engine_output_ids"]
-    assert out.response_length == len(out.metadata["engine_output_ids"]) > 0 and out.loss_mask == [1] * out.response_length
+    assert (
+        out.response_length == len(out.metadata["engine_output_ids"]) > 0 and out.loss_mask == [1] * out.response_length
+    )
     ids, logprobs = asyncio.run(greedy(servers.engine_urls[0], out.metadata["engine_prompt_ids"]))
     assert out.response_ids == ids and out.rollout_logprobs == pytest.approx(logprobs, abs=1e-4)
     assert out.status == (SampleStatus.TRUNCATED if len(ids) == MAX_NEW else SampleStatus.COMPLETED)
@@ -253,14 +338,22 @@ def fake_router(tok: Any, output_ids: list[int], seen: list[dict[str, Any]]) -> 
         body = await request.json()
         seen.append({"body": body, "headers": dict(request.headers)})
         prompt = tok.encode(body["text"]) if "text" in body else body["input_ids"]
-        meta = {"id": f"r{len(seen)}", "finish_reason": {"type": "length"}, "prompt_tokens": len(prompt), "completion_tokens": len(output_ids),
-                "weight_version": "7", "output_token_logprobs": [[-0.25 * (i + 1), t, None] for i, t in enumerate(output_ids)]}  # fmt: skip
+        meta = {
+            "id": f"r{len(seen)}",
+            "finish_reason": {"type": "length"},
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(output_ids),
+            "weight_version": "7",
+            "output_token_logprobs": [[-0.25 * (i + 1), t, None] for i, t in enumerate(output_ids)],
+        }
         return {"text": tok.decode(output_ids), "output_ids": output_ids, "meta_info": meta}
 
     return app
 
 
-def test_headers_versions_retokenization_and_abort_on_a_fake_router(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_headers_versions_retokenization_and_abort_on_a_fake_router(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     merged, output_ids = split_token(tok)
     seen: list[dict[str, Any]] = []
@@ -269,33 +362,58 @@ def test_headers_versions_retokenization_and_abort_on_a_fake_router(tiny_model_d
     with serving(fake_router(tok, output_ids, seen), "fake router") as url:
         sample = Sample(prompt="hello", label=None, group_id=5, index=0)
         with pytest.warns(RuntimeWarning, match="re-sent text"):
-            (out,) = run_slime(f"slime:{PLUGINS}/search.py:generate", overrides, url, tiny_model_dir, [sample], routing_key="rk-5-0")
+            (out,) = run_slime(
+                f"slime:{PLUGINS}/search.py:generate", overrides, url, tiny_model_dir, [sample], routing_key="rk-5-0"
+            )
         assert len(seen) == 3  # three turns
         for call in seen:
-            assert call["headers"]["x-smg-routing-key"] == "rk-5-0" and call["headers"]["authorization"] == "Bearer sekret"
+            assert (
+                call["headers"]["x-smg-routing-key"] == "rk-5-0" and call["headers"]["authorization"] == "Bearer sekret"
+            )
             assert call["body"]["return_logprob"] is True and call["body"]["sampling_params"]["no_stop_trim"] is True
         # Turns 2 and 3 re-send the model's ids as text, where the engine merges them into `merged`.
         assert tok.encode(merged, add_special_tokens=False) != output_ids
         assert out.metadata["retokenized_mismatch"] == 2
-        assert out.loss_mask == [m for t in out.metadata["turns"] for m in [1] * len(output_ids) + [0] * len(t["obs_ids"])]
-        assert out.token_versions == [v for t in out.metadata["turns"] for v in [7] * len(output_ids) + [-1] * len(t["obs_ids"])]
+        assert out.loss_mask == [
+            m for t in out.metadata["turns"] for m in [1] * len(output_ids) + [0] * len(t["obs_ids"])
+        ]
+        assert out.token_versions == [
+            v for t in out.metadata["turns"] for v in [7] * len(output_ids) + [-1] * len(t["obs_ids"])
+        ]
         assert out.weight_versions == [7] and out.status == SampleStatus.TRUNCATED
 
         bare = Sample(prompt="hello", label=None)
         (out,) = run_slime(f"slime:{PLUGINS}/single_turn.py:generate_minimal", [], url, tiny_model_dir, [bare])
-        assert seen[-1]["body"]["return_logprob"] is True and "authorization" not in seen[-1]["headers"]  # asked for anyway; no key set
-        assert out.rollout_logprobs == [-0.25 * (i + 1) for i in range(len(output_ids))] and out.token_versions == [7] * len(output_ids)
+        assert (
+            seen[-1]["body"]["return_logprob"] is True and "authorization" not in seen[-1]["headers"]
+        )  # asked for anyway; no key set
+        assert out.rollout_logprobs == [-0.25 * (i + 1) for i in range(len(output_ids))] and out.token_versions == [
+            7
+        ] * len(output_ids)
 
         aborted = asyncio.Event()
         aborted.set()
         before = len(seen)
-        (out,) = run_slime(f"slime:{PLUGINS}/search.py:generate", overrides, url, tiny_model_dir, [Sample(prompt="hi")], abort=aborted)
+        (out,) = run_slime(
+            f"slime:{PLUGINS}/search.py:generate", overrides, url, tiny_model_dir, [Sample(prompt="hi")], abort=aborted
+        )
         assert len(seen) == before and out.status == SampleStatus.ABORTED  # the step is ending: no request was sent
 
 
 def test_slime_args_map_the_run_config(tiny_model_dir: Path) -> None:
-    cfg = load_run_config(None, [f"model={tiny_model_dir}", "data.source=task:add", "rollout.max_new_tokens=9", "rollout.temperature=0.5",
-                                 "rollout.top_k=4", "rollout.stop=[STOP]", "rollout.n_samples_per_prompt=3", "rollout.args.topk=2"])  # fmt: skip
+    cfg = load_run_config(
+        None,
+        [
+            f"model={tiny_model_dir}",
+            "data.source=task:add",
+            "rollout.max_new_tokens=9",
+            "rollout.temperature=0.5",
+            "rollout.top_k=4",
+            "rollout.stop=[STOP]",
+            "rollout.n_samples_per_prompt=3",
+            "rollout.args.topk=2",
+        ],
+    )
 
     class Ctx:
         config, args = cfg, cfg.rollout.args
@@ -303,8 +421,17 @@ def test_slime_args_map_the_run_config(tiny_model_dir: Path) -> None:
         sampling_params = {"max_new_tokens": 9, "temperature": 0.0}
 
     args = compat.slime_args(Ctx())
-    assert (args.sglang_router_ip, args.sglang_router_port, args.hf_checkpoint) == ("10.1.2.3", 4567, str(tiny_model_dir))
-    assert (args.rollout_max_response_len, args.rollout_temperature, args.rollout_top_p, args.rollout_top_k) == (9, 0.5, 1.0, 4)
+    assert (args.sglang_router_ip, args.sglang_router_port, args.hf_checkpoint) == (
+        "10.1.2.3",
+        4567,
+        str(tiny_model_dir),
+    )
+    assert (args.rollout_max_response_len, args.rollout_temperature, args.rollout_top_p, args.rollout_top_k) == (
+        9,
+        0.5,
+        1.0,
+        4,
+    )
     assert (args.rollout_stop, args.n_samples_per_prompt, args.apply_chat_template, args.topk) == (["STOP"], 3, True, 2)
     with pytest.raises(AttributeError, match="set it as rollout.args.sglang_router_policy"):
         args.sglang_router_policy  # noqa: B018
@@ -320,11 +447,30 @@ def test_slimish_train_runs_slime_functions(tiny_model_dir: Path, prompts: str, 
     """Two training steps on a slime search generate, dict rm and filter: nothing fails, the
     second step trains on tokens of the weights pushed after the first."""
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "slimish.cli", "train", "--rollout-fn", f"slime:{PLUGINS}/search.py:generate",
-            "--reward-fn", f"slime:{PLUGINS}/rewards.py:rm", "--filter-fn", f"slime:{PLUGINS}/rewards.py:nonzero_std",
-            f"model={tiny_model_dir}", f"run_dir={run_dir}", f"data.source={prompts}", "rollout.reward_key=score", "rollout.args.search_payload=alternate",
-            "steps=2", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=4",
-            "eval.every=0", "checkpoint.every=0", "launch.engines=1"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "slimish.cli",
+        "train",
+        "--rollout-fn",
+        f"slime:{PLUGINS}/search.py:generate",
+        "--reward-fn",
+        f"slime:{PLUGINS}/rewards.py:rm",
+        "--filter-fn",
+        f"slime:{PLUGINS}/rewards.py:nonzero_std",
+        f"model={tiny_model_dir}",
+        f"run_dir={run_dir}",
+        f"data.source={prompts}",
+        "rollout.reward_key=score",
+        "rollout.args.search_payload=alternate",
+        "steps=2",
+        "rollout.rollout_batch_size=2",
+        "rollout.n_samples_per_prompt=2",
+        "rollout.max_new_tokens=4",
+        "eval.every=0",
+        "checkpoint.every=0",
+        "launch.engines=1",
+    ]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     from slimish.metrics import read_metrics

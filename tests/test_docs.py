@@ -46,9 +46,11 @@ COUNTS: Counter[str] = Counter()  # conftest.py's terminal summary prints them
 
 def summary() -> str:
     c = COUNTS
-    return (f"documentation code blocks: {c['python run'] + c['bash run']} run ({c['python run']} python, {c['bash run']} bash), "
-            f"{c['python parsed'] + c['commands checked'] + c['configs validated']} checked ({c['python parsed']} python parsed only, "
-            f"{c['commands checked']} slimish commands, {c['configs validated']} configs)")  # fmt: skip
+    return (
+        f"documentation code blocks: {c['python run'] + c['bash run']} run ({c['python run']} python, {c['bash run']} bash), "
+        f"{c['python parsed'] + c['commands checked'] + c['configs validated']} checked ({c['python parsed']} python parsed only, "
+        f"{c['commands checked']} slimish commands, {c['configs validated']} configs)"
+    )
 
 
 @dataclass
@@ -74,9 +76,16 @@ def blocks(page: Path) -> list[Block]:
             continue
         marker = reason = None
         prev = tokens[i - 1] if i else None
-        if prev is not None and prev.type == "html_block" and prev.map[1] == tok.map[0] and (m := MARKER.search(prev.content)):
+        if (
+            prev is not None
+            and prev.type == "html_block"
+            and prev.map[1] == tok.map[0]
+            and (m := MARKER.search(prev.content))
+        ):
             marker, reason = m.group(1), m.group(2)
-        found.append(Block(page, tok.map[0] + 2, tok.info.split()[0] if tok.info else "", tok.content, marker, reason or ""))
+        found.append(
+            Block(page, tok.map[0] + 2, tok.info.split()[0] if tok.info else "", tok.content, marker, reason or "")
+        )
     return found
 
 
@@ -145,7 +154,7 @@ def config_key_error(key: str) -> str | None:
     for i, part in enumerate(parts):
         fields = {f.name: f for f in dataclasses.fields(schema)}
         if part not in fields:
-            return f"{'.'.join(parts[:i + 1])} is not a config key (in this section: {', '.join(fields)})"
+            return f"{'.'.join(parts[: i + 1])} is not a config key (in this section: {', '.join(fields)})"
         hint = typing.get_type_hints(schema)[part]
         last = i == len(parts) - 1
         if typing.get_origin(hint) is dict or hint is dict:
@@ -155,7 +164,7 @@ def config_key_error(key: str) -> str | None:
                 return f"{key} is a section, not a value"
             schema = hint
         elif not last:
-            return f"{'.'.join(parts[:i + 1])} is a value, not a section"
+            return f"{'.'.join(parts[: i + 1])} is a value, not a section"
     return None
 
 
@@ -203,7 +212,9 @@ def test_commands_and_configs(page: Path) -> None:
     for block in blocks(page):
         if block.marker == "skip" and not block.reason:
             failures.append(f"{block.where}: `<!-- docs: skip REASON -->` needs its reason")
-        if (block.marker, block.lang) in (("run", "python"), ("run", "yaml")) or (block.marker == "config" and block.lang != "yaml"):
+        if (block.marker, block.lang) in (("run", "python"), ("run", "yaml")) or (
+            block.marker == "config" and block.lang != "yaml"
+        ):
             failures.append(f"{block.where}: `docs: {block.marker}` does not apply to a {block.lang or 'plain'} block")
         if block.lang == "bash":
             try:
@@ -255,11 +266,24 @@ for b in json.load(open(sys.argv[1])):
 
 
 def runnable(page: Path) -> list[Block]:
-    return [b for b in blocks(page) if (b.lang == "python" and b.marker != "skip") or (b.lang == "bash" and b.marker == "run")]
+    return [
+        b
+        for b in blocks(page)
+        if (b.lang == "python" and b.marker != "skip") or (b.lang == "bash" and b.marker == "run")
+    ]
 
 
-@pytest.mark.parametrize("page", [pytest.param(p, marks=[pytest.mark.slow, pytest.mark.timeout(SLOW_PAGES[p.name] + 60)])
-                                  if p.name in SLOW_PAGES else p for p in PAGES if runnable(p)], ids=page_id)  # fmt: skip
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param(p, marks=[pytest.mark.slow, pytest.mark.timeout(SLOW_PAGES[p.name] + 60)])
+        if p.name in SLOW_PAGES
+        else p
+        for p in PAGES
+        if runnable(p)
+    ],
+    ids=page_id,
+)
 def test_code_runs(page: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     """A page's python blocks run in order in one namespace (`<!-- docs: run -->` bash blocks in
     between), in a fresh directory holding `model/` and `configs/`; none may fail."""
@@ -267,11 +291,34 @@ def test_code_runs(page: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "model").symlink_to(tiny_model_dir)
     (tmp_path / "configs").symlink_to(ROOT / "configs")  # so `--config configs/...` runs as from the repository
     timeout = SLOW_PAGES.get(page.name, RUN_TIMEOUT_S)
-    (tmp_path / ".blocks.json").write_text(json.dumps(
-        [{"where": b.where, "page": str(page), "line": b.line, "lang": b.lang, "code": b.code, "timeout": timeout} for b in blocks_to_run]))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", DRIVER, ".blocks.json"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=timeout + 30)  # fmt: skip
+    (tmp_path / ".blocks.json").write_text(
+        json.dumps(
+            [
+                {
+                    "where": b.where,
+                    "page": str(page),
+                    "line": b.line,
+                    "lang": b.lang,
+                    "code": b.code,
+                    "timeout": timeout,
+                }
+                for b in blocks_to_run
+            ]
+        )
+    )
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER, ".blocks.json"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout + 30,
+    )
     assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
     for b in blocks_to_run:
         COUNTS[f"{b.lang} run"] += 1
@@ -282,8 +329,14 @@ def test_code_runs(page: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
 
 def test_site_builds_strict(tmp_path: Path) -> None:
     """`mkdocs build --strict`: every page in the nav exists, every link and anchor resolves."""
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT,
-                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, "\n".join(line for line in done.stderr.splitlines() if "INFO" not in line)[-4000:]
 
 
@@ -292,7 +345,8 @@ def test_configuration_page_is_the_schema() -> None:
     from slimish.docs_config import render
 
     assert (ROOT / "docs" / "configuration.md").read_text() == render(), (
-        "docs/configuration.md is out of date: run `.venv/bin/python -m slimish.docs_config > docs/configuration.md`")
+        "docs/configuration.md is out of date: run `.venv/bin/python -m slimish.docs_config > docs/configuration.md`"
+    )
 
 
 def test_readme_is_a_short_guide() -> None:
@@ -304,13 +358,20 @@ def test_readme_is_a_short_guide() -> None:
 
 
 # Built in pieces so that this file does not match itself.
-OUTSIDE = re.compile("|".join([re.escape("../" + "shared"), "notes" + "/", re.escape("/" + "work/"), "PROTOCOL" + r"\.md"]))
+OUTSIDE = re.compile(
+    "|".join([re.escape("../" + "shared"), "notes" + "/", re.escape("/" + "work/"), "PROTOCOL" + r"\.md"])
+)
 
 
 def test_nothing_refers_outside_the_repository() -> None:
     """No file of the repository cites a path a clone does not have (the protocol is docs/protocol.md)."""
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
-                           check=True).stdout.split()  # fmt: skip
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     hits = []
     for name in files:
         path = ROOT / name
@@ -345,9 +406,21 @@ def test_readme_rollout_function_trains(tmp_path: Path, quickstart_sft: Path) ->
     (tmp_path / fn_arg.partition(":")[0]).write_text(code)
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "slimish.cli", *argv[1:], f"model={quickstart_sft}", "sft.steps=0", "steps=3", "eval.every=0",
-           "checkpoint.every=0", f"run_dir={run_dir}"]  # fmt: skip
-    done = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900)
+    cmd = [
+        sys.executable,
+        "-m",
+        "slimish.cli",
+        *argv[1:],
+        f"model={quickstart_sft}",
+        "sft.steps=0",
+        "steps=3",
+        "eval.every=0",
+        "checkpoint.every=0",
+        f"run_dir={run_dir}",
+    ]
+    done = subprocess.run(
+        cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     from slimish.metrics import read_metrics
 
@@ -355,6 +428,12 @@ def test_readme_rollout_function_trains(tmp_path: Path, quickstart_sft: Path) ->
     assert all(s in rows and rows[s]["time/weight_push"] > 0 for s in (1, 2, 3)), sorted(rows)
     samples = [json.loads(line) for line in (run_dir / "view" / "samples.jsonl").read_text().splitlines()]
     assert samples and all("answer" in s["metadata"] for s in samples)  # the README function made them
-    scored = {round(s["reward"] - s["metadata"].get("overlong_penalty", 0.0), 6) for s in samples}  # the function's own reward
+    scored = {
+        round(s["reward"] - s["metadata"].get("overlong_penalty", 0.0), 6) for s in samples
+    }  # the function's own reward
     assert scored == {0.0, 1.0}, scored  # trained groups are those with mixed rewards
-    assert all(s["reward"] - s["metadata"].get("overlong_penalty", 0.0) == 0.0 for s in samples if s["metadata"]["answer"] is None)
+    assert all(
+        s["reward"] - s["metadata"].get("overlong_penalty", 0.0) == 0.0
+        for s in samples
+        if s["metadata"]["answer"] is None
+    )

@@ -33,8 +33,10 @@ def generate(url: str, **body) -> dict | list:
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = hf.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def hf_logprobs(hf, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
@@ -76,9 +78,15 @@ def test_output_logprobs_equal_hf(engine, hf, temperature):
 def test_input_logprobs_top_and_token_ids(engine, hf):
     prompt = PROMPTS[0]
     out = generate(
-        engine, input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 4}, return_logprob=True,
-        logprob_start_len=0, top_logprobs_num=3, token_ids_logprob=[1, 2], return_text_in_logprobs=True,
-    )  # fmt: skip
+        engine,
+        input_ids=prompt,
+        sampling_params={**GREEDY, "max_new_tokens": 4},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=3,
+        token_ids_logprob=[1, 2],
+        return_text_in_logprobs=True,
+    )
     meta = out["meta_info"]
     ref = hf_logprobs(hf, prompt + out["output_ids"])
     inp = meta["input_token_logprobs"]
@@ -99,7 +107,9 @@ def test_input_logprobs_top_and_token_ids(engine, hf):
 
 def test_max_new_tokens_zero_scores_the_prompt(engine, hf):
     prompt = PROMPTS[2]
-    out = generate(engine, input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
+    out = generate(
+        engine, input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0
+    )
     assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     ref = hf_logprobs(hf, prompt)
     lps = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]]
@@ -177,9 +187,13 @@ def test_sampling_seed_top_k_and_length(engine):
     greedy = generate(engine, input_ids=PROMPTS[1], sampling_params={**GREEDY, "max_new_tokens": 16})["output_ids"]
     top1 = generate(engine, input_ids=PROMPTS[1], sampling_params={**p, "top_k": 1, "sampling_seed": 1})["output_ids"]
     assert top1 == greedy
-    tiny_p = generate(engine, input_ids=PROMPTS[1], sampling_params={**p, "top_p": 1e-6, "sampling_seed": 2})["output_ids"]
+    tiny_p = generate(engine, input_ids=PROMPTS[1], sampling_params={**p, "top_p": 1e-6, "sampling_seed": 2})[
+        "output_ids"
+    ]
     assert tiny_p == greedy
-    min_p = generate(engine, input_ids=PROMPTS[1], sampling_params={**p, "min_p": 1.0, "sampling_seed": 2})["output_ids"]
+    min_p = generate(engine, input_ids=PROMPTS[1], sampling_params={**p, "min_p": 1.0, "sampling_seed": 2})[
+        "output_ids"
+    ]
     assert min_p == greedy
 
 
@@ -230,7 +244,12 @@ def test_eos_stops_unless_ignored(engine, tok):
 def test_streaming_is_cumulative(engine):
     full = generate(engine, input_ids=PROMPTS[1], sampling_params={**GREEDY, "max_new_tokens": 6})
     chunks = []
-    with httpx.stream("POST", engine + "/generate", json={"input_ids": PROMPTS[1], "sampling_params": {**GREEDY, "max_new_tokens": 6}, "stream": True}, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        engine + "/generate",
+        json={"input_ids": PROMPTS[1], "sampling_params": {**GREEDY, "max_new_tokens": 6}, "stream": True},
+        timeout=60,
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
@@ -253,7 +272,12 @@ LONG = {"temperature": 0.0, "max_new_tokens": 1500, "ignore_eos": True}
 
 def test_abort_mid_generation_returns_partial_tokens(engine):
     chunks = []
-    with httpx.stream("POST", engine + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": LONG, "stream": True, "rid": "long-1"}, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        engine + "/generate",
+        json={"input_ids": PROMPTS[0], "sampling_params": LONG, "stream": True, "rid": "long-1"},
+        timeout=60,
+    ) as r:
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -268,8 +292,16 @@ def test_abort_mid_generation_returns_partial_tokens(engine):
 
 def test_stream_client_disconnect_aborts(engine):
     """The request stops where the client left: counted as aborted, far short of its 1500 tokens."""
-    aborted, generated = metric_total(engine, "sglang:num_aborted_requests_total"), metric_total(engine, "sglang:generation_tokens_total")
-    with httpx.stream("POST", engine + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": LONG, "stream": True}, timeout=60) as r:
+    aborted, generated = (
+        metric_total(engine, "sglang:num_aborted_requests_total"),
+        metric_total(engine, "sglang:generation_tokens_total"),
+    )
+    with httpx.stream(
+        "POST",
+        engine + "/generate",
+        json={"input_ids": PROMPTS[0], "sampling_params": LONG, "stream": True},
+        timeout=60,
+    ) as r:
         for i, _ in enumerate(line for line in r.iter_lines() if line.startswith("data: {")):
             if i == 3:
                 break
@@ -281,7 +313,9 @@ def test_stream_client_disconnect_aborts(engine):
 def test_abort_all_non_streaming(engine):
     async def main():
         async with httpx.AsyncClient(timeout=60) as client:
-            task = asyncio.create_task(client.post(engine + "/generate", json={"input_ids": PROMPTS[1], "sampling_params": LONG}))
+            task = asyncio.create_task(
+                client.post(engine + "/generate", json={"input_ids": PROMPTS[1], "sampling_params": LONG})
+            )
             await asyncio.to_thread(wait_for, lambda: server_state(engine)["#running-req"] == 1)
             r = await client.post(engine + "/abort_request", json={"abort_all": True})
             assert r.status_code == 200 and r.content == b""
@@ -299,7 +333,9 @@ def test_pause_keeps_requests_and_resumes_exactly(engine, mode):
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as client:
-            task = asyncio.create_task(client.post(engine + "/generate", json={"input_ids": PROMPTS[2], "sampling_params": params}))
+            task = asyncio.create_task(
+                client.post(engine + "/generate", json={"input_ids": PROMPTS[2], "sampling_params": params})
+            )
             await asyncio.to_thread(wait_for, lambda: server_state(engine)["#running-req"] == 1)
             r = await client.post(engine + "/pause_generation", json={"mode": mode})
             assert r.json() == {"message": "Generation paused successfully.", "status": "ok"}
@@ -318,11 +354,15 @@ def test_pause_keeps_requests_and_resumes_exactly(engine, mode):
 def test_pause_abort_and_requests_wait_while_paused(engine):
     async def main():
         async with httpx.AsyncClient(timeout=60) as client:
-            running = asyncio.create_task(client.post(engine + "/generate", json={"input_ids": PROMPTS[1], "sampling_params": LONG}))
+            running = asyncio.create_task(
+                client.post(engine + "/generate", json={"input_ids": PROMPTS[1], "sampling_params": LONG})
+            )
             await asyncio.to_thread(wait_for, lambda: server_state(engine)["#running-req"] == 1)
             await client.post(engine + "/pause_generation", json={"mode": "abort"})
             aborted = (await running).json()
-            later = asyncio.create_task(client.post(engine + "/generate", json={"input_ids": PROMPTS[1], "sampling_params": GREEDY}))
+            later = asyncio.create_task(
+                client.post(engine + "/generate", json={"input_ids": PROMPTS[1], "sampling_params": GREEDY})
+            )
             await asyncio.to_thread(wait_for, lambda: server_state(engine)["#queue-req"] == 1)
             assert not later.done()
             await client.post(engine + "/continue_generation", json={})
@@ -345,7 +385,11 @@ def test_health_info_and_models(engine, tiny_model_dir):
     assert info["architectures"] == ["LlamaForCausalLM"]
     server = httpx.get(engine + "/server_info").json()
     assert server.keys() == httpx.get(engine + "/get_server_info").json().keys()
-    assert server["tp_size"] == 1 and server["dp_size"] == 1 and server["max_running_requests"] == EngineConfig.max_running_requests
+    assert (
+        server["tp_size"] == 1
+        and server["dp_size"] == 1
+        and server["max_running_requests"] == EngineConfig.max_running_requests
+    )
     assert "api_key" not in server
     models = httpx.get(engine + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == info["served_model_name"]
@@ -366,7 +410,13 @@ def test_metrics_count_tokens(engine, tiny_model_dir):
     assert out["meta_info"]["cached_tokens"] == 64
     assert metric_total(engine, "sglang:cached_tokens_total", cache_source="total") - cached_before == 64
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(engine + "/metrics").text)}
-    ranks = {"model_name": str(tiny_model_dir.resolve()), "engine_type": "unified", "tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
+    ranks = {
+        "model_name": str(tiny_model_dir.resolve()),
+        "engine_type": "unified",
+        "tp_rank": "0",
+        "pp_rank": "0",
+        "moe_ep_rank": "0",
+    }
     assert families["sglang:num_running_reqs"].samples[0].labels == ranks
     cached = [s for s in families["sglang:cached_tokens"].samples if s.name == "sglang:cached_tokens_total"]
     assert [s.labels["cache_source"] for s in cached] == ["total"]
@@ -375,7 +425,12 @@ def test_metrics_count_tokens(engine, tiny_model_dir):
 def test_weight_version_flush_and_memory_endpoints(engine, tiny_model_dir):
     r = post(engine, "/update_weight_version", {"new_version": "v7"})
     assert r.json() == {"success": True, "message": "Weight version updated to v7", "new_version": "v7"}
-    assert generate(engine, input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 2})["meta_info"]["weight_version"] == "v7"
+    assert (
+        generate(engine, input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 2})["meta_info"][
+            "weight_version"
+        ]
+        == "v7"
+    )
     assert httpx.get(engine + "/model_info").json()["weight_version"] == "v7"
     assert post(engine, "/begin_weight_update", {}).json()["success"] is True
     again = post(engine, "/begin_weight_update", {})
@@ -389,7 +444,10 @@ def test_weight_version_flush_and_memory_endpoints(engine, tiny_model_dir):
         r = post(engine, path, {"tags": None})
         assert r.status_code == 200 and r.json() is None
     gone = post(engine, "/destroy_weights_update_group", {"group_name": "nope"})
-    assert gone.status_code == 400 and gone.json() == {"success": False, "message": "The group to be destroyed does not exist."}
+    assert gone.status_code == 400 and gone.json() == {
+        "success": False,
+        "message": "The group to be destroyed does not exist.",
+    }
 
 
 def test_get_weights_by_name_matches_checkpoint(engine, hf):
@@ -432,16 +490,25 @@ def test_schema_errors_name_the_field(engine, body, field):
         ({"input_ids": [1, 10**7]}, "outside the vocabulary"),
         ({"input_ids": [1] * 5000}, "context length"),
         ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10**6}}, "max_new_tokens"),
-        ({"input_ids": [1, 2], "sampling_params": {"regex": "a("}}, "sampling_params.regex: Failed to compile regex grammar"),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"regex": "a("}},
+            "sampling_params.regex: Failed to compile regex grammar",
+        ),
         ({"input_ids": [1, 2], "logprob_start_len": 5, "return_logprob": True}, "logprob_start_len"),
         ({"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params.n"),
         # Found by tests/test_fuzz.py (each was a 500, or a scheduler step that aborted everyone):
         ({"text": []}, "text: an empty batch"),
         ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params: got 1 values for 2 prompts"),
         ({"input_ids": [[1], [2]], "logprob_start_len": [0]}, "logprob_start_len: got 1 values for 2 prompts"),
-        ({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [2**70]}}, "sampling_params.stop_token_ids: token id"),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [2**70]}},
+            "sampling_params.stop_token_ids: token id",
+        ),
         ({"input_ids": [1, 2], "sampling_params": {"sampling_seed": 2**64}}, "sampling_params.sampling_seed"),
-        ({"input_ids": [1, 2], "sampling_params": {"stop_regex": "("}}, "sampling_params.stop_regex: '(' is not a valid"),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"stop_regex": "("}},
+            "sampling_params.stop_regex: '(' is not a valid",
+        ),
         ({"input_ids": [1, 2], "sampling_params": {"logit_bias": {"\u00b2": 1.0}}}, "sampling_params.logit_bias: keys"),
         ({"text": "a\ud800"}, "lone surrogate"),
     ],
@@ -462,12 +529,20 @@ def test_request_errors_name_the_field(engine, body, words):
 )
 def test_extreme_sampling_values_give_finite_json(engine, params, top):
     """Each was a 500 (NaN or -inf logprobs are not JSON); -inf alternatives come back as null."""
-    out = generate(engine, input_ids=PROMPTS[0], return_logprob=True, top_logprobs_num=top,
-                   sampling_params={"max_new_tokens": 2, **params})  # fmt: skip
+    out = generate(
+        engine,
+        input_ids=PROMPTS[0],
+        return_logprob=True,
+        top_logprobs_num=top,
+        sampling_params={"max_new_tokens": 2, **params},
+    )
     lps = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
     assert len(lps) == 2 and all(math.isfinite(lp) for lp in lps)
     if params.get("temperature") is not None:
-        assert out["output_ids"] == generate(engine, input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 2})["output_ids"]
+        assert (
+            out["output_ids"]
+            == generate(engine, input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 2})["output_ids"]
+        )
 
 
 def test_malformed_json_and_server_keeps_serving(engine):
@@ -477,9 +552,18 @@ def test_malformed_json_and_server_keeps_serving(engine):
     assert r.status_code == 400
     assert post(engine, "/pause_generation", {"mode": "sideways"}).status_code == 400
     assert httpx.get(engine + "/health_generate", timeout=30).status_code == 200
-    router_keys = {"model": None, "log_metrics": True, "background": False, "no_logs": False, "return_bytes": False,
-                   "return_entropy": False, "return_hidden_states": False, "return_text_in_logprobs": False,
-                   "stream": False, "some_future_key": {"x": 1}}  # fmt: skip
+    router_keys = {
+        "model": None,
+        "log_metrics": True,
+        "background": False,
+        "no_logs": False,
+        "return_bytes": False,
+        "return_entropy": False,
+        "return_hidden_states": False,
+        "return_text_in_logprobs": False,
+        "stream": False,
+        "some_future_key": {"x": 1},
+    }
     out = generate(engine, input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 3}, **router_keys)
     assert len(out["output_ids"]) == 3
 
@@ -490,8 +574,16 @@ def test_api_keys_guard_routes(tiny_model_dir):
         body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
         assert httpx.post(url + "/generate", json=body).status_code == 401
         assert httpx.post(url + "/generate", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
-        assert httpx.post(url + "/generate", json=body, headers={"Authorization": "Bearer serve-key"}).status_code == 200
+        assert (
+            httpx.post(url + "/generate", json=body, headers={"Authorization": "Bearer serve-key"}).status_code == 200
+        )
         assert httpx.get(url + "/health").status_code == 200
         pause = {"mode": "in_place"}
-        assert httpx.post(url + "/pause_generation", json=pause, headers={"Authorization": "Bearer serve-key"}).status_code == 401
-        assert httpx.post(url + "/pause_generation", json=pause, headers={"Authorization": "Bearer admin-key"}).status_code == 200
+        assert (
+            httpx.post(url + "/pause_generation", json=pause, headers={"Authorization": "Bearer serve-key"}).status_code
+            == 401
+        )
+        assert (
+            httpx.post(url + "/pause_generation", json=pause, headers={"Authorization": "Bearer admin-key"}).status_code
+            == 200
+        )

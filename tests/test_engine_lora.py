@@ -35,7 +35,14 @@ from test_weight_sync import dying_trainer
 
 WAIT_S = 120.0
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
-PROMPTS = [[5, 17, 42, 99, 7], [3, 1, 4, 1, 5, 9, 2], [8, 8, 8], [100, 200, 300, 400], [7, 6, 5], [11, 12, 13, 14, 15, 16]]
+PROMPTS = [
+    [5, 17, 42, 99, 7],
+    [3, 1, 4, 1, 5, 9, 2],
+    [8, 8, 8],
+    [100, 200, 300, 400],
+    [7, 6, 5],
+    [11, 12, 13, 14, 15, 16],
+]
 ROWS = ["a1", None, "a2", "a3", None, "a1"]  # None: the base model
 # name -> (rank, alpha, target modules, use_rslora): ranks below --max-lora-rank are padded.
 SPECS = {
@@ -59,7 +66,10 @@ def base_model(model_dir: Path) -> torch.nn.Module:
 
 
 def make_adapter(model_dir: Path, out: Path, seed: int, rank: int, alpha: int, targets, rslora: bool) -> Path:
-    model = get_peft_model(base_model(model_dir), LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, use_rslora=rslora))
+    model = get_peft_model(
+        base_model(model_dir),
+        LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, use_rslora=rslora),
+    )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -72,7 +82,10 @@ def make_adapter(model_dir: Path, out: Path, seed: int, rank: int, alpha: int, t
 @pytest.fixture(scope="module")
 def adapter_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
-    return {name: make_adapter(tiny_model_dir, root / name, seed, *spec) for seed, (name, spec) in enumerate(SPECS.items(), 1)}
+    return {
+        name: make_adapter(tiny_model_dir, root / name, seed, *spec)
+        for seed, (name, spec) in enumerate(SPECS.items(), 1)
+    }
 
 
 def reference(model_dir: Path, adapter: Path | None, state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
@@ -88,8 +101,12 @@ def reference(model_dir: Path, adapter: Path | None, state: dict[str, torch.Tens
 @pytest.fixture(scope="module")
 def lora_engine(tiny_model_dir, adapter_dirs, tmp_path_factory):
     """a1 from --lora-paths; a2 and a3 loaded over HTTP, as a run's first push does."""
-    flags = dict(enable_lora=True, lora_paths=[f"a1={adapter_dirs['a1']}"], max_lora_rank=8, lora_target_modules=["all"])
-    with running_engines(tiny_model_dir, tmp_path_factory, n=1, timeout=WAIT_S, weight_sync_timeout_s=60, **flags) as (proc,):
+    flags = dict(
+        enable_lora=True, lora_paths=[f"a1={adapter_dirs['a1']}"], max_lora_rank=8, lora_target_modules=["all"]
+    )
+    with running_engines(tiny_model_dir, tmp_path_factory, n=1, timeout=WAIT_S, weight_sync_timeout_s=60, **flags) as (
+        proc,
+    ):
         for name in ("a2", "a3"):
             r = post(proc.url, "/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dirs[name])})
             assert r.status_code == 200 and r.json()["success"], r.text
@@ -119,7 +136,13 @@ def assert_matches(reply: dict, prompt: list[int], model: torch.nn.Module) -> fl
 
 
 def mixed_batch(url: str, rows: list[str | None] = ROWS) -> list[dict]:
-    body = {"input_ids": PROMPTS, "lora_path": rows, "sampling_params": GREEDY, "return_logprob": True, "logprob_start_len": 0}
+    body = {
+        "input_ids": PROMPTS,
+        "lora_path": rows,
+        "sampling_params": GREEDY,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
     r = post(url, "/generate", body)
     assert r.status_code == 200, r.text
     return r.json()
@@ -139,10 +162,14 @@ def test_mixed_batch_matches_each_peft_model(lora_engine, tiny_model_dir, adapte
     assert (base - a1).abs().max() > 0.1
 
 
-def test_fewer_slots_than_adapters_rows_wait_and_stay_exact(tiny_model_dir, adapter_dirs, tmp_path_factory, lora_engine):
+def test_fewer_slots_than_adapters_rows_wait_and_stay_exact(
+    tiny_model_dir, adapter_dirs, tmp_path_factory, lora_engine
+):
     """One slot for three adapters: rows of a second adapter wait for the first's to finish."""
     paths = [json.dumps({"lora_name": n, "lora_path": str(p), "pinned": False}) for n, p in adapter_dirs.items()]
-    with running_engines(tiny_model_dir, tmp_path_factory, n=1, timeout=WAIT_S, lora_paths=paths, max_loras_per_batch=1) as (proc,):
+    with running_engines(
+        tiny_model_dir, tmp_path_factory, n=1, timeout=WAIT_S, lora_paths=paths, max_loras_per_batch=1
+    ) as (proc,):
         narrow = mixed_batch(proc.url)
     wide = mixed_batch(lora_engine)
     assert [r["output_ids"] for r in narrow] == [r["output_ids"] for r in wide]
@@ -158,9 +185,18 @@ def test_openai_routes_take_the_adapter_as_model(lora_engine, tiny_model_dir, ad
     assert served[2]["root"] == str(adapter_dirs["a2"])
     assert http().get(lora_engine + "/v1/models/a3").json()["parent"] == base
 
-    native = post(lora_engine, "/generate", {"input_ids": PROMPTS[0], "lora_path": "a3", "sampling_params": GREEDY}).json()
+    native = post(
+        lora_engine, "/generate", {"input_ids": PROMPTS[0], "lora_path": "a3", "sampling_params": GREEDY}
+    ).json()
     for model in ("a3", f"{base}:a3"):
-        body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        body = {
+            "model": model,
+            "prompt": PROMPTS[0],
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         r = post(lora_engine, "/v1/completions", body)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == native["output_ids"]
@@ -168,11 +204,17 @@ def test_openai_routes_take_the_adapter_as_model(lora_engine, tiny_model_dir, ad
 
 def test_bad_adapter_requests_are_refused_naming_the_field(lora_engine, tiny_model_dir, adapter_dirs, tmp_path):
     r = post(lora_engine, "/generate", {"input_ids": PROMPTS[0], "lora_path": "nope", "sampling_params": GREEDY})
-    assert r.status_code == 400 and r.json()["error"]["message"].startswith("lora_path: lora adapter 'nope' is not loaded"), r.text
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        "lora_path: lora adapter 'nope' is not loaded"
+    ), r.text
     r = post(lora_engine, "/generate", {"input_ids": PROMPTS[:2], "lora_path": ["a1"], "sampling_params": GREEDY})
     assert r.status_code == 400 and "lora_path: got 1 values for 2 prompts" in r.text
     r = post(lora_engine, "/v1/completions", {"model": "typo", "prompt": "hi", "max_tokens": 2})
-    assert r.status_code == 400 and "model: 'typo' is neither the served model" in r.text and r.json()["error"]["param"] == "model"
+    assert (
+        r.status_code == 400
+        and "model: 'typo' is neither the served model" in r.text
+        and r.json()["error"]["param"] == "model"
+    )
 
     def load(name: str, path: Path) -> dict:
         r = post(lora_engine, "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
@@ -195,8 +237,14 @@ def test_client_loads_and_unloads_and_new_requests_are_refused(lora_engine, adap
     async def main() -> None:
         async with Client(lora_engine) as c:
             loaded = await c.load_lora_adapter("extra", str(adapter_dirs["a3"]))
-            assert loaded.loaded_adapters == {**{n: str(p) for n, p in adapter_dirs.items()}, "extra": str(adapter_dirs["a3"])}
-            same = [(await c.generate(input_ids=PROMPTS[3], lora_path=n, sampling_params=GREEDY)).output_ids for n in ("a3", "extra")]
+            assert loaded.loaded_adapters == {
+                **{n: str(p) for n, p in adapter_dirs.items()},
+                "extra": str(adapter_dirs["a3"]),
+            }
+            same = [
+                (await c.generate(input_ids=PROMPTS[3], lora_path=n, sampling_params=GREEDY)).output_ids
+                for n in ("a3", "extra")
+            ]
             assert same[0] == same[1]
             assert "extra" not in (await c.unload_lora_adapter("extra")).loaded_adapters
             assert "extra" not in [m["id"] for m in (await c.models())["data"]]
@@ -210,7 +258,10 @@ def test_client_loads_and_unloads_and_new_requests_are_refused(lora_engine, adap
 
 def test_slots_are_reused_least_recently_used_never_from_a_running_row(tiny_model_dir, adapter_dirs):
     model = base_model(tiny_model_dir)
-    lora = LoraManager(model, EngineConfig(model=str(tiny_model_dir), max_loras_per_batch=2, max_lora_rank=8, lora_target_modules=["all"]))
+    lora = LoraManager(
+        model,
+        EngineConfig(model=str(tiny_model_dir), max_loras_per_batch=2, max_lora_rank=8, lora_target_modules=["all"]),
+    )
     for name, path in adapter_dirs.items():
         lora.add(read_adapter(AdapterRef(name, str(path), pinned=name == "a1"), torch.float32, model.device))
     assert lora.acquire("a1", set()) and lora.acquire("a2", set())
@@ -229,7 +280,14 @@ def test_slots_are_reused_least_recently_used_never_from_a_running_row(tiny_mode
 def join_group(url: str, name: str) -> torch.distributed.ProcessGroup:
     """This process as rank 0 of a 2-rank gloo group with the engine."""
     port = free_port()
-    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "group_name": name, "backend": "gloo"}
+    body = {
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": name,
+        "backend": "gloo",
+    }
     reply: dict = {}
     joiner = threading.Thread(target=lambda: reply.update(post(url, "/init_weights_update_group", body).json()))
     joiner.start()
@@ -240,8 +298,14 @@ def join_group(url: str, name: str) -> torch.distributed.ProcessGroup:
 
 
 def push(url: str, group, group_name: str, lora_name: str, named: dict[str, torch.Tensor], version: str) -> dict:
-    body = {"names": list(named), "dtypes": ["float32"] * len(named), "shapes": [list(t.shape) for t in named.values()],
-            "group_name": group_name, "lora_name": lora_name, "weight_version": version}  # fmt: skip
+    body = {
+        "names": list(named),
+        "dtypes": ["float32"] * len(named),
+        "shapes": [list(t.shape) for t in named.values()],
+        "group_name": group_name,
+        "lora_name": lora_name,
+        "weight_version": version,
+    }
     reply: dict = {}
     poster = threading.Thread(target=lambda: reply.update(post(url, "/update_weights_from_distributed", body).json()))
     poster.start()
@@ -253,7 +317,10 @@ def push(url: str, group, group_name: str, lora_name: str, named: dict[str, torc
 
 def seeded_like(adapter: Path, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(t.shape, generator=g) * 0.3 for name, t in load_file(adapter / "adapter_model.safetensors").items()}
+    return {
+        name: torch.randn(t.shape, generator=g) * 0.3
+        for name, t in load_file(adapter / "adapter_model.safetensors").items()
+    }
 
 
 def served_tensor(url: str, lora_name: str, name: str, rows: int) -> torch.Tensor:
@@ -263,7 +330,11 @@ def served_tensor(url: str, lora_name: str, name: str, rows: int) -> torch.Tenso
 
 
 def version(url: str, lora_name: str | None = None) -> str:
-    return http().get(url + "/get_weight_version", params={"lora_name": lora_name} if lora_name else None).json()["weight_version"]
+    return (
+        http()
+        .get(url + "/get_weight_version", params={"lora_name": lora_name} if lora_name else None)
+        .json()["weight_version"]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -274,7 +345,9 @@ def group(lora_engine):
     torch.distributed.destroy_process_group(g)
 
 
-def test_pushed_adapter_tensors_are_served_exactly_and_versioned_alone(lora_engine, group, tiny_model_dir, adapter_dirs):
+def test_pushed_adapter_tensors_are_served_exactly_and_versioned_alone(
+    lora_engine, group, tiny_model_dir, adapter_dirs
+):
     pushed = seeded_like(adapter_dirs["a2"], 7)
     reply = push(lora_engine, group, "lora_push", "a2", pushed, "7")
     assert reply["success"] and "Weight version updated to 7" in reply["message"], reply
@@ -299,24 +372,43 @@ def test_refused_adapter_pushes_name_the_problem(lora_engine):
         ({"lora_name": "a1", "names": ["model.norm.weight"], "shapes": [[64]]}, "is not a tensor of lora adapter 'a1'"),
     ]
     for body, message in cases:
-        r = post(lora_engine, "/update_weights_from_distributed", {**body, "dtypes": ["float32"], "group_name": "lora_push"})
+        r = post(
+            lora_engine, "/update_weights_from_distributed", {**body, "dtypes": ["float32"], "group_name": "lora_push"}
+        )
         assert r.status_code == 400 and message in r.json()["message"], r.text
     assert version(lora_engine, "a1") == "default"
 
 
-def test_trainer_killed_mid_adapter_push_leaves_only_that_adapter_refusing(lora_engine, group, tiny_model_dir, adapter_dirs):
+def test_trainer_killed_mid_adapter_push_leaves_only_that_adapter_refusing(
+    lora_engine, group, tiny_model_dir, adapter_dirs
+):
     url = lora_engine
     r = post(url, "/load_lora_adapter", {"lora_name": "torn", "lora_path": str(adapter_dirs["a3"])})
     assert r.json()["success"], r.text
     fresh = seeded_like(adapter_dirs["a3"], 11)
     port = free_port()
-    child = mp.get_context("spawn").Process(target=dying_trainer, args=(port, [list(t.shape) for t in fresh.values()]), daemon=True)
+    child = mp.get_context("spawn").Process(
+        target=dying_trainer, args=(port, [list(t.shape) for t in fresh.values()]), daemon=True
+    )
     child.start()
     try:
-        join = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "group_name": "dying", "backend": "gloo"}
+        join = {
+            "master_address": "127.0.0.1",
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": "dying",
+            "backend": "gloo",
+        }
         assert post(url, "/init_weights_update_group", join).json()["success"]
-        body = {"names": list(fresh), "dtypes": ["float32"] * len(fresh), "shapes": [list(t.shape) for t in fresh.values()],
-                "group_name": "dying", "lora_name": "torn", "weight_version": "never"}  # fmt: skip
+        body = {
+            "names": list(fresh),
+            "dtypes": ["float32"] * len(fresh),
+            "shapes": [list(t.shape) for t in fresh.values()],
+            "group_name": "dying",
+            "lora_name": "torn",
+            "weight_version": "never",
+        }
         reply = post(url, "/update_weights_from_distributed", body).json()
         child.join(timeout=WAIT_S)
         assert child.exitcode == -signal.SIGKILL
@@ -330,8 +422,17 @@ def test_trainer_killed_mid_adapter_push_leaves_only_that_adapter_refusing(lora_
         assert version(url, "torn") == "default"
 
         assert push(url, group, "lora_push", "torn", fresh, "8")["success"]  # a complete push makes it whole again
-        out = post(url, "/generate", {"input_ids": PROMPTS[0], "lora_path": "torn", "sampling_params": GREEDY, "return_logprob": True,
-                                      "logprob_start_len": 0}).json()  # fmt: skip
+        out = post(
+            url,
+            "/generate",
+            {
+                "input_ids": PROMPTS[0],
+                "lora_path": "torn",
+                "sampling_params": GREEDY,
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            },
+        ).json()
         assert out["meta_info"]["weight_version"] == "8"
         assert_matches(out, PROMPTS[0], reference(tiny_model_dir, adapter_dirs["a3"], fresh))
         assert post(url, "/destroy_weights_update_group", {"group_name": "dying"}).json()["success"]

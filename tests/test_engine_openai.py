@@ -18,8 +18,20 @@ from slimish.engine.openai_api import _settled
 PROMPT_IDS = [5, 17, 42, 99, 7]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic",
-          "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate arithmetic",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +45,12 @@ def client(url):
 
 
 def native(url: str, ids: list[int], max_new_tokens: int, **params) -> dict:
-    body = {"input_ids": ids, "sampling_params": {**GREEDY, "max_new_tokens": max_new_tokens, **params},
-            "return_logprob": True, "top_logprobs_num": 2}  # fmt: skip
+    body = {
+        "input_ids": ids,
+        "sampling_params": {**GREEDY, "max_new_tokens": max_new_tokens, **params},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+    }
     r = httpx.post(url + "/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
@@ -45,8 +61,13 @@ def native(url: str, ids: list[int], max_new_tokens: int, **params) -> dict:
 
 def test_completion_greedy_equals_native(url, client, tok):
     ref = native(url, PROMPT_IDS, 12)
-    out = client.completions.create(model="any", prompt=PROMPT_IDS, max_tokens=12, temperature=0,
-                                    extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    out = client.completions.create(
+        model="any",
+        prompt=PROMPT_IDS,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     choice = out.model_dump()["choices"][0]
     assert choice["token_ids"] == ref["output_ids"] and choice["prompt_token_ids"] == PROMPT_IDS
     assert choice["text"] == ref["text"]
@@ -54,13 +75,17 @@ def test_completion_greedy_equals_native(url, client, tok):
     assert out.object == "text_completion" and out.model == "any"
     assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (5, 12, 17)
     # A text prompt is tokenised once, as /generate does.
-    text_out = client.completions.create(model="m", prompt="Hello world", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    text_out = client.completions.create(
+        model="m", prompt="Hello world", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert text_out.choices[0].text == native(url, tok.encode("Hello world"), 6)["text"]
 
 
 def test_completion_logprobs_equal_native(url, client, tok):
     ref = native(url, PROMPT_IDS, 8)["meta_info"]
-    out = client.completions.create(model="m", prompt=PROMPT_IDS, max_tokens=8, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model="m", prompt=PROMPT_IDS, max_tokens=8, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+    )
     lp = out.choices[0].logprobs
     assert lp.token_logprobs == [e[0] for e in ref["output_token_logprobs"]]
     assert lp.tokens == [tok.decode([e[1]]) for e in ref["output_token_logprobs"]]
@@ -69,35 +94,70 @@ def test_completion_logprobs_equal_native(url, client, tok):
 
 
 def test_completion_echo_prepends_prompt_and_its_logprobs(url, client, tok):
-    out = client.completions.create(model="m", prompt=PROMPT_IDS, max_tokens=4, temperature=0, logprobs=1, echo=True,
-                                    extra_body={"ignore_eos": True})  # fmt: skip
-    r = post(url, "/generate", {"input_ids": PROMPT_IDS, "sampling_params": {**GREEDY, "max_new_tokens": 4},
-                                "return_logprob": True, "logprob_start_len": 0})  # fmt: skip
+    out = client.completions.create(
+        model="m",
+        prompt=PROMPT_IDS,
+        max_tokens=4,
+        temperature=0,
+        logprobs=1,
+        echo=True,
+        extra_body={"ignore_eos": True},
+    )
+    r = post(
+        url,
+        "/generate",
+        {
+            "input_ids": PROMPT_IDS,
+            "sampling_params": {**GREEDY, "max_new_tokens": 4},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        },
+    )
     ref = r.json()
     choice = out.choices[0]
     assert choice.text == tok.decode(PROMPT_IDS, skip_special_tokens=True) + ref["text"]  # as SGLang echoes ids
     meta = ref["meta_info"]
-    assert choice.logprobs.token_logprobs == [e[0] for e in meta["input_token_logprobs"] + meta["output_token_logprobs"]]
+    assert choice.logprobs.token_logprobs == [
+        e[0] for e in meta["input_token_logprobs"] + meta["output_token_logprobs"]
+    ]
     assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == 9
     assert choice.logprobs.top_logprobs[0] is None and len(choice.logprobs.top_logprobs) == 9
 
 
 def test_completion_n_and_batch_are_prompt_major(client):
     prompts = [PROMPT_IDS, [300, 301, 302]]
-    out = client.completions.create(model="m", prompt=prompts, n=2, max_tokens=5, temperature=1.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    out = client.completions.create(
+        model="m",
+        prompt=prompts,
+        n=2,
+        max_tokens=5,
+        temperature=1.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     choices = out.model_dump()["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2, 3]
     assert [c["prompt_token_ids"] for c in choices] == [prompts[0], prompts[0], prompts[1], prompts[1]]
     assert choices[0]["token_ids"] != choices[1]["token_ids"]  # two samples, not one copied
     assert out.usage.prompt_tokens == 5 + 3 and out.usage.completion_tokens == 20  # each prompt counted once
-    single = client.completions.create(model="m", prompt=PROMPT_IDS, n=2, max_tokens=3, temperature=1.0, extra_body={"ignore_eos": True})
+    single = client.completions.create(
+        model="m", prompt=PROMPT_IDS, n=2, max_tokens=3, temperature=1.0, extra_body={"ignore_eos": True}
+    )
     assert len(single.choices) == 2
 
 
 def test_completion_stream_adds_up_to_the_reply(client):
-    kw = dict(model="m", prompt=[PROMPT_IDS, [300, 301]], max_tokens=10, temperature=0, logprobs=1, extra_body={"ignore_eos": True, "return_token_ids": True})
+    kw = dict(
+        model="m",
+        prompt=[PROMPT_IDS, [300, 301]],
+        max_tokens=10,
+        temperature=0,
+        logprobs=1,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     full = client.completions.create(**kw).model_dump()["choices"]
-    chunks = [c.model_dump() for c in client.completions.create(**kw, stream=True, stream_options={"include_usage": True})]
+    chunks = [
+        c.model_dump() for c in client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    ]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 20
     for i, ref in enumerate(full):
         mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == i]
@@ -137,8 +197,13 @@ def test_abort_mid_stream_finishes_with_abort(url):
 
 
 def test_chat_prompt_is_the_chat_template_and_reply_equals_native(url, client, tok):
-    out = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=10, temperature=0,
-                                         extra_body={"ignore_eos": True, "return_token_ids": True, "return_meta_info": True})  # fmt: skip
+    out = client.chat.completions.create(
+        model="m",
+        messages=MESSAGES,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True, "return_meta_info": True},
+    )
     choice = out.model_dump()["choices"][0]
     prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert choice["prompt_token_ids"] == prompt
@@ -151,19 +216,30 @@ def test_chat_prompt_is_the_chat_template_and_reply_equals_native(url, client, t
 
 
 def test_chat_logprobs_equal_native(url, client, tok):
-    out = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
-                                         extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    out = client.chat.completions.create(
+        model="m",
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     ref = native(url, out.model_dump()["choices"][0]["prompt_token_ids"], 6)["meta_info"]
     content = out.choices[0].logprobs.content
     assert [c.logprob for c in content] == [e[0] for e in ref["output_token_logprobs"]]
     assert [c.token for c in content] == [tok.decode([e[1]]) for e in ref["output_token_logprobs"]]
     assert all(c.bytes == list(c.token.encode()) for c in content)
-    assert [[(t.token, t.logprob) for t in c.top_logprobs] for c in content] == [[(tok.decode([t]), v) for v, t, _ in e] for e in ref["output_top_logprobs"]]
+    assert [[(t.token, t.logprob) for t in c.top_logprobs] for c in content] == [
+        [(tok.decode([t]), v) for v, t, _ in e] for e in ref["output_top_logprobs"]
+    ]
 
 
 @pytest.mark.parametrize("tools", [None, TOOLS])
 def test_chat_stream_adds_up_to_the_reply(client, tools):
-    kw = dict(model="m", messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True, n=2, extra_body={"ignore_eos": True})
+    kw = dict(
+        model="m", messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True, n=2, extra_body={"ignore_eos": True}
+    )
     if tools:
         kw["tools"] = tools
     full = client.chat.completions.create(**kw)
@@ -179,16 +255,47 @@ def test_chat_stream_adds_up_to_the_reply(client, tools):
 
 
 def test_chat_with_tools_renders_them_and_history_tool_calls(client, tok):
-    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "5"}]  # fmt: skip
-    out = client.chat.completions.create(model="m", messages=history, tools=TOOLS, max_tokens=4, temperature=0,
-                                         extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]
+    out = client.chat.completions.create(
+        model="m",
+        messages=history,
+        tools=TOOLS,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     # OpenAI sends arguments as a JSON string; the template gets the object (SGLang does the same).
-    as_template_wants = [*MESSAGES, {"role": "assistant", "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "2+3"}}}]},
-        history[-1]]  # fmt: skip
-    expected = tok.apply_chat_template(as_template_wants, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)
+    as_template_wants = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": {"expression": "2+3"}},
+                }
+            ],
+        },
+        history[-1],
+    ]
+    expected = tok.apply_chat_template(
+        as_template_wants, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert out.model_dump()["choices"][0]["prompt_token_ids"] == expected
     assert "<tools>" in tok.decode(expected) and '"arguments": {"expression": "2+3"}' in tok.decode(expected)
 

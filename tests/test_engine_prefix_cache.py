@@ -29,8 +29,10 @@ SAMPLED = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "sampli
 def engines(tiny_model_dir, tmp_path_factory):
     """(cache on, cache off) engine URLs."""
     logs = tmp_path_factory.mktemp("prefix-cache-logs")
-    procs = [engine_process(tiny_model_dir, log_path=logs / f"{name}.log", page_size=PAGE, **flags)
-             for name, flags in (("on", {}), ("off", {"disable_radix_cache": True}))]  # fmt: skip
+    procs = [
+        engine_process(tiny_model_dir, log_path=logs / f"{name}.log", page_size=PAGE, **flags)
+        for name, flags in (("on", {}), ("off", {"disable_radix_cache": True}))
+    ]
     try:
         start_all(procs, timeout=120)
         yield [p.url for p in procs]
@@ -89,8 +91,14 @@ def test_input_logprobs_inside_a_cached_prefix_are_computed(engines):
     ids = prompt(2, 40)
     both(engines, input_ids=ids, sampling_params={**SAMPLED, "max_new_tokens": 1})
     for start in (0, 1, 9, 17, 39):
-        out = both(engines, input_ids=ids, sampling_params={**SAMPLED, "max_new_tokens": 2, "sampling_seed": 1},
-                   return_logprob=True, logprob_start_len=start, top_logprobs_num=3)  # fmt: skip
+        out = both(
+            engines,
+            input_ids=ids,
+            sampling_params={**SAMPLED, "max_new_tokens": 2, "sampling_seed": 1},
+            return_logprob=True,
+            logprob_start_len=start,
+            top_logprobs_num=3,
+        )
         meta = out["meta_info"]
         assert meta["cached_tokens"] == pages(max(start - 1, 0))
         assert [t for _, t, _ in meta["input_token_logprobs"]] == ids[start:]
@@ -121,8 +129,11 @@ def test_concurrent_identical_prompts_are_exact(engines):
 
     async def burst(url: str) -> list[dict]:
         async with httpx.AsyncClient(timeout=120) as client:
-            body = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True},
-                    "return_logprob": True}  # fmt: skip
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True},
+                "return_logprob": True,
+            }
             replies = await asyncio.gather(*(client.post(url + "/generate", json=body) for _ in range(6)))
         return [r.json() for r in replies]
 
@@ -140,7 +151,12 @@ def test_abort_keeps_the_prompt_pages(engines):
 
     async def aborted(url: str) -> dict:
         async with httpx.AsyncClient(timeout=120) as client:
-            body = {"input_ids": ids, "rid": rid, "stream": True, "sampling_params": {**SAMPLED, "max_new_tokens": 2000}}
+            body = {
+                "input_ids": ids,
+                "rid": rid,
+                "stream": True,
+                "sampling_params": {**SAMPLED, "max_new_tokens": 2000},
+            }
             async with client.stream("POST", url + "/generate", json=body) as r:
                 async for line in r.aiter_lines():
                     if line.startswith("data: {"):
@@ -180,7 +196,9 @@ def test_a_weight_load_never_serves_old_kv(engines, tiny_model_dir, tiny_model_d
         assert again["meta_info"]["cached_tokens"] == pages(29)
     finally:
         for url in engines:
-            assert post(url, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "back"}).json()["success"]
+            assert post(
+                url, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "back"}
+            ).json()["success"]
     assert both(engines, input_ids=ids, sampling_params=params)["meta_info"]["cached_tokens"] == 0
 
 

@@ -20,14 +20,21 @@ REGEX = r"(yes|no|maybe)-[0-9]{2,3}"
 SCHEMA = {
     "type": "object",
     # Not `maxLength`: xgrammar 0.2.8 lets control characters into such strings (so would SGLang).
-    "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,8}$"}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z ]{1,8}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }
 
 
 def samples(url: str, n: int = 100, **grammar: str) -> list[dict]:
-    r = post(url, "/generate", {"input_ids": PROMPT, "sampling_params": {"temperature": 1.0, "max_new_tokens": 256, "n": n, **grammar}})
+    r = post(
+        url,
+        "/generate",
+        {"input_ids": PROMPT, "sampling_params": {"temperature": 1.0, "max_new_tokens": 256, "n": n, **grammar}},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -38,7 +45,9 @@ def samples(url: str, n: int = 100, **grammar: str) -> list[dict]:
 def test_regex_outputs_match_at_temperature_one(engine):
     outs = samples(engine, regex=REGEX)
     assert len(outs) == 100 and all(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs)
-    assert all(re.fullmatch(REGEX, o["text"]) for o in outs), [o["text"] for o in outs if not re.fullmatch(REGEX, o["text"])]
+    assert all(re.fullmatch(REGEX, o["text"]) for o in outs), [
+        o["text"] for o in outs if not re.fullmatch(REGEX, o["text"])
+    ]
     assert len({o["text"] for o in outs}) > 20  # sampled, not one forced string
 
 
@@ -57,17 +66,30 @@ def test_ebnf_and_structural_tag(engine):
     tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<call>", "content": call, "end": "</call>"}}
     outs = samples(engine, 20, structural_tag=json.dumps(tag))  # xgrammar's format: the tag is the whole output
     assert all(re.fullmatch(r"<call>\d{1,3}</call>", o["text"]) for o in outs), [o["text"] for o in outs]
-    legacy = {"type": "structural_tag", "structures": [{"begin": "<call>", "schema": {"type": "integer"}, "end": "</call>"}],
-              "triggers": ["<call>"]}  # fmt: skip
-    assert len(samples(engine, 2, structural_tag=json.dumps(legacy))) == 2  # free text until a trigger: compiles and runs
+    legacy = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<call>", "schema": {"type": "integer"}, "end": "</call>"}],
+        "triggers": ["<call>"],
+    }
+    assert (
+        len(samples(engine, 2, structural_tag=json.dumps(legacy))) == 2
+    )  # free text until a trigger: compiles and runs
 
 
 def test_logprobs_are_the_masked_distribution_as_sglang(engine, tiny_model_dir):
     """SGLang masks the logits before taking logprobs: the reported logprob of a token is
     log_softmax over the allowed tokens only, and disallowed alternatives are -inf (null)."""
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    r = post(engine, "/generate", {"input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": 40,
-                                   "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "regex": REGEX}})  # fmt: skip
+    r = post(
+        engine,
+        "/generate",
+        {
+            "input_ids": PROMPT,
+            "return_logprob": True,
+            "top_logprobs_num": 40,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "regex": REGEX},
+        },
+    )
     out = r.json()
     meta, ids = out["meta_info"], out["output_ids"]
     assert re.fullmatch(REGEX, out["text"])
@@ -75,19 +97,24 @@ def test_logprobs_are_the_masked_distribution_as_sglang(engine, tiny_model_dir):
         full = torch.log_softmax(hf(torch.tensor([PROMPT + ids])).logits[0, len(PROMPT) - 1 :].float(), dim=-1)
     for k, (lp, token, _) in enumerate(meta["output_token_logprobs"]):
         allowed = [t for v, t, _ in meta["output_top_logprobs"][k] if v is not None]
-        assert token in allowed and math.isclose(sum(math.exp(v) for v, _, _ in meta["output_top_logprobs"][k] if v is not None), 1, abs_tol=1e-4)
+        assert token in allowed and math.isclose(
+            sum(math.exp(v) for v, _, _ in meta["output_top_logprobs"][k] if v is not None), 1, abs_tol=1e-4
+        )
         renormalised = full[k, token] - torch.logsumexp(full[k, allowed], 0)
         assert lp == pytest.approx(float(renormalised), abs=1e-4)
 
 
-@pytest.mark.parametrize("grammar, words", [
-    ({"regex": "a("}, "sampling_params.regex: Failed to compile regex grammar"),
-    ({"json_schema": "{not json"}, "sampling_params.json_schema: Failed to compile json grammar"),
-    ({"ebnf": "root ::= undefined_rule"}, "sampling_params.ebnf: Failed to compile ebnf grammar"),
-    ({"structural_tag": "[]"}, "sampling_params.structural_tag: Failed to compile structural_tag grammar"),
-    ({"regex": "a\u0000"}, "sampling_params.regex: Invalid regex: NUL bytes"),
-    ({"regex": "a", "ebnf": 'root ::= "a"'}, "Only one of json_schema, regex, ebnf, or structural_tag can be set"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "grammar, words",
+    [
+        ({"regex": "a("}, "sampling_params.regex: Failed to compile regex grammar"),
+        ({"json_schema": "{not json"}, "sampling_params.json_schema: Failed to compile json grammar"),
+        ({"ebnf": "root ::= undefined_rule"}, "sampling_params.ebnf: Failed to compile ebnf grammar"),
+        ({"structural_tag": "[]"}, "sampling_params.structural_tag: Failed to compile structural_tag grammar"),
+        ({"regex": "a\u0000"}, "sampling_params.regex: Invalid regex: NUL bytes"),
+        ({"regex": "a", "ebnf": 'root ::= "a"'}, "Only one of json_schema, regex, ebnf, or structural_tag can be set"),
+    ],
+)
 def test_bad_grammars_are_400s_in_sglang_words(engine, grammar, words):
     r = post(engine, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, **grammar}})
     assert r.status_code == 400 and words in r.json()["error"]["message"]
@@ -105,7 +132,11 @@ def test_openai_response_format_and_grammar_extras(engine):
     assert all(c["message"]["content"].lstrip().startswith("{") for c in r.json()["choices"])
     r = post(engine, "/v1/completions", {"prompt": "x", "max_tokens": 16, "n": 10, "regex": REGEX})
     assert all(re.fullmatch(REGEX, c["text"]) for c in r.json()["choices"])
-    r = post(engine, "/v1/chat/completions", {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
+    r = post(
+        engine,
+        "/v1/chat/completions",
+        {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+    )
     assert r.status_code == 400 and "json_schema.schema is required" in r.json()["error"]["message"]
 
 
@@ -117,14 +148,21 @@ def test_server_info_has_what_bench_one_batch_server_reads(engine):
     state = info["internal_states"][0]
     assert (state["dp_size"] or 1) * (state["attn_dp_size"] or 1) == 1
     assert state["effective_max_running_requests_per_dp"] == info["max_running_requests"] > 0
-    assert state["memory_usage"]["token_capacity"] == info["max_total_num_tokens"] > 0 and state["memory_usage"]["weight"] > 0
+    assert (
+        state["memory_usage"]["token_capacity"] == info["max_total_num_tokens"] > 0
+        and state["memory_usage"]["weight"] > 0
+    )
     assert info["tokenizer_path"] and "last_gen_throughput" in state and state.get("avg_spec_accept_length") is None
     assert httpx.get(engine + "/get_server_info").json()["internal_states"][0]["dp_size"] == 1
 
 
 def test_input_logprobs_are_always_present(engine):
     def meta(**body) -> dict:
-        r = post(engine, "/generate", {"input_ids": PROMPT, "return_logprob": True, "sampling_params": {"max_new_tokens": 2}, **body})
+        r = post(
+            engine,
+            "/generate",
+            {"input_ids": PROMPT, "return_logprob": True, "sampling_params": {"max_new_tokens": 2}, **body},
+        )
         assert r.status_code == 200, r.text
         return r.json()["meta_info"]
 
@@ -140,11 +178,18 @@ def test_tokenize_detokenize_round_trip(engine, tok):
     text = "hello world, the cat sat"
     r = post(engine, "/tokenize", {"prompt": text}).json()
     assert r["tokens"] == tok.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] > 0
-    assert post(engine, "/v1/detokenize", {"tokens": r["tokens"]}).json() == {"text": tok.decode(r["tokens"], skip_special_tokens=True)}
+    assert post(engine, "/v1/detokenize", {"tokens": r["tokens"]}).json() == {
+        "text": tok.decode(r["tokens"], skip_special_tokens=True)
+    }
     both = post(engine, "/v1/tokenize", {"prompt": [text, "a"], "add_special_tokens": False}).json()
-    assert both["count"] == [len(t) for t in both["tokens"]] and post(engine, "/detokenize", {"tokens": both["tokens"]}).json()["text"][1] == "a"
+    assert (
+        both["count"] == [len(t) for t in both["tokens"]]
+        and post(engine, "/detokenize", {"tokens": both["tokens"]}).json()["text"][1] == "a"
+    )
     chat = post(engine, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
-    assert chat == tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert chat == tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert "Exactly one of 'prompt' or 'messages'" in post(engine, "/tokenize", {}).json()["error"]["message"]
     assert post(engine, "/detokenize", {"tokens": [10**9]}).status_code == 400
 
@@ -165,7 +210,17 @@ def test_model_card_profiling_and_501s(engine, tmp_path):
     post(engine, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}})
     assert len(list(tmp_path.glob("steps-*.trace.json"))) == 1  # stopped by itself after 2 steps
 
-    for path in ("/update_weights_from_tensor", "/v1/embeddings", "/load_lora_adapter_from_tensors", "/v1/responses/abc"):
+    for path in (
+        "/update_weights_from_tensor",
+        "/v1/embeddings",
+        "/load_lora_adapter_from_tensors",
+        "/v1/responses/abc",
+    ):
         r = httpx.post(engine + path, json={})
-        assert r.status_code == 501 and r.json()["error"]["message"].startswith(f"{path.replace('abc', '{response_id}')}: not implemented")
-    assert "/update_weights_from_distributed" in httpx.post(engine + "/update_weights_from_tensor", json={}).json()["error"]["message"]
+        assert r.status_code == 501 and r.json()["error"]["message"].startswith(
+            f"{path.replace('abc', '{response_id}')}: not implemented"
+        )
+    assert (
+        "/update_weights_from_distributed"
+        in httpx.post(engine + "/update_weights_from_tensor", json={}).json()["error"]["message"]
+    )

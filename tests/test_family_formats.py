@@ -25,13 +25,23 @@ from slimish.rollout.api import RolloutContext, RolloutRuntime
 from slimish.rollout.capture import CaptureServer
 from slimish.types import Sample, SampleStatus
 
+
 @pytest.fixture(scope="module", params=CASES, ids=CASE_IDS)
 def case(request) -> Case:
     return request.param
 
 
 def runtime_for(model: Path, url: str, *overrides: str) -> RolloutRuntime:
-    cfg = load_run_config(None, [f"model={model}", "data.source=unused.jsonl", "rollout.temperature=0.0", "rollout.max_new_tokens=96", *overrides])
+    cfg = load_run_config(
+        None,
+        [
+            f"model={model}",
+            "data.source=unused.jsonl",
+            "rollout.temperature=0.0",
+            "rollout.max_new_tokens=96",
+            *overrides,
+        ],
+    )
     return RolloutRuntime(cfg, Client(url), AutoTokenizer.from_pretrained(model))
 
 
@@ -41,7 +51,9 @@ def check_turn(case: Case, k: int, content: str, reasoning: str | None, calls: l
     assert reasoning == want.get("reasoning_content")
     assert content == want["content"]
     if k == 0:
-        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [(case.tool["function"]["name"], case.call_args)]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            (case.tool["function"]["name"], case.call_args)
+        ]
     else:
         assert calls == []
 
@@ -80,8 +92,9 @@ def run_capture(model: Path, url: str, case: Case, history: str = "exact") -> li
             conv = conversation(case)
             messages: list[Any] = conv[:2]
             for k, next_messages in enumerate((conv[3:4], conv[5:6], [])):
-                reply = await client.chat.completions.create(model="m", messages=messages, tools=case.tools,
-                                                             extra_body={"chat_template_kwargs": case.kwargs})  # fmt: skip
+                reply = await client.chat.completions.create(
+                    model="m", messages=messages, tools=case.tools, extra_body={"chat_template_kwargs": case.kwargs}
+                )
                 message = reply.choices[0].message
                 calls = [c.model_dump() for c in message.tool_calls or []]
                 check_turn(case, k, message.content, (message.model_extra or {}).get("reasoning_content"), calls)
@@ -101,10 +114,26 @@ def run_capture(model: Path, url: str, case: Case, history: str = "exact") -> li
 def hf_render(tok: Any, case: Case, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
     """HF's own rendering, arguments in the form the template wants: the independent reference."""
     if case.args == "object":
-        messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
-                                         for c in m["tool_calls"]]} if "tool_calls" in m else m for m in messages]  # fmt: skip
-    return tok.apply_chat_template(messages, tools=case.tools, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                   return_dict=False, **case.kwargs)  # fmt: skip
+        messages = [
+            {
+                **m,
+                "tool_calls": [
+                    {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                    for c in m["tool_calls"]
+                ],
+            }
+            if "tool_calls" in m
+            else m
+            for m in messages
+        ]
+    return tok.apply_chat_template(
+        messages,
+        tools=case.tools,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=True,
+        return_dict=False,
+        **case.kwargs,
+    )
 
 
 def test_ctx_chat_and_capture_record_the_same_exact_ids(served: tuple[str, Path], case: Case) -> None:
@@ -131,7 +160,9 @@ def test_ctx_chat_and_capture_record_the_same_exact_ids(served: tuple[str, Path]
     assert captured.rollout_logprobs == pytest.approx(sample.rollout_logprobs, abs=1e-5)
 
 
-def test_template_history_policy_starts_a_segment_where_the_template_rerenders(served: tuple[str, Path], case: Case) -> None:
+def test_template_history_policy_starts_a_segment_where_the_template_rerenders(
+    served: tuple[str, Path], case: Case
+) -> None:
     """`rollout.history=template`: each turn's prompt is the template's rendering; a turn whose
     rendering does not extend the ids before it starts a new segment."""
     url, model = served
@@ -154,10 +185,23 @@ def test_engine_chat_completions_parse_tool_calls_and_reasoning(served: tuple[st
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
     conv = conversation(case)
     for k, at in enumerate(TURNS):
-        body = dict(model="m", messages=conv[:at], tools=case.tools, temperature=0, max_tokens=96, extra_body={"chat_template_kwargs": case.kwargs})
+        body = dict(
+            model="m",
+            messages=conv[:at],
+            tools=case.tools,
+            temperature=0,
+            max_tokens=96,
+            extra_body={"chat_template_kwargs": case.kwargs},
+        )
         reply = client.chat.completions.create(**body)
         message = reply.choices[0].message
-        check_turn(case, k, message.content, (message.model_extra or {}).get("reasoning_content"), [c.model_dump() for c in message.tool_calls or []])
+        check_turn(
+            case,
+            k,
+            message.content,
+            (message.model_extra or {}).get("reasoning_content"),
+            [c.model_dump() for c in message.tool_calls or []],
+        )
         assert reply.choices[0].finish_reason == ("tool_calls" if k == 0 else "stop")
         # Streamed: the deltas add up to the same message.
         content, reasoning, calls, reasons = "", "", [], []
@@ -185,7 +229,9 @@ def test_glm_single_turn_prompt_and_template_kwargs(family_dirs: dict[str, Path]
     with engine_process(model, log_path=tmp_path / "engine.log") as proc:
 
         async def main() -> tuple[Sample, list[int]]:
-            runtime = runtime_for(model, proc.url, "rollout.max_new_tokens=4", "rollout.chat_template_kwargs={enable_thinking: false}")
+            runtime = runtime_for(
+                model, proc.url, "rollout.max_new_tokens=4", "rollout.chat_template_kwargs={enable_thinking: false}"
+            )
             try:
                 sample = Sample(prompt=question)
                 ctx = RolloutContext(runtime, sample)
@@ -195,8 +241,12 @@ def test_glm_single_turn_prompt_and_template_kwargs(family_dirs: dict[str, Path]
                 await runtime.close()
 
         sample, thinking = asyncio.run(main())
-    no_thinking = tok.apply_chat_template(question, add_generation_prompt=True, tokenize=True, return_dict=False, enable_thinking=False)
-    assert sample.tokens[: sample.prompt_length] == no_thinking and tok.decode(no_thinking).endswith("<|assistant|>\n<think></think>")
+    no_thinking = tok.apply_chat_template(
+        question, add_generation_prompt=True, tokenize=True, return_dict=False, enable_thinking=False
+    )
+    assert sample.tokens[: sample.prompt_length] == no_thinking and tok.decode(no_thinking).endswith(
+        "<|assistant|>\n<think></think>"
+    )
     assert thinking == tok.apply_chat_template(question, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert sample.response_length >= 1 and sample.loss_mask == [1] * sample.response_length
 
@@ -212,15 +262,26 @@ def test_glm_sft_targets_end_on_the_next_turns_opener(family_dirs: dict[str, Pat
     answers = {f"What is {a}+{a}?": f"It is {2 * a}." for a in range(4)}
     demos = tmp_path / "demos.jsonl"
     demos.write_text("".join(json.dumps({"prompt": q, "response": r}) + "\n" for q, r in answers.items()))
-    cfg = load_run_config(None, [f"model={model}", f"data.source={demos}", "sft.steps=8", "sft.batch_size=4", "sft.lr=1e-2",
-                                 "trainer.cpu_threads=1"])  # fmt: skip
+    cfg = load_run_config(
+        None,
+        [
+            f"model={model}",
+            f"data.source={demos}",
+            "sft.steps=8",
+            "sft.batch_size=4",
+            "sft.lr=1e-2",
+            "trainer.cpu_threads=1",
+        ],
+    )
     batches = list(sft_batches(cfg, tok))
     user = tok.convert_tokens_to_ids("<|user|>")
     for s in batches[0]:
         question = s.prompt[0]["content"]
         conv = [{"role": "user", "content": question}, {"role": "assistant", "content": answers[question]}]
         assert s.tokens == tok.apply_chat_template(conv, tokenize=True, return_dict=False) + [user]
-        assert s.prompt_length == len(tok.apply_chat_template(conv[:1], add_generation_prompt=True, tokenize=True, return_dict=False))
+        assert s.prompt_length == len(
+            tok.apply_chat_template(conv[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
         assert s.loss_mask == [1] * s.response_length
     trainer = TorchTrainer(cfg)
     losses = [trainer.sft_step(batch)["sft/loss"] for batch in batches]
@@ -235,18 +296,24 @@ def test_deepseek_v31_history_with_tool_calls_renders_as_hf(family_dirs: dict[st
     case = next(c for c in CASES if c.name == "deepseek-v3.1")
     history = conversation(case)[:6]
     history[2]["tool_calls"][0]["function"]["arguments"] = '{"expression":"2+3"}'  # compact, as some agents write it
-    want = tok.apply_chat_template(history, tools=case.tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+    want = tok.apply_chat_template(
+        history, tools=case.tools, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert '<｜tool▁sep｜>{"expression":"2+3"}<｜tool▁call▁end｜>' in tok.decode(want)
     with engine_process(model, log_path=tmp_path / "engine.log") as proc:
-        r = httpx.post(proc.url + "/v1/chat/completions", timeout=60,
-                       json={"messages": history, "tools": case.tools, "max_tokens": 1, "return_prompt_token_ids": True})  # fmt: skip
+        r = httpx.post(
+            proc.url + "/v1/chat/completions",
+            timeout=60,
+            json={"messages": history, "tools": case.tools, "max_tokens": 1, "return_prompt_token_ids": True},
+        )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["prompt_token_ids"] == want
 
 
 @pytest.mark.parametrize("family, end", [("qwen2.5", "<|endoftext|>"), ("llama3.1", "<|eom_id|>")])
-def test_a_secondary_end_token_is_recorded_alike_by_ctx_chat_and_capture(family_dirs: dict[str, Path], tmp_path: Path,
-                                                                        family: str, end: str) -> None:  # fmt: skip
+def test_a_secondary_end_token_is_recorded_alike_by_ctx_chat_and_capture(
+    family_dirs: dict[str, Path], tmp_path: Path, family: str, end: str
+) -> None:
     """A turn that ends on an end token other than the template's close (forced by a bias after 2
     tokens): both paths keep the model's token and do not add the template's close after it."""
     model = family_dirs[family]
@@ -269,13 +336,24 @@ def test_a_secondary_end_token_is_recorded_alike_by_ctx_chat_and_capture(family_
                 await runtime.close()
 
         async def via_capture() -> list[Sample]:
-            capture = CaptureServer(proc.url, ModelFormat(tok), default_sampling={"temperature": 0.0, "max_new_tokens": 3})
+            capture = CaptureServer(
+                proc.url, ModelFormat(tok), default_sampling={"temperature": 0.0, "max_new_tokens": 3}
+            )
             await capture.start()
             try:
-                client = openai.AsyncOpenAI(base_url=capture.session_base_url("s"), api_key="x", max_retries=0, timeout=60)
-                reply = await client.chat.completions.create(model="m", messages=opening, max_tokens=8, logit_bias={str(end_id): 100},
-                                                             extra_body={"min_tokens": 2})  # fmt: skip
-                await client.chat.completions.create(model="m", messages=[*opening, reply.choices[0].message, follow_up])
+                client = openai.AsyncOpenAI(
+                    base_url=capture.session_base_url("s"), api_key="x", max_retries=0, timeout=60
+                )
+                reply = await client.chat.completions.create(
+                    model="m",
+                    messages=opening,
+                    max_tokens=8,
+                    logit_bias={str(end_id): 100},
+                    extra_body={"min_tokens": 2},
+                )
+                await client.chat.completions.create(
+                    model="m", messages=[*opening, reply.choices[0].message, follow_up]
+                )
                 return capture.pop_samples("s", Sample(prompt=opening))
             finally:
                 await capture.stop()

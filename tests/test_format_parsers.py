@@ -20,11 +20,16 @@ TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 
 def tool(name: str, **props: str) -> dict:
     properties = {key: {"type": kind} for key, kind in props.items()}
-    return {"type": "function", "function": {"name": name, "description": name, "parameters": {"type": "object", "properties": properties}}}
+    return {
+        "type": "function",
+        "function": {"name": name, "description": name, "parameters": {"type": "object", "properties": properties}},
+    }
 
 
 TOOLS = [
-    tool("get_weather", city="string", days="integer", metric="boolean", tags="array", options="object", ratio="number"),
+    tool(
+        "get_weather", city="string", days="integer", metric="boolean", tags="array", options="object", ratio="number"
+    ),
     tool("search", query="string"),
     tool("get_time"),
     tool("brave_search", query="string"),
@@ -74,7 +79,7 @@ def assert_stream_matches_parse(name: str, reply: str, tools: list[dict] = TOOLS
 
 PARIS = ("get_weather", {"city": "Paris"})
 LOUVRE = ("search", {"query": "louvre hours"})
-TOKYO = ("search", {"query": "東京の天気 ☀ \"quoted\""})
+TOKYO = ("search", {"query": '東京の天気 ☀ "quoted"'})
 DS3 = "<｜tool▁calls▁begin｜>{}<｜tool▁calls▁end｜>"
 DS3_CALL = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{}\n```json\n{}\n```<｜tool▁call▁end｜>"
 DS31_CALL = "<｜tool▁call▁begin｜>{}<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
@@ -104,7 +109,11 @@ def coder(name: str, **params: str) -> str:
 
 
 def glm(name: str, **args: str) -> str:
-    return f"<tool_call>{name}\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in args.items()) + "</tool_call>"
+    return (
+        f"<tool_call>{name}\n"
+        + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in args.items())
+        + "</tool_call>"
+    )
 
 
 KEPT = "<the reply, stripped>"  # the expected content when no call is taken: nothing is lost
@@ -114,7 +123,12 @@ KEPT = "<the reply, stripped>"  # the expected content when no call is taken: no
 CASES = [
     # Qwen2.5 / Qwen3 / Hermes
     ("qwen25", "I will check.\n" + qwen("get_weather", '{"city": "Paris"}'), "I will check.", [PARIS]),
-    ("qwen25", qwen("get_weather", '{"city": "Paris"}') + "\n" + qwen("search", '{"query": "louvre hours"}'), "", [PARIS, LOUVRE]),
+    (
+        "qwen25",
+        qwen("get_weather", '{"city": "Paris"}') + "\n" + qwen("search", '{"query": "louvre hours"}'),
+        "",
+        [PARIS, LOUVRE],
+    ),
     ("qwen25", "Sure.\n" + qwen("delete_all", "{}"), KEPT, []),
     ("qwen25", '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>', KEPT, []),
     ("qwen25", "  The answer is 4.\n\n", "The answer is 4.", []),
@@ -125,19 +139,52 @@ CASES = [
     ("qwen25", qwen("get_weather", '"Paris"'), KEPT, []),  # arguments must be an object
     ("hermes", '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', "", [("get_time", {})]),
     # The old single-format parser's test: a bad block stays, the newline after a parsed block goes.
-    ("qwen", "I will compute it.\n" + qwen("get_weather", '{"city": "Paris"}') + "\n" + qwen("search", '{"query": "louvre hours"}')
-     + "\n<tool_call>\nnot json\n</tool_call>", "I will compute it.\n<tool_call>\nnot json\n</tool_call>", [PARIS, LOUVRE]),
+    (
+        "qwen",
+        "I will compute it.\n"
+        + qwen("get_weather", '{"city": "Paris"}')
+        + "\n"
+        + qwen("search", '{"query": "louvre hours"}')
+        + "\n<tool_call>\nnot json\n</tool_call>",
+        "I will compute it.\n<tool_call>\nnot json\n</tool_call>",
+        [PARIS, LOUVRE],
+    ),
     # Qwen3-Coder: values typed by the tool's schema
     ("qwen3_coder", "I will look it up.\n" + coder("get_weather", city="Paris"), "I will look it up.", [PARIS]),
-    ("qwen3_coder", coder("get_weather", city="Paris") + "\n" + coder("search", query="louvre hours"), "", [PARIS, LOUVRE]),
+    (
+        "qwen3_coder",
+        coder("get_weather", city="Paris") + "\n" + coder("search", query="louvre hours"),
+        "",
+        [PARIS, LOUVRE],
+    ),
     ("qwen3_coder", coder("rm", path="/"), KEPT, []),
-    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>", KEPT, []),
+    (
+        "qwen3_coder",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>",
+        KEPT,
+        [],
+    ),
     ("qwen3_coder", "No tools needed: 2 + 2 = 4.", KEPT, []),
     ("qwen3_coder", coder("search", query='東京の天気 ☀ "quoted"'), "", [TOKYO]),
-    ("qwen3_coder", coder("get_weather", city="2024", days="3", metric="True", tags='["a", "b"]', options='{"unit": "C"}', ratio="0.5"), "",
-     [("get_weather", {"city": "2024", "days": 3, "metric": True, "tags": ["a", "b"], "options": {"unit": "C"}, "ratio": 0.5})]),
-    ("qwen3_coder", coder("get_weather", city="line one\nline two\n", days="three", metric="null", extra="7"), "",
-     [("get_weather", {"city": "line one\nline two\n", "days": "three", "metric": None, "extra": "7"})]),
+    (
+        "qwen3_coder",
+        coder(
+            "get_weather", city="2024", days="3", metric="True", tags='["a", "b"]', options='{"unit": "C"}', ratio="0.5"
+        ),
+        "",
+        [
+            (
+                "get_weather",
+                {"city": "2024", "days": 3, "metric": True, "tags": ["a", "b"], "options": {"unit": "C"}, "ratio": 0.5},
+            )
+        ],
+    ),
+    (
+        "qwen3_coder",
+        coder("get_weather", city="line one\nline two\n", days="three", metric="null", extra="7"),
+        "",
+        [("get_weather", {"city": "line one\nline two\n", "days": "three", "metric": None, "extra": "7"})],
+    ),
     ("qwen3_coder", "<tool_call>\n<function=get_time>\n</function>\n</tool_call>", "", [("get_time", {})]),
     # GLM-4.5 / 4.6
     ("glm45", "Checking the weather.\n" + glm("get_weather", city="Paris"), "Checking the weather.", [PARIS]),
@@ -146,48 +193,95 @@ CASES = [
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n</tool_call>", KEPT, []),
     ("glm45", "4", KEPT, []),
     ("glm", glm("search", query='東京の天気 ☀ "quoted"'), "", [TOKYO]),
-    ("glm45", glm("get_weather", city="2024", days="3", metric="true", tags='["a"]', options='{"unit": "C"}'), "",
-     [("get_weather", {"city": "2024", "days": 3, "metric": True, "tags": ["a"], "options": {"unit": "C"}})]),
+    (
+        "glm45",
+        glm("get_weather", city="2024", days="3", metric="true", tags='["a"]', options='{"unit": "C"}'),
+        "",
+        [("get_weather", {"city": "2024", "days": 3, "metric": True, "tags": ["a"], "options": {"unit": "C"}})],
+    ),
     ("glm45", "<tool_call>get_time\n</tool_call>", "", [("get_time", {})]),
     # Llama 3.x
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [PARIS]),
-    ("llama3", 'Let me look.<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', "Let me look.", [PARIS]),
-    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "search", "arguments": {"query": "louvre hours"}}', "",
-     [PARIS, LOUVRE]),
+    (
+        "llama3",
+        'Let me look.<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        "Let me look.",
+        [PARIS],
+    ),
+    (
+        "llama3",
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "search", "arguments": {"query": "louvre hours"}}',
+        "",
+        [PARIS, LOUVRE],
+    ),
     ("llama3", '{"name": "delete_all", "parameters": {}}', KEPT, []),
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Pa', KEPT, []),
     ("llama3", 'Here is JSON: {"name": "get_weather", "parameters": {}}', KEPT, []),  # JSON calls are whole replies
     ("llama3", "It is sunny.", KEPT, []),
     ("llama3", '<|python_tag|>{"name": "search", "parameters": {"query": "東京の天気 ☀ \\"quoted\\""}}', "", [TOKYO]),
-    ("llama3", '<|python_tag|>brave_search.call(query="weather in Paris")', "", [("brave_search", {"query": "weather in Paris"})]),
+    (
+        "llama3",
+        '<|python_tag|>brave_search.call(query="weather in Paris")',
+        "",
+        [("brave_search", {"query": "weather in Paris"})],
+    ),
     ("llama3", '<|python_tag|>wolfram_alpha.call(query="2+2")', KEPT, []),  # a built-in tool the request did not offer
     ("llama3", "<|python_tag|>import math\nprint(math.pi)", KEPT, []),  # code interpreter
     # DeepSeek-V3 (and R1)
     ("deepseekv3", "Let me check." + ds3(("get_weather", '{"city": "Paris"}')), "Let me check.", [PARIS]),
-    ("deepseekv3", ds3(("get_weather", '{"city": "Paris"}'), ("search", '{"query": "louvre hours"}')), "", [PARIS, LOUVRE]),
+    (
+        "deepseekv3",
+        ds3(("get_weather", '{"city": "Paris"}'), ("search", '{"query": "louvre hours"}')),
+        "",
+        [PARIS, LOUVRE],
+    ),
     ("deepseekv3", ds3(("get_weather", '{"city": "Paris"}'), ("rm", "{}")), KEPT, []),  # a section is all or nothing
     ("deepseekv3", ds3(("get_weather", '{"city": }')), KEPT, []),
     ("deepseekv3", "4", KEPT, []),
     ("deepseekv3", ds3(("search", '{"query": "東京の天気 ☀ \\"quoted\\""}')), "", [TOKYO]),
     # DeepSeek-V3.1
     ("deepseekv31", "Let me check." + ds31(("get_weather", '{"city": "Paris"}')), "Let me check.", [PARIS]),
-    ("deepseekv31", ds31(("get_weather", '{"city": "Paris"}'), ("search", '{"query": "louvre hours"}')), "", [PARIS, LOUVRE]),
+    (
+        "deepseekv31",
+        ds31(("get_weather", '{"city": "Paris"}'), ("search", '{"query": "louvre hours"}')),
+        "",
+        [PARIS, LOUVRE],
+    ),
     ("deepseekv31", ds31(("rm", "{}")), KEPT, []),
     ("deepseekv31", ds31(("get_weather", '{"city": "Paris"')), KEPT, []),
     ("deepseekv31", "Paris is sunny.", KEPT, []),
     ("deepseekv31", ds31(("search", '{"query": "東京の天気 ☀ \\"quoted\\""}')), "", [TOKYO]),
     # Kimi-K2
     ("kimi_k2", "Let me check." + kimi(("get_weather", '{"city": "Paris"}')), "Let me check.", [PARIS]),
-    ("kimi_k2", kimi(("get_weather", '{"city": "Paris"}'), ("search", '{"query": "louvre hours"}')), "", [PARIS, LOUVRE]),
+    (
+        "kimi_k2",
+        kimi(("get_weather", '{"city": "Paris"}'), ("search", '{"query": "louvre hours"}')),
+        "",
+        [PARIS, LOUVRE],
+    ),
     ("kimi_k2", kimi(("rm", "{}")), KEPT, []),
     ("kimi_k2", kimi(("get_weather", "{city: Paris}")), KEPT, []),
     ("kimi_k2", "Paris is sunny.", KEPT, []),
     ("kimi_k2", kimi(("search", '{"query": "東京の天気 ☀ \\"quoted\\""}')), "", [TOKYO]),
     # Mistral: the JSON array (Nemo writes no space, v0.3 one), and NAME[ARGS]{...}
-    ("mistral", 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1b2c3d4e"}]', "Sure.", [PARIS]),
-    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "search", "arguments": {"query": "louvre hours"}}]',
-     "", [PARIS, LOUVRE]),
-    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]search[ARGS]{"query": "louvre hours"}', "", [PARIS, LOUVRE]),
+    (
+        "mistral",
+        'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1b2c3d4e"}]',
+        "Sure.",
+        [PARIS],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "search", "arguments": {"query": "louvre hours"}}]',
+        "",
+        [PARIS, LOUVRE],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]search[ARGS]{"query": "louvre hours"}',
+        "",
+        [PARIS, LOUVRE],
+    ),
     ("mistral", '[TOOL_CALLS][{"name": "rm", "arguments": {}}]', KEPT, []),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}', KEPT, []),
     ("mistral", "See [1] and [TOOL", KEPT, []),
@@ -200,9 +294,13 @@ CASES = [
     ("pythonic", '[get_weather(city="Paris")', KEPT, []),
     ("pythonic", "See item [1] of the list [a, b].", KEPT, []),
     ("pythonic", '[search(query="東京の天気 ☀ \\"quoted\\"")]', "", [TOKYO]),
-    ("pythonic", '[get_weather(city="a]b", days=2, tags=["x"], options={"k": None})]', "",
-     [("get_weather", {"city": "a]b", "days": 2, "tags": ["x"], "options": {"k": None}})]),
-]  # fmt: skip
+    (
+        "pythonic",
+        '[get_weather(city="a]b", days=2, tags=["x"], options={"k": None})]',
+        "",
+        [("get_weather", {"city": "a]b", "days": 2, "tags": ["x"], "options": {"k": None}})],
+    ),
+]
 
 
 @pytest.mark.parametrize("name, reply, content, calls", CASES)
@@ -218,7 +316,9 @@ def test_tool_call_streams_add_up_to_parse(name: str, reply: str) -> None:
 
 
 def test_arguments_keep_unicode_and_ids_differ() -> None:
-    _, calls = tool_call_parser("qwen25").parse(qwen("search", '{"query": "東京"}') + qwen("search", '{"query": "x"}'), TOOLS)
+    _, calls = tool_call_parser("qwen25").parse(
+        qwen("search", '{"query": "東京"}') + qwen("search", '{"query": "x"}'), TOOLS
+    )
     assert calls[0]["function"]["arguments"] == '{"query": "東京"}' and calls[0]["id"] != calls[1]["id"]
 
 
@@ -226,7 +326,7 @@ def test_content_streams_before_a_possible_marker() -> None:
     stream = tool_call_parser("qwen25").stream(TOOLS)
     assert stream.feed("  Hello wor") == ("Hello wor", [])  # leading whitespace dropped
     assert stream.feed("ld <b> <tool_") == ("ld <b>", [])  # " <tool_" may be a marker
-    assert stream.feed("call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_ca") == ("", [])
+    assert stream.feed('call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_ca') == ("", [])
     text, calls = stream.feed("ll>\n")
     assert text == "" and calls_of(calls) == [PARIS]  # the delta that closes the block brings the call
     assert stream.feed("Bye  ") == (" Bye", [])  # held whitespace comes back before more text
@@ -245,27 +345,82 @@ def test_llama_calls_come_at_finish_and_indices_count_across_the_stream() -> Non
     _, calls = stream.finish()
     assert calls_of(calls) == [("get_time", {})]
     stream = tool_call_parser("mistral").stream(TOOLS)
-    first = stream.feed('[TOOL_CALLS]get_time[ARGS]{} ')[1]
-    second = stream.feed('[TOOL_CALLS]get_time[ARGS]{}')[1]
+    first = stream.feed("[TOOL_CALLS]get_time[ARGS]{} ")[1]
+    second = stream.feed("[TOOL_CALLS]get_time[ARGS]{}")[1]
     assert [c["index"] for c in first + second] == [0, 1]
 
 
 def test_without_tools_nothing_is_a_call() -> None:
     reply = qwen("get_weather", '{"city": "Paris"}')
     assert tool_call_parser("qwen25").parse(reply, []) == (reply, [])
-    assert tool_call_parser("qwen25").parse(reply, [None, {}, {"function": None}, {"function": {"name": 3}}]) == (reply, [])  # type: ignore[list-item]
+    assert tool_call_parser("qwen25").parse(reply, [None, {}, {"function": None}, {"function": {"name": 3}}]) == (
+        reply,
+        [],
+    )  # type: ignore[list-item]
 
 
 # Fragments of every format, so that random replies hit markers, partial markers and near misses.
 FRAGMENTS = [
-    "<tool_call>", "</tool_call>", "\n", " ", "{", "}", "[", "]", '"name": ', '"get_weather"', '"search"', ", ", '"arguments": ',
-    '"parameters": ', '{"city": "Paris"}', "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", ";", "<function=get_weather>", "</function>",
-    "<parameter=city>", "</parameter>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "get_weather", "<｜tool▁calls▁begin｜>",
-    "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "function", "```json", "```",
-    "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "functions.get_weather:0", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
-    "<|tool_calls_section_end|>", "get_weather(", 'city="Paris"', ")", "<tool_", "<|tool", "[TOOL", "\\", '"', "'", "é",
-    "<think>", "</think>", "<th", "[THINK]", "[/THINK]", "◁think▷", "◁/think▷",
-]  # fmt: skip
+    "<tool_call>",
+    "</tool_call>",
+    "\n",
+    " ",
+    "{",
+    "}",
+    "[",
+    "]",
+    '"name": ',
+    '"get_weather"',
+    '"search"',
+    ", ",
+    '"arguments": ',
+    '"parameters": ',
+    '{"city": "Paris"}',
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "<|python_tag|>",
+    ";",
+    "<function=get_weather>",
+    "</function>",
+    "<parameter=city>",
+    "</parameter>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "get_weather",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
+    "function",
+    "```json",
+    "```",
+    "<|tool_calls_section_begin|>",
+    "<|tool_call_begin|>",
+    "functions.get_weather:0",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|tool_calls_section_end|>",
+    "get_weather(",
+    'city="Paris"',
+    ")",
+    "<tool_",
+    "<|tool",
+    "[TOOL",
+    "\\",
+    '"',
+    "'",
+    "é",
+    "<think>",
+    "</think>",
+    "<th",
+    "[THINK]",
+    "[/THINK]",
+    "◁think▷",
+    "◁/think▷",
+]
 replies = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=3)), max_size=25).map("".join)
 
 
@@ -286,15 +441,33 @@ def test_any_text_streams_like_parse_and_never_raises(reply: str, seed: int) -> 
 
 REASONING_CASES = [
     # (parser, reply, in_reasoning, reasoning, content)
-    ("qwen3", "<think>\nLet me add 2 and 2.\n</think>\n\nThe answer is 4.", False, "Let me add 2 and 2.", "The answer is 4."),
+    (
+        "qwen3",
+        "<think>\nLet me add 2 and 2.\n</think>\n\nThe answer is 4.",
+        False,
+        "Let me add 2 and 2.",
+        "The answer is 4.",
+    ),
     ("qwen3", "<think>\nStill thinking about", False, "Still thinking about", ""),  # truncated: all reasoning
     ("qwen3", "Let me add.\n</think>\n\nIt is 4.\n", True, "Let me add.", "It is 4.\n"),  # the prompt opened <think>
     ("qwen3", "It is 4.", False, None, "It is 4."),
     ("qwen3", "<think>\n\n</think>\n\nIt is 4.", False, None, "It is 4."),  # an empty block is no reasoning
-    ("qwen3", "<think>I should look it up.\n<tool_call>\n{}\n</tool_call>", False, "I should look it up.", "<tool_call>\n{}\n</tool_call>"),
+    (
+        "qwen3",
+        "<think>I should look it up.\n<tool_call>\n{}\n</tool_call>",
+        False,
+        "I should look it up.",
+        "<tool_call>\n{}\n</tool_call>",
+    ),
     ("qwen3", "Hmm.\n<tool_call>\n{}\n</tool_call>", True, "Hmm.", "<tool_call>\n{}\n</tool_call>"),
     ("qwen3", "  <think>  spaced  </think>  out  ", False, "spaced", "out  "),
-    ("qwen3", "Hello <think>x</think>", False, None, "Hello <think>x</think>"),  # only the start of a reply opens reasoning
+    (
+        "qwen3",
+        "Hello <think>x</think>",
+        False,
+        None,
+        "Hello <think>x</think>",
+    ),  # only the start of a reply opens reasoning
     ("qwen3", "<think>a</think>b<think>c</think>", False, "a", "b<think>c</think>"),
     ("qwen3", "<think>x</thi", False, "x</thi", ""),
     ("qwen3", "<thi", False, None, "<thi"),
@@ -313,7 +486,7 @@ REASONING_CASES = [
     ("kimi_k2", "<think>Plan.<|tool_calls_section_begin|>x", False, "Plan.", "<|tool_calls_section_begin|>x"),
     ("mistral", "[THINK]Plan.[/THINK]Done.", False, "Plan.", "Done."),
     ("mistral", "Done.", False, None, "Done."),
-]  # fmt: skip
+]
 
 
 def streamed_reasoning(stream, chunks: list[str]) -> tuple[str, str]:
@@ -359,8 +532,31 @@ def test_any_text_streams_like_reasoning_parse(reply: str, seed: int, in_reasoni
 
 
 def test_sglang_names() -> None:
-    assert set(TOOL_CALL_PARSERS) == {"qwen25", "qwen", "hermes", "qwen3_coder", "llama3", "deepseekv3", "deepseekv31", "glm45", "glm", "kimi_k2", "mistral", "pythonic"}
-    assert set(REASONING_PARSERS) == {"qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "glm45", "kimi", "kimi_k2", "step3", "mistral"}
+    assert set(TOOL_CALL_PARSERS) == {
+        "qwen25",
+        "qwen",
+        "hermes",
+        "qwen3_coder",
+        "llama3",
+        "deepseekv3",
+        "deepseekv31",
+        "glm45",
+        "glm",
+        "kimi_k2",
+        "mistral",
+        "pythonic",
+    }
+    assert set(REASONING_PARSERS) == {
+        "qwen3",
+        "qwen3-thinking",
+        "deepseek-r1",
+        "deepseek-v3",
+        "glm45",
+        "kimi",
+        "kimi_k2",
+        "step3",
+        "mistral",
+    }
     assert all(name in cls.names for name, cls in TOOL_CALL_PARSERS.items())
     assert REASONING_PARSERS["qwen3-thinking"].always_reasoning and not REASONING_PARSERS["qwen3"].always_reasoning
 

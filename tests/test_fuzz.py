@@ -27,19 +27,41 @@ pytestmark = pytest.mark.slow  # ~1-2 min: 2,400+ requests
 
 LIMITS = {"max_new_tokens_cap": 8, "max_running_requests": 8, "max_queued_requests": 56}
 BOTH = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
-SERVING = {("POST", "/generate"): (200, BOTH), ("POST", "/v1/completions"): (200, BOTH), ("POST", "/v1/chat/completions"): (200, BOTH)}
+SERVING = {
+    ("POST", "/generate"): (200, BOTH),
+    ("POST", "/v1/completions"): (200, BOTH),
+    ("POST", "/v1/chat/completions"): (200, BOTH),
+}
 # Control routes whose effects cannot stall what follows (pause and joining a process group can).
 ENGINE_OPS = {
     **SERVING,
-    **{("POST", p): (15, BOTH) for p in ("/abort_request", "/get_weights_by_name", "/update_weight_version",
-                                          "/begin_weight_update", "/continue_generation", "/update_weights_from_disk",
-                                          "/update_weights_from_distributed", "/destroy_weights_update_group",
-                                          "/release_memory_occupation", "/tokenize", "/v1/detokenize")},  # fmt: skip
-    **{("GET", p): (1, (GenerationMode.POSITIVE,)) for p in ("/health", "/model_info", "/server_info", "/v1/models", "/metrics")},
+    **{
+        ("POST", p): (15, BOTH)
+        for p in (
+            "/abort_request",
+            "/get_weights_by_name",
+            "/update_weight_version",
+            "/begin_weight_update",
+            "/continue_generation",
+            "/update_weights_from_disk",
+            "/update_weights_from_distributed",
+            "/destroy_weights_update_group",
+            "/release_memory_occupation",
+            "/tokenize",
+            "/v1/detokenize",
+        )
+    },
+    **{
+        ("GET", p): (1, (GenerationMode.POSITIVE,))
+        for p in ("/health", "/model_info", "/server_info", "/v1/models", "/metrics")
+    },
 }
 ROUTER_OPS = {
     **SERVING,
-    **{("GET", p): (1, (GenerationMode.POSITIVE,)) for p in ("/health", "/readiness", "/get_loads", "/metrics", "/workers", "/list_workers")},
+    **{
+        ("GET", p): (1, (GenerationMode.POSITIVE,))
+        for p in ("/health", "/readiness", "/get_loads", "/metrics", "/workers", "/list_workers")
+    },
     ("GET", "/workers/{worker_id}"): (15, (GenerationMode.POSITIVE,)),
 }
 PROBE = {"input_ids": [5, 17, 42, 99], "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}}
@@ -53,13 +75,21 @@ def fuzz(url: str, operations: dict[tuple[str, str], tuple[int, tuple[Generation
         operation = schema[path][method]
         for mode in modes:
 
-            @settings(max_examples=examples, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+            @settings(
+                max_examples=examples,
+                deadline=None,
+                database=None,
+                derandomize=True,
+                suppress_health_check=list(HealthCheck),
+            )
             @given(case=operation.as_strategy(generation_mode=mode))
             def one(case: schemathesis.Case) -> None:
                 nonlocal sent
                 sent += 1
                 r = case.call(base_url=url, timeout=60)
-                assert r.status_code < 500, f"{method} {path} -> {r.status_code}: {r.text[:500]}\n{case.as_curl_command()}"
+                assert r.status_code < 500, (
+                    f"{method} {path} -> {r.status_code}: {r.text[:500]}\n{case.as_curl_command()}"
+                )
                 if "application/json" in r.headers.get("content-type", [""])[0]:
                     r.json()
 

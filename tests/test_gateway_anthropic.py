@@ -27,18 +27,30 @@ from test_family_formats import run_ctx_chat
 
 # Reasoning (Qwen3), Llama 3.1's JSON calls, and GLM-4.6 (reasoning; its turns are closed by the next turn's opener).
 ANTHROPIC_CASES = [c for c in CASES if c.name in ("qwen3", "llama3.1", "glm4.6")]
-RAW_EVENTS = {"message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta", "message_stop"}
+RAW_EVENTS = {
+    "message_start",
+    "content_block_start",
+    "content_block_delta",
+    "content_block_stop",
+    "message_delta",
+    "message_stop",
+}
 GREEDY = {"temperature": 0.0}
 OPENING = [{"role": "user", "content": "What is (2+3)*4?"}]
-CALCULATOR = {"name": "calculator", "description": "Evaluate arithmetic",
-              "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}  # fmt: skip
+CALCULATOR = {
+    "name": "calculator",
+    "description": "Evaluate arithmetic",
+    "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+}
 
 
 def sdk(base_url: str, api_key: str = "slimish") -> anthropic.AsyncAnthropic:
     return anthropic.AsyncAnthropic(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
 
 
-async def create(client: anthropic.AsyncAnthropic, stream: bool, **kw: Any) -> tuple[anthropic.types.Message, list[str]]:
+async def create(
+    client: anthropic.AsyncAnthropic, stream: bool, **kw: Any
+) -> tuple[anthropic.types.Message, list[str]]:
     """A reply by `messages.create`, or by `messages.stream(...).get_final_message()` with the raw
     event types the stream carried."""
     if not stream:
@@ -64,8 +76,14 @@ def reference(served: tuple[str, Path], case: Case) -> Sample:
 
 
 def anthropic_tools(case: Case) -> list[dict[str, Any]]:
-    return [{"name": t["function"]["name"], "description": t["function"]["description"], "input_schema": t["function"]["parameters"]}
-            for t in case.tools]  # fmt: skip
+    return [
+        {
+            "name": t["function"]["name"],
+            "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"],
+        }
+        for t in case.tools
+    ]
 
 
 def event_sequence(reply: anthropic.types.Message) -> list[str]:
@@ -73,7 +91,11 @@ def event_sequence(reply: anthropic.types.Message) -> list[str]:
     text, then its signature) and closed, between the message's start and its stop reason."""
     events = ["message_start"]
     for block in reply.content:
-        events += ["content_block_start", *["content_block_delta"] * (2 if block.type == "thinking" else 1), "content_block_stop"]
+        events += [
+            "content_block_start",
+            *["content_block_delta"] * (2 if block.type == "thinking" else 1),
+            "content_block_stop",
+        ]
     return [*events, "message_delta", "message_stop"]
 
 
@@ -98,11 +120,17 @@ async def anthropic_conversation(capture: CaptureServer, case: Case, stream: boo
     (the SDK's blocks after the tool call, plain dicts after the answer), thinking included."""
     conv = conversation(case)
     client = sdk(capture.session_url("s"))
-    kw = dict(model="m", system=conv[0]["content"], tools=anthropic_tools(case), max_tokens=96,
-              extra_body={"temperature": 0, "chat_template_kwargs": case.kwargs})  # fmt: skip
+    kw = dict(
+        model="m",
+        system=conv[0]["content"],
+        tools=anthropic_tools(case),
+        max_tokens=96,
+        extra_body={"temperature": 0, "chat_template_kwargs": case.kwargs},
+    )
     messages: list[Any] = [{"role": "user", "content": conv[1]["content"]}]
-    counted = await client.messages.count_tokens(model="m", system=kw["system"], tools=kw["tools"], messages=messages,
-                                                 extra_body=kw["extra_body"])  # fmt: skip
+    counted = await client.messages.count_tokens(
+        model="m", system=kw["system"], tools=kw["tools"], messages=messages, extra_body=kw["extra_body"]
+    )
     for k in range(3):
         reply, events = await create(client, stream, messages=messages, **kw)
         check_reply(case, k, reply)
@@ -114,14 +142,21 @@ async def anthropic_conversation(capture: CaptureServer, case: Case, stream: boo
         messages = [*messages, {"role": "assistant", "content": echoed}]
         if k == 0:
             call = next(b for b in reply.content if b.type == "tool_use")
-            messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": conv[3]["content"]}]})
+            messages.append(
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": call.id, "content": conv[3]["content"]}],
+                }
+            )
         elif k == 1:
             messages.append({"role": "user", "content": conv[5]["content"]})
     return capture.pop_samples("s", Sample(prompt=conv[:2]))
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
-def test_tool_conversation_records_the_ids_ctx_chat_records(served: tuple[str, Path], case: Case, reference: Sample, stream: bool) -> None:
+def test_tool_conversation_records_the_ids_ctx_chat_records(
+    served: tuple[str, Path], case: Case, reference: Sample, stream: bool
+) -> None:
     url, model = served
     tok = AutoTokenizer.from_pretrained(model)
     (captured,) = with_capture(url, tok, lambda c: anthropic_conversation(c, case, stream))
@@ -139,15 +174,27 @@ def test_tool_conversation_records_the_ids_ctx_chat_records(served: tuple[str, P
 def test_count_tokens_and_a_session_named_by_the_key(engine: str, tok: Any) -> None:
     """`count_tokens` is the prompt's length; a client on the plain URL with the session id as its
     key records into that session; `tool_choice: none` offers no tools."""
-    fn = {"name": CALCULATOR["name"], "description": CALCULATOR["description"], "parameters": CALCULATOR["input_schema"]}
+    fn = {
+        "name": CALCULATOR["name"],
+        "description": CALCULATOR["description"],
+        "parameters": CALCULATOR["input_schema"],
+    }
     chat = ModelFormat(tok).chat([{"type": "function", "function": fn}])
 
     async def agent(capture: CaptureServer) -> tuple[list[int], anthropic.types.Message, list[Sample]]:
         client = sdk(capture.url, api_key="by-key")
-        counts = [(await client.messages.count_tokens(model="m", system="Be brief.", messages=OPENING, **kw)).input_tokens
-                  for kw in ({"tools": [CALCULATOR]}, {"tools": [CALCULATOR], "tool_choice": {"type": "none"}}, {})]  # fmt: skip
-        reply = await client.messages.create(model="m", system="Be brief.", messages=OPENING, tools=[CALCULATOR], max_tokens=3,
-                                             extra_body={"temperature": 0})  # fmt: skip
+        counts = [
+            (await client.messages.count_tokens(model="m", system="Be brief.", messages=OPENING, **kw)).input_tokens
+            for kw in ({"tools": [CALCULATOR]}, {"tools": [CALCULATOR], "tool_choice": {"type": "none"}}, {})
+        ]
+        reply = await client.messages.create(
+            model="m",
+            system="Be brief.",
+            messages=OPENING,
+            tools=[CALCULATOR],
+            max_tokens=3,
+            extra_body={"temperature": 0},
+        )
         return counts, reply, capture.pop_samples("by-key", Sample(prompt=OPENING))
 
     counts, reply, (sample,) = with_capture(engine, tok, agent)
@@ -164,8 +211,9 @@ def test_a_stop_sequence_is_named(engine: str, tok: Any) -> None:
     async def agent(capture: CaptureServer) -> tuple[str, anthropic.types.Message]:
         client = sdk(capture.session_url("stops"))
         free = await client.messages.create(model="m", messages=OPENING, max_tokens=12)
-        return free.content[0].text, await client.messages.create(model="m", messages=OPENING, max_tokens=12,
-                                                                  stop_sequences=["\x00never", stop_in(free.content[0].text)])  # fmt: skip
+        return free.content[0].text, await client.messages.create(
+            model="m", messages=OPENING, max_tokens=12, stop_sequences=["\x00never", stop_in(free.content[0].text)]
+        )
 
     text, stopped = with_capture(engine, tok, agent, default_sampling=GREEDY)
     stop = stop_in(text)
@@ -187,17 +235,30 @@ def stop_in(text: str) -> str:
         ({"messages": OPENING, "max_tokens": 0}, "max_tokens"),
         ({"messages": [], "max_tokens": 4}, "messages"),
         ({"messages": [{"role": "system", "content": "hi"}], "max_tokens": 4}, "messages.0.role"),
-        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4}, "messages.0.content.0"),
-        ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "calculator", "input": {}}]}], "max_tokens": 4},
-         "messages.0.content.0.type"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4},
+            "messages.0.content.0",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "calculator", "input": {}}]}
+                ],
+                "max_tokens": 4,
+            },
+            "messages.0.content.0.type",
+        ),
         ({"messages": OPENING, "max_tokens": 4, "temperature": -1}, "temperature"),
         ({"messages": OPENING, "max_tokens": 4, "top_k": 0}, "top_k"),
         ({"messages": OPENING, "max_tokens": 4, "stop_sequences": "x"}, "stop_sequences"),
-        ({"messages": OPENING, "max_tokens": 4, "tools": [{"name": "web_search", "type": "web_search_20250305"}]}, "tools.0.input_schema"),
+        (
+            {"messages": OPENING, "max_tokens": 4, "tools": [{"name": "web_search", "type": "web_search_20250305"}]},
+            "tools.0.input_schema",
+        ),
         ({"messages": OPENING, "max_tokens": 4, "tools": [CALCULATOR], "tool_choice": {"type": "any"}}, "tool_choice"),
         ({"messages": OPENING, "max_tokens": 4, "thinking": {"type": "sometimes"}}, "thinking.type"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_body_is_a_400_naming_the_field(engine: str, tok: Any, body: dict[str, Any], field: str) -> None:
     async def post(capture: CaptureServer) -> httpx.Response:
         async with httpx.AsyncClient(timeout=60) as http:
@@ -219,12 +280,14 @@ def test_errors_in_anthropics_shape(engine: str, tok: Any) -> None:
             out.append(await http.post(capture.url + "/v1/messages", json={"messages": OPENING, "max_tokens": 4}))
             out.append(await http.post(capture.session_url("x") + "/v1/messages", content=b"{not json"))
         try:
-            await sdk(capture.session_url("x")).messages.create(model="m", messages=OPENING, max_tokens=4, tool_choice={"type": "any"},
-                                                                 tools=[CALCULATOR])  # fmt: skip
+            await sdk(capture.session_url("x")).messages.create(
+                model="m", messages=OPENING, max_tokens=4, tool_choice={"type": "any"}, tools=[CALCULATOR]
+            )
         except anthropic.BadRequestError as exc:
             out.append(exc)
-        thinking = await sdk(capture.session_url("x")).messages.create(model="m", messages=OPENING, max_tokens=2,
-                                                                        thinking={"type": "enabled", "budget_tokens": 1024})  # fmt: skip
+        thinking = await sdk(capture.session_url("x")).messages.create(
+            model="m", messages=OPENING, max_tokens=2, thinking={"type": "enabled", "budget_tokens": 1024}
+        )
         out.append(thinking.stop_reason)
         return out
 
@@ -249,8 +312,11 @@ def test_anthropic_agent_plugin_yields_one_exact_sample(engine: str, tok: Any, t
     boxes an answer), one sample, each run of model ids what the engine generates from its context."""
     from rollout_plugins.anthropic_agent import MAX_TURNS, rollout, split_system
     from rollout_plugins.openai_agent import TOOLS
+
     params = {"temperature": 0.0, "max_new_tokens": 6}
-    (s,) = run_plugin(rollout, tiny_model_dir, engine, tok, Sample(prompt="What is 2 + 3?", label="5", group_id=3), params)
+    (s,) = run_plugin(
+        rollout, tiny_model_dir, engine, tok, Sample(prompt="What is 2 + 3?", label="5", group_id=3), params
+    )
     s.check()
     assert s.reward == 0.0 and s.metadata["capture"]["turns"] == MAX_TURNS
     assert s.loss_mask.count(1) == MAX_TURNS * params["max_new_tokens"]
@@ -259,6 +325,13 @@ def test_anthropic_agent_plugin_yields_one_exact_sample(engine: str, tok: Any, t
     assert s.tokens[: s.prompt_length] == chat.prompt_ids([{"role": "system", "content": system}, *messages])
     for start in (i for i, m in enumerate(s.loss_mask) if m and (i == 0 or not s.loss_mask[i - 1])):
         at = s.prompt_length + start
-        r = httpx.post(engine + "/generate", timeout=60, json={"input_ids": s.tokens[:at], "return_logprob": True,
-                                                              "sampling_params": {**params, "skip_special_tokens": False}})  # fmt: skip
+        r = httpx.post(
+            engine + "/generate",
+            timeout=60,
+            json={
+                "input_ids": s.tokens[:at],
+                "return_logprob": True,
+                "sampling_params": {**params, "skip_special_tokens": False},
+            },
+        )
         assert s.tokens[at : at + params["max_new_tokens"]] == r.json()["output_ids"]

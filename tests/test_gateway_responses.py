@@ -25,7 +25,12 @@ from test_family_formats import check_turn, run_ctx_chat
 
 RESPONSES_CASES = [c for c in CASES if c.name in ("qwen3", "qwen2.5", "deepseek-v3.1")]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 96}  # the gateway's defaults in these tests
-MODES = [("input", "create"), ("input", "events"), ("previous", "create"), ("previous", "manager")]  # (history, how it is read)
+MODES = [
+    ("input", "create"),
+    ("input", "events"),
+    ("previous", "create"),
+    ("previous", "manager"),
+]  # (history, how it is read)
 
 
 @pytest.fixture(scope="module", params=RESPONSES_CASES, ids=[c.name for c in RESPONSES_CASES])
@@ -49,7 +54,12 @@ def expected_event_types(output: list[Any]) -> list[str]:
             body = ["response.function_call_arguments.delta", "response.function_call_arguments.done"]
         else:
             kind = "output_text" if item.type == "message" else "reasoning_text"
-            body = ["response.content_part.added", f"response.{kind}.delta", f"response.{kind}.done", "response.content_part.done"]
+            body = [
+                "response.content_part.added",
+                f"response.{kind}.delta",
+                f"response.{kind}.done",
+                "response.content_part.done",
+            ]
         types += ["response.output_item.added", *body, "response.output_item.done"]
     return types
 
@@ -69,7 +79,8 @@ async def respond(client: openai.AsyncOpenAI, how: str, **kwargs: Any) -> Any:
     assert [e.type for e in events] == [*expected_event_types(final.output), "response.completed"]
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == final.output_text
     assert [e.delta for e in events if e.type == "response.function_call_arguments.delta"] == [
-        o.arguments for o in final.output if o.type == "function_call"]  # fmt: skip
+        o.arguments for o in final.output if o.type == "function_call"
+    ]
     return final
 
 
@@ -77,11 +88,16 @@ def check_response(case: Case, k: int, response: Any) -> None:
     """Turn k of the conversation as Response output items (reasoning, message, function calls)."""
     assert response.status == "completed" and response.object == "response"
     reasoning = [c.text for o in response.output if o.type == "reasoning" for c in o.content]
-    calls = [{"function": {"name": o.name, "arguments": o.arguments}} for o in response.output if o.type == "function_call"]
+    calls = [
+        {"function": {"name": o.name, "arguments": o.arguments}} for o in response.output if o.type == "function_call"
+    ]
     check_turn(case, k, response.output_text, "".join(reasoning) or None, calls)
     order = ["reasoning"] * bool(reasoning) + ["message"] * bool(response.output_text) + ["function_call"] * len(calls)
     assert [o.type for o in response.output] == order
-    assert response.usage.input_tokens > 0 and response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
+    assert (
+        response.usage.input_tokens > 0
+        and response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
+    )
 
 
 async def responses_agent(client: openai.AsyncOpenAI, case: Case, history: str, how: str) -> None:
@@ -92,8 +108,12 @@ async def responses_agent(client: openai.AsyncOpenAI, case: Case, history: str, 
     new: list[Any] = [{"role": "user", "content": conv[1]["content"]}]
     previous: str | None = None
     for k in range(3):
-        kwargs: dict[str, Any] = {"model": "m", "instructions": conv[0]["content"], "tools": responses_tools(case),
-                                  "extra_body": {"chat_template_kwargs": case.kwargs}}  # fmt: skip
+        kwargs: dict[str, Any] = {
+            "model": "m",
+            "instructions": conv[0]["content"],
+            "tools": responses_tools(case),
+            "extra_body": {"chat_template_kwargs": case.kwargs},
+        }
         if history == "previous":
             kwargs |= {"input": new, **({"previous_response_id": previous} if previous else {})}
         else:
@@ -103,7 +123,11 @@ async def responses_agent(client: openai.AsyncOpenAI, case: Case, history: str, 
         check_response(case, k, response)
         previous, items = response.id, [*items, *response.output]
         calls = [o for o in response.output if o.type == "function_call"]
-        new = [{"type": "function_call_output", "call_id": c.call_id, "output": "5"} for c in calls] if k == 0 else conv[5:6]
+        new = (
+            [{"type": "function_call_output", "call_id": c.call_id, "output": "5"} for c in calls]
+            if k == 0
+            else conv[5:6]
+        )
 
 
 def test_responses_record_what_ctx_chat_records(served: tuple[str, Path], case: Case) -> None:
@@ -118,7 +142,9 @@ def test_responses_record_what_ctx_chat_records(served: tuple[str, Path], case: 
             out[history, how] = capture.pop_samples(session, Sample(prompt=conversation(case)[:2]))
         return out
 
-    for mode, samples in with_capture(url, AutoTokenizer.from_pretrained(model), agents, default_sampling=GREEDY).items():
+    for mode, samples in with_capture(
+        url, AutoTokenizer.from_pretrained(model), agents, default_sampling=GREEDY
+    ).items():
         assert len(samples) == 1, mode  # reasoning items sent back (qwen3) continue the same sample
         (captured,) = samples
         assert captured.tokens == sample.tokens and captured.loss_mask == sample.loss_mask, mode
@@ -131,13 +157,21 @@ def test_a_response_cut_by_max_output_tokens_is_incomplete(served: tuple[str, Pa
     async def agent(capture: CaptureServer) -> tuple[Any, list[Any]]:
         client = sdk(capture, "cut")
         plain = await client.responses.create(model="m", input="What is 2+3?", max_output_tokens=2)
-        events = [e async for e in await client.responses.create(model="m", input="What is 2+3?", max_output_tokens=2, stream=True)]
+        events = [
+            e
+            async for e in await client.responses.create(
+                model="m", input="What is 2+3?", max_output_tokens=2, stream=True
+            )
+        ]
         return plain, events
 
     plain, events = with_capture(url, AutoTokenizer.from_pretrained(model), agent, default_sampling=GREEDY)
     assert plain.status == "incomplete" and plain.incomplete_details.reason == "max_output_tokens"
     assert plain.usage.output_tokens == 2 and plain.output[-1].status == "incomplete"
-    assert events[-1].type == "response.incomplete" and events[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert (
+        events[-1].type == "response.incomplete"
+        and events[-1].response.incomplete_details.reason == "max_output_tokens"
+    )
 
 
 def test_stored_responses_are_per_session_and_store_false_keeps_none(served: tuple[str, Path], case: Case) -> None:
@@ -151,14 +185,19 @@ def test_stored_responses_are_per_session_and_store_false_keeps_none(served: tup
             with pytest.raises(openai.BadRequestError) as err:
                 await sdk(capture, session).responses.create(model="m", input="Go on.", previous_response_id=rid)
             refused.append((err.value.status_code, err.value.body["param"]))
-        chained = await sdk(capture, "a").responses.create(model="m", input="Go on.", previous_response_id=first.id, max_output_tokens=2)
+        chained = await sdk(capture, "a").responses.create(
+            model="m", input="Go on.", previous_response_id=first.id, max_output_tokens=2
+        )
         assert chained.previous_response_id == first.id
         capture.pop_samples("a", Sample(prompt="Hi."))
         with pytest.raises(openai.BadRequestError):  # a collected session's responses are gone with it
             await sdk(capture, "a").responses.create(model="m", input="Go on.", previous_response_id=first.id)
         return refused
 
-    assert with_capture(url, AutoTokenizer.from_pretrained(model), agent, default_sampling=GREEDY) == [(400, "previous_response_id")] * 2
+    assert (
+        with_capture(url, AutoTokenizer.from_pretrained(model), agent, default_sampling=GREEDY)
+        == [(400, "previous_response_id")] * 2
+    )
 
 
 # ---- without an engine: what is refused before any generation -----------------------------------
@@ -184,7 +223,9 @@ def test_what_the_gateway_cannot_honour_is_a_400_naming_the_field(tok: Any, body
         async with httpx.AsyncClient(timeout=60) as http:
             return await http.post(capture.session_base_url("bad") + "/responses", json={"model": "m", **body})
 
-    r = with_capture("http://127.0.0.1:9", tok, post, default_sampling=GREEDY)  # nothing listens there: no request may reach an engine
+    r = with_capture(
+        "http://127.0.0.1:9", tok, post, default_sampling=GREEDY
+    )  # nothing listens there: no request may reach an engine
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == field and error["message"].startswith(field + ":"), error
@@ -209,7 +250,11 @@ def test_input_items_fold_into_chat_messages() -> None:
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": [{"type": "input_text", "text": "Go."}]},
         {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Think."}]},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Calling.", "annotations": []}]},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Calling.", "annotations": []}],
+        },
         call,
         {**call, "call_id": "c2"},
         {"type": "function_call_output", "call_id": "c1", "output": "1"},
@@ -218,13 +263,19 @@ def test_input_items_fold_into_chat_messages() -> None:
         {"type": "message", "role": "assistant", "content": "Both ran."},
         {"type": "reasoning", "id": "rs_3", "summary": [], "encrypted_content": "opaque"},
     ]
+
     def tool_call(i: int) -> dict[str, Any]:
         return {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
 
     assert chat_messages(items) == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Go."},
-        {"role": "assistant", "content": "Calling.", "reasoning_content": "Think.", "tool_calls": [tool_call(1), tool_call(2)]},
+        {
+            "role": "assistant",
+            "content": "Calling.",
+            "reasoning_content": "Think.",
+            "tool_calls": [tool_call(1), tool_call(2)],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "1"},
         {"role": "tool", "tool_call_id": "c2", "content": "2"},
         {"role": "assistant", "content": "Both ran.", "reasoning_content": "Done."},
@@ -243,7 +294,9 @@ def test_responses_agent_plugin_chains_turns_into_one_sample(engine: str, tok: A
         runtime = RolloutRuntime(RunConfig(model=str(tiny_model_dir)), Client(engine), tok)
         try:
             sample = Sample(prompt="What is 2 + 3?", label="5", group_id=3)
-            return await rollout(RolloutContext(runtime, sample, sampling_params={"temperature": 0.0, "max_new_tokens": 6}), sample)
+            return await rollout(
+                RolloutContext(runtime, sample, sampling_params={"temperature": 0.0, "max_new_tokens": 6}), sample
+            )
         finally:
             await runtime.close()
 

@@ -30,8 +30,14 @@ from slimish.tiny_model import make_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-SUBMIT = {"type": "function", "function": {"name": "submit", "description": "Submit the answer digit.",
-          "parameters": {"type": "object", "properties": {"digit": {"type": "string"}}, "required": ["digit"]}}}  # fmt: skip
+SUBMIT = {
+    "type": "function",
+    "function": {
+        "name": "submit",
+        "description": "Submit the answer digit.",
+        "parameters": {"type": "object", "properties": {"digit": {"type": "string"}}, "required": ["digit"]},
+    },
+}
 
 # Tools in one line: `<|im_start|>system\nTools: submit(digit)<|im_end|>` (then the template as it was).
 SHORT_TOOLS = """{%- if tools %}
@@ -65,23 +71,56 @@ def test_anthropic_sdk_agent_learns_a_toy_tool_task(tmp_path: Path) -> None:
     task, rng = get_task("max_digit"), random.Random(0)
     with (tmp_path / "sft.jsonl").open("w") as sft, (tmp_path / "rl.jsonl").open("w") as rl:
         for r in task.make("train", 2000, 0):
-            call = {"id": "call_0", "type": "function", "function": {"name": "submit",
-                    "arguments": json.dumps({"digit": rng.choice([c for c in r["prompt"] if c.isdigit()])})}}  # fmt: skip
-            sft.write(json.dumps({"prompt": r["prompt"], "tools": [SUBMIT], "response": {"role": "assistant", "content": "", "tool_calls": [call]}}) + "\n")
+            call = {
+                "id": "call_0",
+                "type": "function",
+                "function": {
+                    "name": "submit",
+                    "arguments": json.dumps({"digit": rng.choice([c for c in r["prompt"] if c.isdigit()])}),
+                },
+            }
+            sft.write(
+                json.dumps(
+                    {
+                        "prompt": r["prompt"],
+                        "tools": [SUBMIT],
+                        "response": {"role": "assistant", "content": "", "tool_calls": [call]},
+                    }
+                )
+                + "\n"
+            )
             rl.write(json.dumps({"prompt": r["prompt"], "label": r["label"]}) + "\n")
-    (tmp_path / "held_out.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"], "label": r["label"]}) + "\n"
-                                                     for r in task.make("test", 64, 0)))  # fmt: skip
+    (tmp_path / "held_out.jsonl").write_text(
+        "".join(json.dumps({"prompt": r["prompt"], "label": r["label"]}) + "\n" for r in task.make("test", 64, 0))
+    )
     (tmp_path / "agent.py").write_text(PLUGIN)
     model = make_tiny_model(tmp_path / "model", arch="llama", size="tiny", seed=0)
     tok = AutoTokenizer.from_pretrained(model)
-    tok.chat_template = SHORT_TOOLS + tok.chat_template[tok.chat_template.index("\n{%- else %}") :]  # the top-level else: no tools
+    tok.chat_template = (
+        SHORT_TOOLS + tok.chat_template[tok.chat_template.index("\n{%- else %}") :]
+    )  # the top-level else: no tools
     tok.save_pretrained(model)
-    argv = [sys.executable, "-m", "slimish.train", "--config", str(ROOT / "configs/quickstart.yaml"), f"model={model}",
-            f"run_dir={tmp_path / 'run'}", f"data.source={tmp_path / 'rl.jsonl'}", f"eval.source={tmp_path / 'held_out.jsonl'}", f"sft.source={tmp_path / 'sft.jsonl'}",
-            f"rollout.rollout_fn={tmp_path / 'agent.py'}:rollout", "rollout.max_new_tokens=32",
-            "rollout.overlong_buffer=0",  # the quickstart's length penalty is for its one-turn answers
-            "steps=12", "eval.every=6", "checkpoint.every=0"]  # fmt: skip
-    done = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1400)
+    argv = [
+        sys.executable,
+        "-m",
+        "slimish.train",
+        "--config",
+        str(ROOT / "configs/quickstart.yaml"),
+        f"model={model}",
+        f"run_dir={tmp_path / 'run'}",
+        f"data.source={tmp_path / 'rl.jsonl'}",
+        f"eval.source={tmp_path / 'held_out.jsonl'}",
+        f"sft.source={tmp_path / 'sft.jsonl'}",
+        f"rollout.rollout_fn={tmp_path / 'agent.py'}:rollout",
+        "rollout.max_new_tokens=32",
+        "rollout.overlong_buffer=0",  # the quickstart's length penalty is for its one-turn answers
+        "steps=12",
+        "eval.every=6",
+        "checkpoint.every=0",
+    ]
+    done = subprocess.run(
+        argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1400
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = read_metrics(tmp_path / "run")
     accuracy = [r["eval/accuracy"] for r in metrics if "eval/accuracy" in r]

@@ -41,7 +41,9 @@ def te_requirement() -> Requirement:
 
 def sglang_version(tag: str) -> str:
     found = re.fullmatch(r"v(\d+\.\d+\.\d+(?:\.post\d+)?)", tag)
-    assert found, f"Dockerfile: SGLANG_TAG={tag!r} is not a release tag vX.Y.Z (SGLang's CUDA 13 images; CUDA 12 ones stopped at v0.5.19-cu129)"
+    assert found, (
+        f"Dockerfile: SGLANG_TAG={tag!r} is not a release tag vX.Y.Z (SGLang's CUDA 13 images; CUDA 12 ones stopped at v0.5.19-cu129)"
+    )
     return found.group(1)
 
 
@@ -64,14 +66,43 @@ def resolved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     # builds it against its own torch (--no-build-isolation), which then names the CUDA 13 core
     # (its setup.py: transformer_engine_cu{torch.version.cuda major}).
     (tmp / "excludes.txt").write_text("transformer-engine-cu12\n")
-    argv = [find_uv_bin(), "pip", "compile", str(ROOT / "pyproject.toml"), str(tmp / "image.in"), "--extra", "gpu", "--extra", "ray",
-            "--python-version", PYTHON, "--python-platform", PLATFORM, "--index-url", "https://pypi.org/simple",
-            "--excludes", str(tmp / "excludes.txt"), "--no-config", "--no-header", "--no-annotate", "--quiet",
-            "--cache-dir", str(tmp / "uv-cache")]  # fmt: skip
-    env = {**os.environ, "UV_PYTHON_INSTALL_DIR": str(tmp / "uv-python"), "UV_PYTHON_DOWNLOADS": "never"}  # nothing kept outside tmp
+    argv = [
+        find_uv_bin(),
+        "pip",
+        "compile",
+        str(ROOT / "pyproject.toml"),
+        str(tmp / "image.in"),
+        "--extra",
+        "gpu",
+        "--extra",
+        "ray",
+        "--python-version",
+        PYTHON,
+        "--python-platform",
+        PLATFORM,
+        "--index-url",
+        "https://pypi.org/simple",
+        "--excludes",
+        str(tmp / "excludes.txt"),
+        "--no-config",
+        "--no-header",
+        "--no-annotate",
+        "--quiet",
+        "--cache-dir",
+        str(tmp / "uv-cache"),
+    ]
+    env = {
+        **os.environ,
+        "UV_PYTHON_INSTALL_DIR": str(tmp / "uv-python"),
+        "UV_PYTHON_DOWNLOADS": "never",
+    }  # nothing kept outside tmp
     done = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp, env=env)
     assert done.returncode == 0, f"the GPU image's dependencies do not resolve:\n{done.stderr}"
-    pins = [Requirement(line.split(";")[0]) for line in done.stdout.splitlines() if "==" in line and not line.startswith("#")]
+    pins = [
+        Requirement(line.split(";")[0])
+        for line in done.stdout.splitlines()
+        if "==" in line and not line.startswith("#")
+    ]
     return {r.name: next(iter(r.specifier)).version for r in pins}
 
 
@@ -93,9 +124,16 @@ def test_pins_agree_across_dockerfile_pyproject_and_megatron():
     # megatron-core's own TransformerEngine requirement (its `dev` extra): the version range and
     # the CUDA 13 core.
     te = te_requirement()
-    wanted = next(Requirement(r) for r in importlib.metadata.requires("megatron-core") if Requirement(r).name == "transformer-engine")
+    wanted = next(
+        Requirement(r)
+        for r in importlib.metadata.requires("megatron-core")
+        if Requirement(r).name == "transformer-engine"
+    )
     assert wanted.specifier.contains(args["TE_VERSION"], prereleases=True), (str(te), str(wanted))
-    assert {e.replace("-", "_") for e in wanted.extras} <= {e.replace("-", "_") for e in te.extras}, (str(te), str(wanted))
+    assert {e.replace("-", "_") for e in wanted.extras} <= {e.replace("-", "_") for e in te.extras}, (
+        str(te),
+        str(wanted),
+    )
 
 
 def test_dockerfile_refers_to_nothing_outside_the_repository():

@@ -17,21 +17,41 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "benchmarks" / "gpu" / "smoke.py"
 LINE = re.compile(r"^(PASS|FAIL|SKIP) (\w+): (.*)$", re.M)
-PASSED = ["device", "model", "sglang", "engine", "torch_step", "torch_push", "megatron_local_step", "megatron_local_push",
-          "lora_step", "lora_push", "rl_run", "rl_versions", "rl_rewards", "rl_mismatch"]  # fmt: skip
+PASSED = [
+    "device",
+    "model",
+    "sglang",
+    "engine",
+    "torch_step",
+    "torch_push",
+    "megatron_local_step",
+    "megatron_local_push",
+    "lora_step",
+    "lora_push",
+    "rl_run",
+    "rl_versions",
+    "rl_rewards",
+    "rl_mismatch",
+]
 SKIPPED = {"megatron_te_step": "dry run: TE's spec needs CUDA", "megatron_te_push": "dry run: TE's spec needs CUDA"}
 
 
-def smoke(out: Path, *args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict[str, tuple[str, str]]]:
+def smoke(
+    out: Path, *args: str, timeout: float = 600
+) -> tuple[subprocess.CompletedProcess, dict[str, tuple[str, str]]]:
     """`smoke.py --out OUT ARGS`, its output in files rather than pipes: its result is back when
     the script exits, not when the last process holding its stdout does."""
     with open(out / "stdout", "w+") as stdout, open(out / "stderr", "w+") as stderr:
-        proc = subprocess.Popen([sys.executable, str(SMOKE), "--out", str(out), *args], cwd=ROOT, stdout=stdout, stderr=stderr)
+        proc = subprocess.Popen(
+            [sys.executable, str(SMOKE), "--out", str(out), *args], cwd=ROOT, stdout=stdout, stderr=stderr
+        )
         try:
             proc.wait(timeout=timeout)
         finally:
             proc.kill()
-        done = subprocess.CompletedProcess(proc.args, proc.returncode, (out / "stdout").read_text(), (out / "stderr").read_text())
+        done = subprocess.CompletedProcess(
+            proc.args, proc.returncode, (out / "stdout").read_text(), (out / "stderr").read_text()
+        )
     return done, {name: (status, detail) for status, name, detail in LINE.findall(done.stdout)}
 
 

@@ -55,7 +55,9 @@ def gone(pid: int, within_s: float = 3.0) -> bool:
 
 def test_env_is_added_to_a_minimal_one_and_the_trainers_secrets_stay_out(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLIMISH_TEST_SECRET", "hunter2")
-    with run("import json, os; print(json.dumps({'env': dict(os.environ), 'cwd': os.getcwd()}))", {"MY_VAR": "42"}) as r:
+    with run(
+        "import json, os; print(json.dumps({'env': dict(os.environ), 'cwd': os.getcwd()}))", {"MY_VAR": "42"}
+    ) as r:
         seen = json.loads(r.stdout)
         assert r.exit_code == 0 and r.infra_error is None, r.stderr
         assert seen["env"]["MY_VAR"] == "42"
@@ -141,8 +143,13 @@ def test_a_program_that_does_not_exist_is_an_infra_error_not_an_exception() -> N
 
 
 def test_bad_arguments_raise() -> None:
-    for argv, files, error in [([], None, TypeError), (["x", 1], None, TypeError), (["true"], {"../up.txt": ""}, ValueError),
-                               (["true"], {"/etc/x": ""}, ValueError), (["true"], {"a.txt": b"bytes"}, TypeError)]:  # fmt: skip
+    for argv, files, error in [
+        ([], None, TypeError),
+        (["x", 1], None, TypeError),
+        (["true"], {"../up.txt": ""}, ValueError),
+        (["true"], {"/etc/x": ""}, ValueError),
+        (["true"], {"a.txt": b"bytes"}, TypeError),
+    ]:
         with pytest.raises(error):
             asyncio.run(run_harness(argv, {}, FAST, files=files))
     with pytest.raises(ValueError):
@@ -154,8 +161,10 @@ def test_bad_arguments_raise() -> None:
 def test_cancelling_a_run_kills_the_program_and_removes_its_workdir(tmp_path: Path) -> None:
     """The end of a rollout step cancels leftover rollouts: their harnesses must not live on."""
     report = tmp_path / "report.json"
-    code = "import json, os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(json.dumps([os.getpid(), os.getcwd()])); " \
-           "os.rename(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(60)"  # fmt: skip
+    code = (
+        "import json, os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(json.dumps([os.getpid(), os.getcwd()])); "
+        "os.rename(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(60)"
+    )
 
     async def main() -> list:
         task = asyncio.create_task(run_harness([sys.executable, "-c", code, str(report)], {}, FAST))
@@ -174,7 +183,9 @@ def test_cancelling_a_run_kills_the_program_and_removes_its_workdir(tmp_path: Pa
 
 def test_harnesses_run_concurrently_on_one_loop() -> None:
     async def main() -> list[HarnessRun]:
-        return await asyncio.gather(*(run_harness([sys.executable, "-c", "import time; time.sleep(1)"], {}, FAST) for _ in range(6)))
+        return await asyncio.gather(
+            *(run_harness([sys.executable, "-c", "import time; time.sleep(1)"], {}, FAST) for _ in range(6))
+        )
 
     start = time.monotonic()
     runs = asyncio.run(main())
@@ -187,8 +198,12 @@ def test_harnesses_run_concurrently_on_one_loop() -> None:
 
 def test_gateway_env_names_the_session_by_its_key() -> None:
     assert gateway_env("http://127.0.0.1:8123/", "7-0-abc") == {
-        "OPENAI_BASE_URL": "http://127.0.0.1:8123/v1", "OPENAI_API_KEY": "7-0-abc",
-        "ANTHROPIC_BASE_URL": "http://127.0.0.1:8123", "ANTHROPIC_API_KEY": "7-0-abc", "ANTHROPIC_AUTH_TOKEN": "7-0-abc"}  # fmt: skip
+        "OPENAI_BASE_URL": "http://127.0.0.1:8123/v1",
+        "OPENAI_API_KEY": "7-0-abc",
+        "ANTHROPIC_BASE_URL": "http://127.0.0.1:8123",
+        "ANTHROPIC_API_KEY": "7-0-abc",
+        "ANTHROPIC_AUTH_TOKEN": "7-0-abc",
+    }
     with pytest.raises(ValueError):
         gateway_env("http://127.0.0.1:8123", "")
 
@@ -212,12 +227,19 @@ class FakeModel:
         if isinstance(step, str):
             message, finish = {"role": "assistant", "content": step}, "stop"
         else:
-            calls = [{"id": f"call_{n}_{i}", "type": "function", "function": {"name": name, "arguments": args}}
-                     for i, (name, args) in enumerate(step)]  # fmt: skip
+            calls = [
+                {"id": f"call_{n}_{i}", "type": "function", "function": {"name": name, "arguments": args}}
+                for i, (name, args) in enumerate(step)
+            ]
             message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-        return {"id": f"chatcmpl-{n}", "object": "chat.completion", "created": 0, "model": body.get("model", "m"),
-                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}  # fmt: skip
+        return {
+            "id": f"chatcmpl-{n}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body.get("model", "m"),
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
 
     def tool_results(self, request: int = -1) -> list[str]:
         """What the agent had sent back as tool results by that request."""
@@ -249,14 +271,19 @@ def run_agent(model: FakeModel, numbers: list[int], **kw: Any) -> HarnessRun:
 
 
 def test_the_agent_does_the_task_with_tool_calls_and_the_checker_gives_1(fake_model: FakeModel) -> None:
-    fake_model.script = [[("read_file", json.dumps({"path": "numbers.txt"}))],
-                         [("write_file", json.dumps({"path": "answer.txt", "content": "60\n"}))], "Wrote the sum."]  # fmt: skip
+    fake_model.script = [
+        [("read_file", json.dumps({"path": "numbers.txt"}))],
+        [("write_file", json.dumps({"path": "answer.txt", "content": "60\n"}))],
+        "Wrote the sum.",
+    ]
     with run_agent(fake_model, [10, 20, 30]) as r:
         assert r.exit_code == 0 and r.infra_error is None, r.stderr
         assert (r.workdir / "answer.txt").read_text() == "60\n"
         assert score(r.workdir, "60") == 1.0 and score(r.workdir, "61") == 0.0
         assert len(fake_model.requests) == 3
-        assert {q["key"] for q in fake_model.requests} == {"Bearer session-key-1"}  # the gateway finds the session by it
+        assert {q["key"] for q in fake_model.requests} == {
+            "Bearer session-key-1"
+        }  # the gateway finds the session by it
         first = fake_model.requests[0]["body"]
         assert first["messages"][-1]["content"] == TASK + "\n"  # task.md
         assert {t["function"]["name"] for t in first["tools"]} == {"read_file", "write_file"}
@@ -264,15 +291,21 @@ def test_the_agent_does_the_task_with_tool_calls_and_the_checker_gives_1(fake_mo
         assert fake_model.tool_results(2)[-1].startswith("wrote 3 chars")
 
 
-def test_the_agent_refuses_paths_outside_its_workdir_and_survives_bad_arguments(fake_model: FakeModel, tmp_path: Path) -> None:
-    fake_model.script = [[("write_file", json.dumps({"path": "../escape.txt", "content": "x"})),
-                          ("write_file", json.dumps({"path": str(tmp_path / "abs.txt"), "content": "x"})),
-                          ("read_file", json.dumps({"path": "/etc/hostname"})),
-                          ("write_file", "{not json"),
-                          ("write_file", json.dumps({"path": 5, "content": "x"})),
-                          ("read_file", json.dumps(["numbers.txt"])),
-                          ("read_file", json.dumps({"path": "missing.txt"})),
-                          ("delete_everything", "{}")]]  # fmt: skip
+def test_the_agent_refuses_paths_outside_its_workdir_and_survives_bad_arguments(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    fake_model.script = [
+        [
+            ("write_file", json.dumps({"path": "../escape.txt", "content": "x"})),
+            ("write_file", json.dumps({"path": str(tmp_path / "abs.txt"), "content": "x"})),
+            ("read_file", json.dumps({"path": "/etc/hostname"})),
+            ("write_file", "{not json"),
+            ("write_file", json.dumps({"path": 5, "content": "x"})),
+            ("read_file", json.dumps(["numbers.txt"])),
+            ("read_file", json.dumps({"path": "missing.txt"})),
+            ("delete_everything", "{}"),
+        ]
+    ]
     with run_agent(fake_model, [1, 2], workdir=tmp_path / "work") as r:
         assert r.exit_code == 0 and r.infra_error is None, r.stderr
         results = fake_model.tool_results()
@@ -301,7 +334,9 @@ class FakeContext:
 
 
 def test_the_rollout_function_scores_the_captured_samples(fake_model: FakeModel) -> None:
-    from rollout_plugins.cli_harness import rollout  # here: it needs SampleStatus.INFRA_FAILED, the runner's tests do not
+    from rollout_plugins.cli_harness import (
+        rollout,
+    )  # here: it needs SampleStatus.INFRA_FAILED, the runner's tests do not
 
     fake_model.script = [[("write_file", json.dumps({"path": "answer.txt", "content": "7"}))]]
     sample = Sample(prompt=[{"role": "user", "content": TASK}], label="7", metadata={"numbers": [3, 4]})
@@ -310,9 +345,13 @@ def test_the_rollout_function_scores_the_captured_samples(fake_model: FakeModel)
 
 
 def test_a_harness_that_never_reaches_the_model_comes_back_infra_failed(fake_model: FakeModel) -> None:
-    from rollout_plugins.cli_harness import rollout  # here: it needs SampleStatus.INFRA_FAILED, the runner's tests do not
+    from rollout_plugins.cli_harness import (
+        rollout,
+    )  # here: it needs SampleStatus.INFRA_FAILED, the runner's tests do not
 
     sample = Sample(prompt=TASK, label="7", metadata={"numbers": [3, 4]})
-    (out,) = asyncio.run(rollout(FakeContext(fake_model, f"http://127.0.0.1:{free_port()}"), sample))  # nothing listens there
+    (out,) = asyncio.run(
+        rollout(FakeContext(fake_model, f"http://127.0.0.1:{free_port()}"), sample)
+    )  # nothing listens there
     assert out is sample and out.status == SampleStatus.INFRA_FAILED and out.reward is None
     assert out.error is not None and "no model call (exit code 1)" in out.error and "APIConnectionError" in out.error

@@ -148,16 +148,21 @@ def test_custom_grpo_advantage_is_bit_identical_to_the_built_in(plugin: str, siz
 
 def test_custom_advantage_gets_one_reward_per_trajectory(plugin: str) -> None:
     rewards, trajectory, group, weights = _trajectory_case([3, 2], 0)
-    out = A.trajectory_advantages(load_function(f"{plugin}:rewards_only", "advantage"), rewards, trajectory, group, weights)
+    out = A.trajectory_advantages(
+        load_function(f"{plugin}:rewards_only", "advantage"), rewards, trajectory, group, weights
+    )
     assert torch.equal(out, rewards * 2 * weights)  # each sample: its trajectory's value, times its credit
 
 
-@pytest.mark.parametrize(("name", "message"), [
-    ("per_group", r"returned shape \(1,\); it must return one advantage per trajectory, shape \(5,\)"),
-    ("integers", "returned dtype torch.int64; it must return a floating-point tensor"),
-    ("a_list", "returned a list; it must return a tensor"),
-    ("nan", "returned non-finite advantages"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("per_group", r"returned shape \(1,\); it must return one advantage per trajectory, shape \(5,\)"),
+        ("integers", "returned dtype torch.int64; it must return a floating-point tensor"),
+        ("a_list", "returned a list; it must return a tensor"),
+        ("nan", "returned non-finite advantages"),
+    ],
+)
 def test_custom_advantage_bad_output_names_the_key(plugin: str, name: str, message: str) -> None:
     rewards, trajectory, group, weights = _trajectory_case([3, 2], 1)
     with pytest.raises(ValueError, match=f"algorithm.advantage .*{message}"):
@@ -180,11 +185,20 @@ def _loss_case(seed: int = 3):
     return logprobs, old, ref, rollout, entropy, mask, torch.tensor([1.0, -0.5, 2.0, -1.5])
 
 
-@pytest.mark.parametrize("extra", [
-    {},
-    {"loss_reduction": "sample", "kl_coef": 0.1, "kl_importance_weight": True, "entropy_coef": 0.01, "tis_cap": 1.5},
-    {"loss_reduction": "dr_grpo", "kl_coef": 0.2, "kl_estimator": "k2", "mis_cap": 1.2},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {
+            "loss_reduction": "sample",
+            "kl_coef": 0.1,
+            "kl_importance_weight": True,
+            "entropy_coef": 0.01,
+            "tis_cap": 1.5,
+        },
+        {"loss_reduction": "dr_grpo", "kl_coef": 0.2, "kl_estimator": "k2", "mis_cap": 1.2},
+    ],
+)
 def test_custom_ppo_loss_equals_the_built_in(plugin: str, extra: dict) -> None:
     fn = load_function(f"{plugin}:ppo_loss", "policy_loss")
     logprobs, old, ref, rollout, entropy, mask, adv = _loss_case()
@@ -192,8 +206,18 @@ def test_custom_ppo_loss_equals_the_built_in(plugin: str, extra: dict) -> None:
     results = []
     for cfg in (AlgorithmConfig(**extra), AlgorithmConfig(loss=f"{plugin}:ppo_loss", **extra)):
         lp = logprobs.clone().requires_grad_(True)
-        loss, stats = A.rl_loss(cfg, lp, old, adv, mask, norm, ref_logprobs=ref, rollout_logprobs=rollout, entropy=entropy,
-                                policy_loss_fn=fn if ":" in cfg.loss else None)  # fmt: skip
+        loss, stats = A.rl_loss(
+            cfg,
+            lp,
+            old,
+            adv,
+            mask,
+            norm,
+            ref_logprobs=ref,
+            rollout_logprobs=rollout,
+            entropy=entropy,
+            policy_loss_fn=fn if ":" in cfg.loss else None,
+        )
         loss.backward()
         results.append((loss.detach(), stats, lp.grad))
     (ppo, ppo_stats, ppo_grad), (custom, custom_stats, custom_grad) = results
@@ -209,8 +233,10 @@ def test_custom_ppo_loss_equals_the_built_in(plugin: str, extra: dict) -> None:
 def test_custom_loss_bad_output_names_the_key(plugin: str) -> None:
     logprobs, old, _, _, _, mask, adv = _loss_case()
     lp = logprobs.clone().requires_grad_(True)
-    for name, message in (("reduced", r"returned shape \(\); it must return the per-token loss of shape \(4, 7\)"),
-                          ("detached", "does not depend on `logprobs`")):  # fmt: skip
+    for name, message in (
+        ("reduced", r"returned shape \(\); it must return the per-token loss of shape \(4, 7\)"),
+        ("detached", "does not depend on `logprobs`"),
+    ):
         cfg = AlgorithmConfig(loss=f"{plugin}:{name}")
         with pytest.raises(ValueError, match=f"algorithm.loss .*{name}.*{message}"):
             A.rl_loss(cfg, lp, old, adv, mask, policy_loss_fn=load_function(cfg.loss, "policy_loss"))
@@ -227,7 +253,9 @@ class Recording(TorchTrainer):
     """A TorchTrainer that keeps the gradients of each optimiser step."""
 
     def _optimizer_step(self, optimizer):
-        self.grads = getattr(self, "grads", []) + [{n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}]
+        self.grads = getattr(self, "grads", []) + [
+            {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        ]
         return super()._optimizer_step(optimizer)
 
 
@@ -249,22 +277,45 @@ def test_trainer_with_custom_hooks_equals_the_built_ins(plugin: str, tiny_model_
     features = [f for f in FEATURES if "dual_clip" not in f and "eps_clip_high" not in f]  # what ppo_loss implements
     groups = make_groups(0)
     built_in, m1 = _step(tiny_model_dir, groups, *features)
-    custom, m2 = _step(tiny_model_dir, groups, *features, f"algorithm.advantage={plugin}:grpo", f"algorithm.loss={plugin}:ppo_loss")
+    custom, m2 = _step(
+        tiny_model_dir, groups, *features, f"algorithm.advantage={plugin}:grpo", f"algorithm.loss={plugin}:ppo_loss"
+    )
     assert custom.advantage_fn is not None and custom.policy_loss_fn is not None
     _same_grads(built_in, custom, atol=1e-6)
-    for key in ("train/loss", "train/policy_loss", "train/grad_norm", "train/kl", "train/entropy", "train/ratio", "train/tis"):
+    for key in (
+        "train/loss",
+        "train/policy_loss",
+        "train/grad_norm",
+        "train/kl",
+        "train/entropy",
+        "train/ratio",
+        "train/tis",
+    ):
         assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
     assert m1["train/clip_frac"] > 0 and m2["train/clip_frac"] == 0  # a custom loss reports no clipping
 
 
-@pytest.mark.parametrize(("key", "spec", "message"), [
-    ("algorithm.advantage", ":grpoo", "algorithm.advantage '.*:grpoo': .* has no function 'grpoo'"),
-    ("algorithm.loss", ":ppo_los", "algorithm.loss '.*:ppo_los': .* has no function 'ppo_los'"),
-    ("algorithm.loss", ":three_args", r"algorithm.loss '.*:three_args': three_args\(logprobs, advantages, mask\) cannot be called with "
-                                      r"\(logprobs, old_logprobs, advantages, mask\)"),
-    ("algorithm.advantage", "no_such_module:fn", "algorithm.advantage 'no_such_module:fn': no module named 'no_such_module'"),
-])  # fmt: skip
-def test_a_bad_hook_fails_at_trainer_construction(plugin: str, tiny_model_dir, key: str, spec: str, message: str) -> None:
+@pytest.mark.parametrize(
+    ("key", "spec", "message"),
+    [
+        ("algorithm.advantage", ":grpoo", "algorithm.advantage '.*:grpoo': .* has no function 'grpoo'"),
+        ("algorithm.loss", ":ppo_los", "algorithm.loss '.*:ppo_los': .* has no function 'ppo_los'"),
+        (
+            "algorithm.loss",
+            ":three_args",
+            r"algorithm.loss '.*:three_args': three_args\(logprobs, advantages, mask\) cannot be called with "
+            r"\(logprobs, old_logprobs, advantages, mask\)",
+        ),
+        (
+            "algorithm.advantage",
+            "no_such_module:fn",
+            "algorithm.advantage 'no_such_module:fn': no module named 'no_such_module'",
+        ),
+    ],
+)
+def test_a_bad_hook_fails_at_trainer_construction(
+    plugin: str, tiny_model_dir, key: str, spec: str, message: str
+) -> None:
     spec = spec if not spec.startswith(":") else plugin + spec
     with pytest.raises(LoadError, match=message):
         TorchTrainer(config(tiny_model_dir, f"{key}={spec}"))
@@ -319,14 +370,17 @@ def test_function_rows_feed_prompt_data_and_resume_identically(plugin: str) -> N
     assert [r["prompt"] for r in gen] == [f"q{i}" for i in range(5)]
 
 
-@pytest.mark.parametrize(("name", "message"), [
-    ("one_dict", "data.source '.*:one_dict': returned a dict; it must return"),
-    ("no_prompt", "data.source '.*:no_prompt': row 0 has no 'question'"),
-    ("not_json", "data.source '.*:not_json': row 0 is not a JSON value"),
-    ("empty", "data.source '.*:empty': no rows"),
-    ("missing", "data.source '.*:missing': .* has no function 'missing'"),
-    ("no_split", r"data.source '.*:no_split': no_split\(cfg\) cannot be called with \(cfg, split\)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("one_dict", "data.source '.*:one_dict': returned a dict; it must return"),
+        ("no_prompt", "data.source '.*:no_prompt': row 0 has no 'question'"),
+        ("not_json", "data.source '.*:not_json': row 0 is not a JSON value"),
+        ("empty", "data.source '.*:empty': no rows"),
+        ("missing", "data.source '.*:missing': .* has no function 'missing'"),
+        ("no_split", r"data.source '.*:no_split': no_split\(cfg\) cannot be called with \(cfg, split\)"),
+    ],
+)
 def test_bad_function_sources_name_the_key(plugin: str, name: str, message: str) -> None:
     cfg = DataConfig(source=f"{plugin}:{name}", prompt_key="question", label_key="answer")
     with pytest.raises(ValueError, match=message):

@@ -54,8 +54,21 @@ def router(engines, tmp_path_factory) -> str:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("router-log") / "router.log"
-    argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-            "--policy", "round_robin", "--prometheus-port", str(free_port()), "--log-level", "info"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        "round_robin",
+        "--prometheus-port",
+        str(free_port()),
+        "--log-level",
+        "info",
+    ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -119,14 +132,23 @@ def test_single_with_logprobs_equals_direct(router, engines):
         assert out["output_ids"] == direct["output_ids"]
         lps = out["meta_info"]["output_token_logprobs"]
         assert [t for _, t, _ in lps] == out["output_ids"]
-        assert [lp for lp, _, _ in lps] == pytest.approx([lp for lp, _, _ in direct["meta_info"]["output_token_logprobs"]], abs=1e-5)
+        assert [lp for lp, _, _ in lps] == pytest.approx(
+            [lp for lp, _, _ in direct["meta_info"]["output_token_logprobs"]], abs=1e-5
+        )
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
 
 
 def test_seeded_sampling_params_survive_reserialisation(router, engines):
     """The router drops sampling keys it does not know; these must all reach the engine."""
-    params = {"temperature": 0.9, "top_k": 50, "top_p": 0.95, "min_p": 0.01, "max_new_tokens": 10,
-              "ignore_eos": True, "sampling_seed": 7}  # fmt: skip
+    params = {
+        "temperature": 0.9,
+        "top_k": 50,
+        "top_p": 0.95,
+        "min_p": 0.01,
+        "max_new_tokens": 10,
+        "ignore_eos": True,
+        "sampling_seed": 7,
+    }
     direct = generate(engines[1], input_ids=PROMPTS[0], sampling_params=params)
     out = generate(router, input_ids=PROMPTS[0], sampling_params=params)
     assert out["output_ids"] == direct["output_ids"]
@@ -164,9 +186,17 @@ def test_flush_cache_fans_out(router, engines):
     assert r.status_code == 200, r.text
     assert (r.json()["status"], r.json()["workers_flushed"]) == ("success", 2)
     # An engine refuses to flush while it generates, so a fan-out that reached it reports it failed.
-    with httpx.stream("POST", engines[0] + "/generate", timeout=60, json={
-        "input_ids": PROMPTS[0], "rid": "busy", "stream": True, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True},
-    }) as s:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        engines[0] + "/generate",
+        timeout=60,
+        json={
+            "input_ids": PROMPTS[0],
+            "rid": "busy",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True},
+        },
+    ) as s:
         lines = s.iter_lines()
         assert next(lines).startswith("data: ")  # it runs now
         try:
@@ -181,8 +211,12 @@ def test_flush_cache_fans_out(router, engines):
 
 
 def test_chat_completions_forwarded(router, engines):
-    body = {"model": httpx.get(engines[0] + "/v1/models", timeout=10).json()["data"][0]["id"],
-            "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8, "temperature": 0.0}  # fmt: skip
+    body = {
+        "model": httpx.get(engines[0] + "/v1/models", timeout=10).json()["data"][0]["id"],
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 8,
+        "temperature": 0.0,
+    }
     direct = post(engines[0], "/v1/chat/completions", body)
     if direct.status_code == 404:
         pytest.skip("the engine serves no /v1/chat/completions yet (slimish/engine/openai_api.py)")
@@ -200,7 +234,9 @@ def test_slimish_router_in_front_of_the_same_engines(router, engines, tmp_path_f
 
     port = free_port()
     log = tmp_path_factory.mktemp("slimish-router-log") / "router.log"
-    with ServerProcess(["router", "--port", str(port), "--policy", "round_robin", "--worker-urls", *engines], port=port, log_path=log) as ours:
+    with ServerProcess(
+        ["router", "--port", str(port), "--policy", "round_robin", "--worker-urls", *engines], port=port, log_path=log
+    ) as ours:
         for prompt in PROMPTS:
             body = {"input_ids": prompt, "sampling_params": GREEDY, "return_logprob": True}
             a, b = generate(ours.url, **body), generate(router, **body)

@@ -38,10 +38,16 @@ def test_local_sglang_engines_start_after_the_trainer_gpus_each_on_their_own(sgl
     """Three engines of tp 2 after 2 trainer GPUs: --base-gpu-id 2, 4, 6, in the command lines the
     launcher really spawns (the SGLang double records them, then exits: no engine has to serve)."""
     monkeypatch.setenv("SGLANG_SHIM_EXIT", "3")
-    engines = local_engines(LaunchConfig(engine_kind="sglang", engines=3, sglang_args=["--tp-size", "2"]), "/m", tmp_path, first_gpu=2)
+    engines = local_engines(
+        LaunchConfig(engine_kind="sglang", engines=3, sglang_args=["--tp-size", "2"]), "/m", tmp_path, first_gpu=2
+    )
     for engine in engines:
         engine.launch()
-    assert [engine.proc.wait(timeout=60) for engine in engines] == [3, 3, 3]  # each parsed its command line as SGLang would
+    assert [engine.proc.wait(timeout=60) for engine in engines] == [
+        3,
+        3,
+        3,
+    ]  # each parsed its command line as SGLang would
     argvs = [json.loads(line)["argv"] for line in sglang_double.read_text().splitlines()]
     assert sorted(base_gpu_ids(argvs)) == [2, 4, 6]
 
@@ -49,14 +55,18 @@ def test_local_sglang_engines_start_after_the_trainer_gpus_each_on_their_own(sgl
 def test_a_given_base_gpu_id_places_the_first_engine():
     """`--base-gpu-id` in launch.sglang_args is where engine 0 goes (sharing the trainer's GPU if
     told); the others follow, and no engine gets the flag twice."""
-    launch = LaunchConfig(engine_kind="sglang", engines=2, sglang_args=["--sglang-base-gpu-id", "0", "--mem-fraction-static", "0.3"])
+    launch = LaunchConfig(
+        engine_kind="sglang", engines=2, sglang_args=["--sglang-base-gpu-id", "0", "--mem-fraction-static", "0.3"]
+    )
     argvs = [e.argv for e in local_engines(launch, "/m", ROOT, first_gpu=1)]
     assert base_gpu_ids(argvs) == [0, 1] and all(argv.count("--base-gpu-id") == 1 for argv in argvs)
 
 
 def test_builtin_gpu_engines_get_one_gpu_each_and_cpu_engines_none():
     def devices(*flags: str) -> list[str | None]:
-        argvs = [e.argv for e in local_engines(LaunchConfig(engines=2, engine_flag=list(flags)), "/m", ROOT, first_gpu=1)]
+        argvs = [
+            e.argv for e in local_engines(LaunchConfig(engines=2, engine_flag=list(flags)), "/m", ROOT, first_gpu=1)
+        ]
         return [argv[argv.index("--device") + 1] if "--device" in argv else None for argv in argvs]
 
     assert devices("device=cuda") == ["cuda:1", "cuda:2"]
@@ -65,17 +75,28 @@ def test_builtin_gpu_engines_get_one_gpu_each_and_cpu_engines_none():
 
 
 def test_teacher_engines_go_after_the_policy_engines(tmp_path):
-    cfg = load_run_config(str(RECIPES / "qwen3_4b_grpo.yaml"), ["algorithm.opd.coef=1", "launch.teacher.model=/models/Qwen3-4B",
-                                                                  "launch.teacher.engine_kind=sglang", "launch.engines=3"])  # fmt: skip
+    cfg = load_run_config(
+        str(RECIPES / "qwen3_4b_grpo.yaml"),
+        [
+            "algorithm.opd.coef=1",
+            "launch.teacher.model=/models/Qwen3-4B",
+            "launch.teacher.engine_kind=sglang",
+            "launch.engines=3",
+        ],
+    )
     first = next_gpu(cfg.launch, 4)
-    assert first == 7 and base_gpu_ids([e.argv for e in local_engines(teacher_launch(cfg), "/t", tmp_path, first)]) == [7]
+    assert first == 7 and base_gpu_ids([e.argv for e in local_engines(teacher_launch(cfg), "/t", tmp_path, first)]) == [
+        7
+    ]
 
 
 # ---- SGLang command lines (findings 9e, 10) ----------------------------------------------------
 
 
-@pytest.mark.parametrize(("args", "dtype"), [([], "--dtype bfloat16"), (["--dtype", "float16"], "--dtype float16"),
-                                             (["--sglang-dtype=half"], "--dtype=half")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("args", "dtype"),
+    [([], "--dtype bfloat16"), (["--dtype", "float16"], "--dtype float16"), (["--sglang-dtype=half"], "--dtype=half")],
+)
 def test_sglang_engines_run_bf16_unless_told(args, dtype):
     """SGLang's `auto` serves an fp32 checkpoint in fp16; the launcher asks for bf16 unless the
     user named a dtype (then theirs, once)."""
@@ -86,8 +107,16 @@ def test_sglang_engines_run_bf16_unless_told(args, dtype):
 def test_config_booleans_are_bare_flags_as_sglangs():
     parser = argparse.ArgumentParser()
     add_config_arguments(parser, EngineConfig)
-    args = parser.parse_args(["--model-path", "m", "--enable-lora", "--max-lora-rank", "8", "--no-await-weights", "--tp-size", "1"])
-    assert (args.model, args.enable_lora, args.await_weights, args.disable_radix_cache, args.tp_size) == ("m", True, False, False, 1)
+    args = parser.parse_args(
+        ["--model-path", "m", "--enable-lora", "--max-lora-rank", "8", "--no-await-weights", "--tp-size", "1"]
+    )
+    assert (args.model, args.enable_lora, args.await_weights, args.disable_radix_cache, args.tp_size) == (
+        "m",
+        True,
+        False,
+        False,
+        1,
+    )
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--enable-lora", "true"])  # the old form: a value is no longer taken
 
@@ -104,15 +133,35 @@ def test_engine_flags_from_yaml_become_bare_flags():
 
 def test_the_builtin_engine_starts_from_an_sglang_launch_line(tiny_model_dir, tmp_path):
     port = free_port()
-    argv = ["engine", "--model-path", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port), "--enable-lora",
-            "--max-lora-rank", "8", "--disable-radix-cache", "--tp-size", "1"]  # fmt: skip
+    argv = [
+        "engine",
+        "--model-path",
+        str(tiny_model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--disable-radix-cache",
+        "--tp-size",
+        "1",
+    ]
     with ServerProcess(argv, port=port, log_path=tmp_path / "engine.log").start(120) as engine:
         state = httpx.get(engine.url + "/server_info", timeout=10).json()["internal_states"][0]
-    assert (state["model"], state["enable_lora"], state["max_lora_rank"], state["disable_radix_cache"]) == (str(tiny_model_dir), True, 8, True)
+    assert (state["model"], state["enable_lora"], state["max_lora_rank"], state["disable_radix_cache"]) == (
+        str(tiny_model_dir),
+        True,
+        8,
+        True,
+    )
 
 
 def test_the_builtin_engine_refuses_tensor_parallelism(capsys):
-    with pytest.raises(SystemExit, match=r"engine.tp_size \(--tp-size\) must be 1: the built-in engine runs on one device"):
+    with pytest.raises(
+        SystemExit, match=r"engine.tp_size \(--tp-size\) must be 1: the built-in engine runs on one device"
+    ):
         main(["engine", "--model-path", "/m", "--tp-size", "2"])
 
 
@@ -123,16 +172,23 @@ def test_master_address_is_this_nodes_ip_on_a_ray_cluster():
     node_ip = ray.util.get_node_ip_address()
     if node_ip.startswith("127."):
         pytest.skip("this machine has no address but loopback")
+
     def address(*overrides: str) -> str:
         return load_run_config(None, ["model=/m", "data.source=x", *overrides]).weight_sync.master_address
 
     assert address("launch.mode=ray", "launch.ray_address=auto") == node_ip
-    assert address("launch.mode=ray", "launch.ray_address=auto", "weight_sync.master_address=10.1.2.3") == "10.1.2.3"  # given: kept
-    assert address() == "127.0.0.1" and address("launch.mode=ray") == "127.0.0.1"  # local, or a Ray of its own on loopback
+    assert (
+        address("launch.mode=ray", "launch.ray_address=auto", "weight_sync.master_address=10.1.2.3") == "10.1.2.3"
+    )  # given: kept
+    assert (
+        address() == "127.0.0.1" and address("launch.mode=ray") == "127.0.0.1"
+    )  # local, or a Ray of its own on loopback
 
 
 def test_ray_sglang_engines_need_their_tp_in_gpus():
-    with pytest.raises(ValueError, match=r"launch.engine_gpus \(1\) must be >= the SGLang engines' tp size \(2, launch.sglang_args\)"):
+    with pytest.raises(
+        ValueError, match=r"launch.engine_gpus \(1\) must be >= the SGLang engines' tp size \(2, launch.sglang_args\)"
+    ):
         LaunchConfig(mode="ray", engine_kind="sglang", sglang_args=["--tp-size", "2"], engine_gpus=1)
     assert LaunchConfig(mode="ray", engine_kind="sglang", sglang_args=["--tp-size=2"], engine_gpus=2).engine_gpus == 2
 
@@ -147,7 +203,9 @@ def test_a_server_not_healthy_in_time_names_its_log(tmp_path):
     """A static file server on the port: up, but /health is a 404, so it never becomes healthy."""
     port, log = free_port(), tmp_path / "server.log"
     proc = ServerProcess(["--bind", "127.0.0.1", str(port)], port=port, log_path=log, module="http.server")
-    with pytest.raises(TimeoutError, match=rf"http.server on port {port} not healthy within 2s; read its log, {re.escape(str(log))}"):
+    with pytest.raises(
+        TimeoutError, match=rf"http.server on port {port} not healthy within 2s; read its log, {re.escape(str(log))}"
+    ):
         proc.start(timeout=2)
 
 
@@ -157,20 +215,34 @@ SHAPES = {
     "llama": dict(intermediate_size=128, tie_word_embeddings=False),
     "qwen2": dict(intermediate_size=128, tie_word_embeddings=False),  # q/k/v biases
     "qwen3": dict(intermediate_size=128, head_dim=32, tie_word_embeddings=True),  # q/k norms, a free head_dim
-    "qwen3_moe": dict(intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
-                      mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False),
-}  # fmt: skip
+    "qwen3_moe": dict(
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    ),
+}
 
 
 @pytest.mark.parametrize("model_type", SHAPES)
 def test_parameter_counts_equal_the_hf_models(model_type):
     """The memory figures rest on the plan's count of parameters: equal to the HF model's own."""
-    hf = transformers.AutoConfig.for_model(model_type, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                           vocab_size=1000, **SHAPES[model_type])  # fmt: skip
+    hf = transformers.AutoConfig.for_model(
+        model_type,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        **SHAPES[model_type],
+    )
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf)
     assert model_params(from_hf(hf)) == sum(p.numel() for p in model.parameters())
-
 
 
 def dry_run(capsys, recipe: str, *extra: str) -> str:
@@ -184,9 +256,16 @@ def test_dense_recipe_plan(capsys):
     assert all(f"trainer rank {r}: node 0 GPU {r}\n" in out for r in range(4))
     assert all(f"engine {i}: node 0 GPU {4 + i}\n" in out for i in range(4))
     lines = [line.split(": ", 1)[1] for line in out.splitlines() if "sglang.launch_server" in line]
-    assert base_gpu_ids([line.split() for line in lines]) == [4, 5, 6, 7] and all("--dtype bfloat16" in line for line in lines)
-    assert "node 0 GPU 0: trainer rank 0: weights 3.7 + grads 7.5 + fp32 main weights 7.5 + Adam 15.0 = 33.7 of 80" in out
-    assert "node 0 GPU 7: engine 3: weights 7.5 + KV cache 60.5 (mem_fraction_static 0.85: 441k tokens) = 68.0 of 80" in out
+    assert base_gpu_ids([line.split() for line in lines]) == [4, 5, 6, 7] and all(
+        "--dtype bfloat16" in line for line in lines
+    )
+    assert (
+        "node 0 GPU 0: trainer rank 0: weights 3.7 + grads 7.5 + fp32 main weights 7.5 + Adam 15.0 = 33.7 of 80" in out
+    )
+    assert (
+        "node 0 GPU 7: engine 3: weights 7.5 + KV cache 60.5 (mem_fraction_static 0.85: 441k tokens) = 68.0 of 80"
+        in out
+    )
     assert "trainer: python -m torch.distributed.run --standalone --nproc-per-node=4 -m slimish.train --config" in out
 
 
@@ -210,16 +289,47 @@ def test_lora_agent_recipe_plan(capsys):
 @pytest.mark.parametrize(
     ("recipe", "overrides", "message"),
     [
-        ("qwen3_4b_grpo.yaml", ["trainer.nproc=5"], r"trainer.nproc \(5\) must be a multiple of trainer.tp x trainer.pp \(2 x 1\)"),
-        ("qwen3_4b_grpo.yaml", ["trainer.tp=3", "trainer.nproc=3"], r"trainer.tp=3, trainer.pp=1: num_key_value_heads=8 must be divisible"),
-        ("qwen3_4b_grpo.yaml", ["launch.sglang_args=[--tp-size,3]"], r"launch.sglang_args --tp-size 3: num_attention_heads=32"),
+        (
+            "qwen3_4b_grpo.yaml",
+            ["trainer.nproc=5"],
+            r"trainer.nproc \(5\) must be a multiple of trainer.tp x trainer.pp \(2 x 1\)",
+        ),
+        (
+            "qwen3_4b_grpo.yaml",
+            ["trainer.tp=3", "trainer.nproc=3"],
+            r"trainer.tp=3, trainer.pp=1: num_key_value_heads=8 must be divisible",
+        ),
+        (
+            "qwen3_4b_grpo.yaml",
+            ["launch.sglang_args=[--tp-size,3]"],
+            r"launch.sglang_args --tp-size 3: num_attention_heads=32",
+        ),
         ("qwen3_4b_grpo.yaml", ["launch.engines=5"], r"launch.engines: engine 4 would use GPU 8 but the node has 8"),
         ("qwen3_30b_a3b_grpo.yaml", ["trainer.tp=2", "trainer.pp=4"], r"trainer.tp=2 with an MoE model"),
-        ("qwen3_30b_a3b_grpo.yaml", ["trainer.pp=4", "trainer.nproc=4"],
-         r"node 0 GPU 0 would hold 130.6 GiB \(trainer rank 0\) of its 80: raise trainer.tp / trainer.pp"),
-        ("qwen3_30b_a3b_grpo.yaml", ["launch.sglang_args=[--tp-size,4,--ep-size,3]"], r"launch.sglang_args --ep-size 3"),
+        (
+            "qwen3_30b_a3b_grpo.yaml",
+            ["trainer.pp=4", "trainer.nproc=4"],
+            r"node 0 GPU 0 would hold 130.6 GiB \(trainer rank 0\) of its 80: raise trainer.tp / trainer.pp",
+        ),
+        (
+            "qwen3_30b_a3b_grpo.yaml",
+            ["launch.sglang_args=[--tp-size,4,--ep-size,3]"],
+            r"launch.sglang_args --ep-size 3",
+        ),
     ],
-)  # fmt: skip
+)
 def test_recipe_sizes_that_do_not_fit_fail_naming_the_field(recipe, overrides, message):
     with pytest.raises(SystemExit, match=message):
-        main(["train", "--config", str(RECIPES / recipe), "--dry-run", "--gpus-per-node", "8", "--gpu-memory-gib", "80", *overrides])
+        main(
+            [
+                "train",
+                "--config",
+                str(RECIPES / recipe),
+                "--dry-run",
+                "--gpus-per-node",
+                "8",
+                "--gpu-memory-gib",
+                "80",
+                *overrides,
+            ]
+        )

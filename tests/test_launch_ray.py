@@ -110,7 +110,9 @@ def test_engine_actors_serve_and_a_killed_one_rejoins_at_the_current_weights(
         # Actor 0 replaced under a new name, actor 1 kept (its engine restarted inside it).
         now = [ray.get_actor(n)._actor_id for n in ("slimish-engine-0-r1", "slimish-engine-1")]
         assert now == [a._actor_id for a in servers.actors] and now[0] != actor_ids[0] and now[1] == actor_ids[1]
-        assert router_workers(servers.router_url) == sorted(servers.engine_urls) and not set(old) & set(servers.engine_urls)
+        assert router_workers(servers.router_url) == sorted(servers.engine_urls) and not set(old) & set(
+            servers.engine_urls
+        )
         for url in servers.engine_urls:
             assert httpx.get(url + "/health", timeout=30).status_code == 503  # no rollouts on their initial weights
         assert servers.restart_dead(WAIT_S) == []  # alive, merely awaiting weights: left alone
@@ -134,4 +136,6 @@ def test_an_rl_run_on_ray_survives_an_engine_actor_killed_mid_rollout(ray_addres
 import ray
 ray.kill(ray.get_actor("slimish-engine-0"))  # this trainer is the actors' driver
 """
-    assert_run_survives_an_engine_kill(tmp_path, kill, "launch.mode=ray", f"launch.ray_address={ray_address}", env=RAY_ENV)
+    assert_run_survives_an_engine_kill(
+        tmp_path, kill, "launch.mode=ray", f"launch.ray_address={ray_address}", env=RAY_ENV
+    )

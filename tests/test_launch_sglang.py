@@ -29,8 +29,9 @@ def starts(record: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def sglang_servers(sglang_double, tiny_model_dir, tmp_path_factory):
-    launch = LaunchConfig(engine_kind="sglang", sglang_args=["--sglang-tp-size", "1", "--mem-fraction-static=0.5"],
-                          start_timeout=WAIT_S)  # fmt: skip
+    launch = LaunchConfig(
+        engine_kind="sglang", sglang_args=["--sglang-tp-size", "1", "--mem-fraction-static=0.5"], start_timeout=WAIT_S
+    )
     with local_servers(launch, tiny_model_dir, tmp_path_factory.mktemp("logs")) as servers:
         yield servers
 
@@ -42,10 +43,29 @@ def generate(url: str) -> dict:
 
 
 def test_sglang_arguments_pass_through_with_or_without_the_prefix():
-    argv = sglang_argv("/m", "10.0.0.2", 30001, ["--sglang-tp-size", "2", "--sglang-mem-fraction-static=0.7", "--trust-remote-code"],
-                       api_key="k")  # fmt: skip
-    assert argv == ["--model-path", "/m", "--host", "10.0.0.2", "--port", "30001", "--dtype", "bfloat16", "--tp-size", "2",
-                    "--mem-fraction-static=0.7", "--trust-remote-code", "--api-key", "k"]  # fmt: skip
+    argv = sglang_argv(
+        "/m",
+        "10.0.0.2",
+        30001,
+        ["--sglang-tp-size", "2", "--sglang-mem-fraction-static=0.7", "--trust-remote-code"],
+        api_key="k",
+    )
+    assert argv == [
+        "--model-path",
+        "/m",
+        "--host",
+        "10.0.0.2",
+        "--port",
+        "30001",
+        "--dtype",
+        "bfloat16",
+        "--tp-size",
+        "2",
+        "--mem-fraction-static=0.7",
+        "--trust-remote-code",
+        "--api-key",
+        "k",
+    ]
     assert sglang_argv("/m", "h", 1, ["--api-key", "own"], api_key="k")[-2:] == ["--api-key", "own"]  # theirs wins
     proc = sglang_process("/m", [], host="0.0.0.0", port=30002)
     assert (proc.module, proc.name, proc.url) == (MODULE, MODULE, "http://127.0.0.1:30002")
@@ -69,7 +89,10 @@ def test_engine_flags_the_launcher_sets_are_refused():
         (["launch.engine_kind=external"], "launch.engine_urls: engine_kind=external needs"),
         (["launch.engine_urls=[http://h:1]"], "launch.engine_urls needs launch.engine_kind=external"),
         (["launch.mode=slurm"], "launch.mode must be one of local, ray, got 'slurm'"),
-        (["launch.mode=ray", "launch.engine_kind=external", "launch.engine_urls=[http://h:1]"], "launch.mode=ray places engines"),
+        (
+            ["launch.mode=ray", "launch.engine_kind=external", "launch.engine_urls=[http://h:1]"],
+            "launch.mode=ray places engines",
+        ),
         (["launch.placement_strategy=ANY"], "launch.placement_strategy must be PACK"),
         (["launch.engine_gpus=-1"], "engine_cpus/engine_gpus >= 0"),
     ],
@@ -79,12 +102,27 @@ def test_bad_launch_settings_name_the_field(overrides, message):
         load_run_config(None, ["model=/m", "data.source=task:max_digit", *overrides])
 
 
-def test_sglang_engine_started_registered_and_synced(sglang_servers, sglang_double, tiny_model_dir, tiny_model_dir_other_seed):
+def test_sglang_engine_started_registered_and_synced(
+    sglang_servers, sglang_double, tiny_model_dir, tiny_model_dir_other_seed
+):
     (start,) = starts(sglang_double)
     engine = sglang_servers.engines[0]
     port = str(engine.port)
-    assert start["argv"] == ["--model-path", str(tiny_model_dir), "--host", "127.0.0.1", "--port", port, "--base-gpu-id", "0",
-                             "--dtype", "bfloat16", "--tp-size", "1", "--mem-fraction-static=0.5"]  # fmt: skip
+    assert start["argv"] == [
+        "--model-path",
+        str(tiny_model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        port,
+        "--base-gpu-id",
+        "0",
+        "--dtype",
+        "bfloat16",
+        "--tp-size",
+        "1",
+        "--mem-fraction-static=0.5",
+    ]
     assert start["pid"] == engine.proc.pid  # the supervised child is the server itself
     workers = httpx.get(sglang_servers.router_url + "/workers", timeout=30).json()["workers"]
     assert [w["url"] for w in workers] == sglang_servers.engine_urls == [engine.url]
@@ -130,5 +168,7 @@ def test_the_double_is_what_runs(sglang_double):
     """Guard: with the double on PYTHONPATH a child resolves `sglang` to it, not a real install."""
     import subprocess
 
-    out = subprocess.run([sys.executable, "-c", "import sglang; print(sglang.__file__)"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", "import sglang; print(sglang.__file__)"], capture_output=True, text=True, timeout=60
+    )
     assert out.stdout.strip() == str(SGLANG_DOUBLE / "sglang" / "__init__.py")

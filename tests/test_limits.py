@@ -24,13 +24,27 @@ import pytest
 import slimish
 from omegaconf import OmegaConf
 
-from slimish.config import EngineConfig, RouterConfig, RunConfig, add_config_arguments, describe_config, field_docs, load_run_config
+from slimish.config import (
+    EngineConfig,
+    RouterConfig,
+    RunConfig,
+    add_config_arguments,
+    describe_config,
+    field_docs,
+    load_run_config,
+)
 from slimish.launch.local import engine_process
 from slimish.serving import warn_if_exposed
 
 from conftest import post, running_router, wait_for
 
-LIMITS = {"max_prompt_tokens": 48, "max_new_tokens_cap": 8, "max_body_bytes": 4096, "max_running_requests": 2, "max_queued_requests": 1}
+LIMITS = {
+    "max_prompt_tokens": 48,
+    "max_new_tokens_cap": 8,
+    "max_body_bytes": 4096,
+    "max_running_requests": 2,
+    "max_queued_requests": 1,
+}
 CAPACITY = 3  # max_running_requests + max_queued_requests
 PROMPT = [5, 17, 42, 99, 7]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -74,8 +88,15 @@ def test_engine_prompt_length_names_the_limit(limited):
         "input_ids: the prompt has 49 tokens; this engine accepts at most 48 (--max-prompt-tokens)"
     )
     r = post(limited, "/v1/completions", {"prompt": list(range(1, 50)), "max_tokens": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "at most 48" in r.json()["error"]["message"]
-    assert post(limited, "/generate", {"input_ids": list(range(1, 49)), "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+    assert (
+        r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "at most 48" in r.json()["error"]["message"]
+    )
+    assert (
+        post(
+            limited, "/generate", {"input_ids": list(range(1, 49)), "sampling_params": {"max_new_tokens": 1}}
+        ).status_code
+        == 200
+    )
 
 
 def test_engine_caps_max_new_tokens(limited):
@@ -84,12 +105,23 @@ def test_engine_caps_max_new_tokens(limited):
         "sampling_params.max_new_tokens: 9 is over this engine's cap of 8 (--max-new-tokens-cap)"
     )
     r = post(limited, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9})
-    assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_tokens: 9 is over this engine's cap of 8")
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        "max_tokens: 9 is over this engine's cap of 8"
+    )
     # Defaults the client did not choose (128, 16, the rest of the context) are lowered to the cap.
-    assert post(limited, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY}).json()["meta_info"]["completion_tokens"] == 8
+    assert (
+        post(limited, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY}).json()["meta_info"][
+            "completion_tokens"
+        ]
+        == 8
+    )
     done = post(limited, "/v1/completions", {"prompt": PROMPT, "temperature": 0, "ignore_eos": True}).json()
     assert done["usage"]["completion_tokens"] == 8
-    chat = post(limited, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "ignore_eos": True}).json()
+    chat = post(
+        limited,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "ignore_eos": True},
+    ).json()
     assert chat["usage"]["completion_tokens"] == 8
 
 
@@ -101,13 +133,17 @@ def test_engine_body_size(limited):
     chunks = (b'{"input_ids": [5], "rid": "' + b"x" * 1000 for _ in range(5))
     r = httpx.post(limited + "/generate", content=chunks, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 413 and "4096" in r.json()["error"]["message"]
-    assert post(limited, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+    assert (
+        post(limited, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+    )
 
 
 def test_engine_request_larger_than_it_can_hold_is_400(limited):
     r = post(limited, "/generate", {"input_ids": PROMPT, "sampling_params": {"n": CAPACITY + 1, "max_new_tokens": 1}})
     assert r.status_code == 400
-    assert r.json()["error"]["message"].startswith("sampling_params.n: the request makes 4 sequences (batch items x n); this engine holds at most 3")
+    assert r.json()["error"]["message"].startswith(
+        "sampling_params.n: the request makes 4 sequences (batch items x n); this engine holds at most 3"
+    )
     r = post(limited, "/v1/completions", {"prompt": PROMPT, "n": 10**9, "max_tokens": 1})  # refused before expanding
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
@@ -115,13 +151,27 @@ def test_engine_request_larger_than_it_can_hold_is_400(limited):
 def test_full_engine_is_503_with_retry_after(limited):
     with held(limited, limited, CAPACITY) as replies:
         body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
-        for r in (post(limited, "/generate", body), post(limited, "/generate", {**body, "stream": True}),
-                  post(limited, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})):  # fmt: skip
+        for r in (
+            post(limited, "/generate", body),
+            post(limited, "/generate", {**body, "stream": True}),
+            post(limited, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1}),
+        ):
             assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
-            assert "the engine is full: 3 sequences in flight, this request adds 1, the limit is 3" in r.json()["error"]["message"]
-        assert httpx.get(limited + "/health").status_code == 200 and httpx.get(limited + "/health_generate").status_code == 200
+            assert (
+                "the engine is full: 3 sequences in flight, this request adds 1, the limit is 3"
+                in r.json()["error"]["message"]
+            )
+        assert (
+            httpx.get(limited + "/health").status_code == 200
+            and httpx.get(limited + "/health_generate").status_code == 200
+        )
     assert [r.json()["meta_info"]["finish_reason"]["type"] for r in replies] == ["abort"] * CAPACITY
-    assert post(limited, "/generate", {"input_ids": PROMPT, "sampling_params": {"n": CAPACITY, "max_new_tokens": 2}}).status_code == 200
+    assert (
+        post(
+            limited, "/generate", {"input_ids": PROMPT, "sampling_params": {"n": CAPACITY, "max_new_tokens": 2}}
+        ).status_code
+        == 200
+    )
 
 
 # ---- router --------------------------------------------------------------------------------
@@ -130,12 +180,19 @@ def test_full_engine_is_503_with_retry_after(limited):
 def test_router_prompt_length_names_the_limit(limited):
     with running_router(worker_urls=[limited], max_prompt_tokens=4) as router:
         r = post(router, "/generate", {"input_ids": PROMPT})
-        assert r.status_code == 400 and r.json()["error"]["message"] == "input_ids has 5 tokens; this router accepts at most 4 (--max-prompt-tokens)"
+        assert (
+            r.status_code == 400
+            and r.json()["error"]["message"]
+            == "input_ids has 5 tokens; this router accepts at most 4 (--max-prompt-tokens)"
+        )
         r = post(router, "/generate", {"input_ids": [[1, 2], PROMPT]})
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("input_ids[1] has 5 tokens")
         r = post(router, "/v1/completions", {"prompt": PROMPT})
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt has 5 tokens")
-        assert post(router, "/generate", {"input_ids": PROMPT[:4], "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+        assert (
+            post(router, "/generate", {"input_ids": PROMPT[:4], "sampling_params": {"max_new_tokens": 1}}).status_code
+            == 200
+        )
 
 
 def test_full_router_is_429_with_retry_after(limited):
@@ -143,11 +200,20 @@ def test_full_router_is_429_with_retry_after(limited):
         with held(limited, router, 2):
             r = post(router, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}})
             assert r.status_code == 429 and r.headers["retry-after"] == "3"
-            assert "the router is full: 2 requests in flight, the limit is 2 (--max-concurrent-requests)" in r.json()["error"]["message"]
-            assert post(router, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}).status_code == 429
+            assert (
+                "the router is full: 2 requests in flight, the limit is 2 (--max-concurrent-requests)"
+                in r.json()["error"]["message"]
+            )
+            assert (
+                post(router, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}).status_code
+                == 429
+            )
             for path in ("/health", "/readiness", "/metrics", "/workers"):  # never refused
                 assert httpx.get(router + path).status_code == 200
-        assert post(router, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+        assert (
+            post(router, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}).status_code
+            == 200
+        )
 
 
 def test_router_passes_a_full_engine_on_as_503_with_retry_after(limited):
@@ -155,7 +221,10 @@ def test_router_passes_a_full_engine_on_as_503_with_retry_after(limited):
         with held(limited, limited, CAPACITY):
             r = post(router, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}})
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
-            assert "the engine is full" in r.json()["error"]["message"] and "gave up after 2 attempts" in r.json()["error"]["message"]
+            assert (
+                "the engine is full" in r.json()["error"]["message"]
+                and "gave up after 2 attempts" in r.json()["error"]["message"]
+            )
 
 
 # ---- exposure ------------------------------------------------------------------------------
@@ -175,9 +244,15 @@ def test_help_shows_each_fields_comment(capsys):
     add_config_arguments(parser, EngineConfig)
     text = " ".join(parser.format_help().split())
     assert "--max-running-requests MAX_RUNNING_REQUESTS rows in the running batch (default: 32)" in text
-    assert field_docs(RouterConfig)["admin_api_key"] and set(field_docs(EngineConfig)) <= set(EngineConfig.__dataclass_fields__)
+    assert field_docs(RouterConfig)["admin_api_key"] and set(field_docs(EngineConfig)) <= set(
+        EngineConfig.__dataclass_fields__
+    )
     lines = describe_config(RunConfig)
-    assert "  rollout.temperature (1.0): Default sampling params for ctx.generate / ctx.chat." in lines and "  buffer.max_staleness (0): weight versions a trained sample may lag behind; 0 = on-policy" in lines
+    assert (
+        "  rollout.temperature (1.0): Default sampling params for ctx.generate / ctx.chat." in lines
+        and "  buffer.max_staleness (0): weight versions a trained sample may lag behind; 0 = on-policy" in lines
+    )
+
     def leaves(node):  # every key of the schema, nested sections (metrics.wandb.*) flattened
         return sum(leaves(v) for v in node.values()) if isinstance(node, dict) and node else 1  # {}: a dict-valued key
 
@@ -190,11 +265,16 @@ def test_one_seed_and_renamed_keys_still_read(tmp_path, caplog):
     for a release, each with a warning naming its new place."""
     cfg = load_run_config(None, ["model=m", "data.source=x", "seed=7", "trainer.seed=3"])
     assert (cfg.data.seed, cfg.trainer.seed) == (7, 3)
-    (tmp_path / "old.yaml").write_text("model: m\ndata:\n  source: x\n  eval_source: task:add\nrollout:\n  eval_n_prompts: 9\n")
+    (tmp_path / "old.yaml").write_text(
+        "model: m\ndata:\n  source: x\n  eval_source: task:add\nrollout:\n  eval_n_prompts: 9\n"
+    )
     with caplog.at_level(logging.WARNING, logger="slimish.config"):
         cfg = load_run_config(str(tmp_path / "old.yaml"), ["rollout.eval_temperature=0.5"])
     assert (cfg.eval.source, cfg.eval.n_prompts, cfg.eval.temperature) == ("task:add", 9, 0.5)
-    assert "data.eval_source is now eval.source" in caplog.text and "rollout.eval_temperature is now eval.temperature" in caplog.text
+    assert (
+        "data.eval_source is now eval.source" in caplog.text
+        and "rollout.eval_temperature is now eval.temperature" in caplog.text
+    )
 
 
 def test_renamed_flags_still_parse_with_a_warning(caplog):
@@ -229,15 +309,22 @@ def test_non_loopback_bind_keeps_keys(tiny_model_dir, tmp_path):
     host = _outside_address()
     if host is None:
         pytest.skip("this machine has no non-loopback IPv4 address")
-    with engine_process(tiny_model_dir, log_path=tmp_path / "engine.log", host="0.0.0.0", api_key="serve", admin_api_key="adm") as proc:
+    with engine_process(
+        tiny_model_dir, log_path=tmp_path / "engine.log", host="0.0.0.0", api_key="serve", admin_api_key="adm"
+    ) as proc:
         url = f"http://{host}:{proc.port}"
         body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
         assert httpx.get(url + "/health").status_code == 200
         assert post(url, "/generate", body).status_code == 401
         assert post(url, "/generate", body, headers={"Authorization": "Bearer serve"}).status_code == 200
         disk = {"model_path": str(tiny_model_dir)}
-        assert post(url, "/update_weights_from_disk", disk, headers={"Authorization": "Bearer serve"}).status_code == 401
-        assert post(url, "/update_weights_from_disk", disk, headers={"Authorization": "Bearer adm"}).json()["success"] is True
+        assert (
+            post(url, "/update_weights_from_disk", disk, headers={"Authorization": "Bearer serve"}).status_code == 401
+        )
+        assert (
+            post(url, "/update_weights_from_disk", disk, headers={"Authorization": "Bearer adm"}).json()["success"]
+            is True
+        )
         assert httpx.get(url + "/openapi.json").status_code == 401  # the schema too: only health and metrics are open
 
 
@@ -246,7 +333,15 @@ def test_no_network_path_unpickles():
     engine or router serves deserialises pickles. Keep it so; a route that must would have to
     refuse non-loopback clients."""
     root = Path(slimish.__file__).parent
-    served = [*root.glob("engine/*.py"), *root.glob("router/*.py"), *(root / n for n in ("serving.py", "protocol.py", "distributed.py"))]
-    banned = re.compile(r"\bpickle\b|\bmarshal\b|torch\.load\(|_object_list\(|recv_object|weights_only\s*=\s*False|yaml\.load\(")
-    hits = [f"{p.name}:{i}" for p in served for i, line in enumerate(p.read_text().splitlines(), 1) if banned.search(line)]
+    served = [
+        *root.glob("engine/*.py"),
+        *root.glob("router/*.py"),
+        *(root / n for n in ("serving.py", "protocol.py", "distributed.py")),
+    ]
+    banned = re.compile(
+        r"\bpickle\b|\bmarshal\b|torch\.load\(|_object_list\(|recv_object|weights_only\s*=\s*False|yaml\.load\("
+    )
+    hits = [
+        f"{p.name}:{i}" for p in served for i, line in enumerate(p.read_text().splitlines(), 1) if banned.search(line)
+    ]
     assert not hits

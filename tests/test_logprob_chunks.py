@@ -89,7 +89,10 @@ def test_chunked_forward_equals_the_full_path(arch, tiny_model_dir, tiny_qwen2_d
     batch = [s for g in make_groups(0) for s in g]
     lengths = [s.response_length for s in batch]
     assert len(set(lengths)) > 3 and max(lengths) > 5  # ragged, and chunk 5 splits samples
-    trainers = {c: TorchTrainer(config(model_dir, f"trainer.logprob_chunk_tokens={c}", "rollout.temperature=0.7", F32)) for c in (0, 1, 5, 1024)}
+    trainers = {
+        c: TorchTrainer(config(model_dir, f"trainer.logprob_chunk_tokens={c}", "rollout.temperature=0.7", F32))
+        for c in (0, 1, 5, 1024)
+    }
     for entropy in (True, None):
         full_lp, full_ent, mask, full_grads = _forward_and_grads(trainers[0], batch, entropy)
         for chunk in (1, 5, 1024):
@@ -109,11 +112,27 @@ def test_train_step_metrics_equal_the_full_path(tiny_model_dir):
     micro-batches): loss, grad norm and the other metrics as with the full logits."""
     metrics = []
     for chunk in (0, 7):
-        trainer = TorchTrainer(config(tiny_model_dir, f"trainer.logprob_chunk_tokens={chunk}", "trainer.micro_batch_tokens=60",
-                                      "rollout.temperature=0.8", F32, *FEATURES))  # fmt: skip
+        trainer = TorchTrainer(
+            config(
+                tiny_model_dir,
+                f"trainer.logprob_chunk_tokens={chunk}",
+                "trainer.micro_batch_tokens=60",
+                "rollout.temperature=0.8",
+                F32,
+                *FEATURES,
+            )
+        )
         groups = with_rollout_logprobs(trainer, make_groups(2), noise=0.3, seed=2)
         metrics.append(trainer.train_step(groups, 1))
-    for key in ("train/loss", "train/policy_loss", "train/grad_norm", "train/kl", "train/entropy", "train/clip_frac", "train/tis"):
+    for key in (
+        "train/loss",
+        "train/policy_loss",
+        "train/grad_norm",
+        "train/kl",
+        "train/entropy",
+        "train/clip_frac",
+        "train/tis",
+    ):
         assert metrics[0][key] == pytest.approx(metrics[1][key], rel=TOL, abs=1e-7), key
 
 

@@ -27,8 +27,14 @@ from slimish.trainer.weight_sync import WeightSync
 from slimish.types import Sample
 
 MODULES = ["q_proj", "v_proj"]
-LORA = ("trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.lora.alpha=8", f"trainer.lora.target_modules=[{','.join(MODULES)}]",
-        "trainer.lr=1e-2", "rollout.temperature=0")  # fmt: skip
+LORA = (
+    "trainer.lora.enabled=true",
+    "trainer.lora.rank=4",
+    "trainer.lora.alpha=8",
+    f"trainer.lora.target_modules=[{','.join(MODULES)}]",
+    "trainer.lr=1e-2",
+    "rollout.temperature=0",
+)
 
 
 @contextmanager
@@ -45,7 +51,10 @@ def served(url: str, tensors: dict[str, torch.Tensor], adapter: str) -> dict[str
 
     async def read() -> dict[str, torch.Tensor]:
         async with Client(url) as c:
-            return {k: torch.tensor(await c.get_weights_by_name(k, truncate_size=1 << 20, lora_name=adapter)) for k in tensors}
+            return {
+                k: torch.tensor(await c.get_weights_by_name(k, truncate_size=1 << 20, lora_name=adapter))
+                for k in tensors
+            }
 
     return asyncio.run(read())
 
@@ -107,8 +116,12 @@ def test_disk_fallback_reloads_the_saved_adapter_versioned(tiny_model_dir: Path,
     report it and the buffer does not drop them as stale."""
     trainer = TorchTrainer(config(tiny_model_dir, *LORA))
     with lora_pool(tiny_model_dir, tmp_path_factory) as (engine, router):
-        with WeightSync(WeightSyncConfig(transport="disk", disk_dir=str(tmp_path), timeout_s=60), [engine], adapter="d",
-                        router_url=router) as sync:  # fmt: skip
+        with WeightSync(
+            WeightSyncConfig(transport="disk", disk_dir=str(tmp_path), timeout_s=60),
+            [engine],
+            adapter="d",
+            router_url=router,
+        ) as sync:
             trainer.train_step(with_rollout_logprobs(trainer, make_groups(1), noise=0.1, seed=1), 1)
             sync.push_adapter(trainer.adapter_tensors(), trainer.adapter_config(), "1")
             assert sync.group is None and [p.name for p in tmp_path.iterdir()] == ["d-1"]
@@ -126,7 +139,15 @@ def test_an_engine_killed_mid_rollout_comes_back_and_gets_the_adapter(tmp_path: 
     assert_run_survives_an_engine_kill(tmp_path, SIGKILL_A_CHILD_ENGINE, *LORA[:4])
 
 
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # configs/quickstart_lora.yaml's
+ALL_LINEAR = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+]  # configs/quickstart_lora.yaml's
 
 
 @pytest.mark.slow
@@ -143,12 +164,26 @@ def test_two_runs_share_one_engine_pool(tmp_path: Path, quickstart_sft: Path, tm
     steps = 30
     with lora_pool(quickstart_sft, tmp_path_factory, rank=16, modules=ALL_LINEAR) as (engine, router):
         runs = {name: tmp_path / name for name in ("a", "b")}
-        procs = {name: subprocess.Popen(quickstart_argv(d, f"steps={steps}", f"eval.every={steps}", "eval.n_prompts=256", f"launch.router_url={router}",
-                                                        f"trainer.lora.name={name}", f"seed={seed}", model=quickstart_sft,
-                                                        config="configs/quickstart_lora.yaml"),
-                                        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                                        stderr=open(d.with_suffix(".log"), "w"))  # fmt: skip
-                 for seed, (name, d) in enumerate(runs.items())}
+        procs = {
+            name: subprocess.Popen(
+                quickstart_argv(
+                    d,
+                    f"steps={steps}",
+                    f"eval.every={steps}",
+                    "eval.n_prompts=256",
+                    f"launch.router_url={router}",
+                    f"trainer.lora.name={name}",
+                    f"seed={seed}",
+                    model=quickstart_sft,
+                    config="configs/quickstart_lora.yaml",
+                ),
+                cwd=ROOT,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                stdout=subprocess.DEVNULL,
+                stderr=open(d.with_suffix(".log"), "w"),
+            )
+            for seed, (name, d) in enumerate(runs.items())
+        }
         try:
             for name, proc in procs.items():
                 assert proc.wait(timeout=1200) == 0, runs[name].with_suffix(".log").read_text()[-3000:]

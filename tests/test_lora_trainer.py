@@ -20,12 +20,14 @@ LORA = ("trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.lora.alpha=
 
 
 def test_config_errors_name_the_field(tiny_model_dir):
-    for override, message in [("trainer.backend=megatron", "trainer.lora needs trainer.backend=torch"),
-                              ("algorithm.advantage=gae", "algorithm.advantage=gae with trainer.lora"),
-                              ("trainer.lora.rank=0", "trainer.lora.rank must be >= 1"),
-                              ("trainer.lora.dropout=1.0", "trainer.lora.alpha must be > 0 and dropout in"),
-                              ("trainer.lora.target_modules=[]", "trainer.lora.target_modules must name"),
-                              ("trainer.lora.name=a/b", "trainer.lora.name must be")]:  # fmt: skip
+    for override, message in [
+        ("trainer.backend=megatron", "trainer.lora needs trainer.backend=torch"),
+        ("algorithm.advantage=gae", "algorithm.advantage=gae with trainer.lora"),
+        ("trainer.lora.rank=0", "trainer.lora.rank must be >= 1"),
+        ("trainer.lora.dropout=1.0", "trainer.lora.alpha must be > 0 and dropout in"),
+        ("trainer.lora.target_modules=[]", "trainer.lora.target_modules must name"),
+        ("trainer.lora.name=a/b", "trainer.lora.name must be"),
+    ]:
         with pytest.raises(SystemExit, match=message):
             config(tiny_model_dir, "trainer.lora.enabled=true", override)
 
@@ -72,7 +74,9 @@ def test_checkpoint_round_trip_and_exports(tiny_model_dir, tmp_path):
     resumed = TorchTrainer(config(tiny_model_dir, *overrides))
     resumed.load_state_dict(checkpoint.load(saved_at)["trainer"])
     saved, loaded = trainer.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
-    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k]["exp_avg_sq"], loaded[k]["exp_avg_sq"]) for k in saved)
+    assert saved.keys() == loaded.keys() and all(
+        torch.equal(saved[k]["exp_avg_sq"], loaded[k]["exp_avg_sq"]) for k in saved
+    )
     m, mr = trainer.train_step(batches[1], 2), resumed.train_step(batches[1], 2)
     assert m["train/loss"] == mr["train/loss"]
     a, b = trainer.adapter_tensors(), resumed.adapter_tensors()

@@ -33,8 +33,19 @@ WORKER = Path(__file__).with_name("megatron_backend_worker.py")
 OVERRIDES = ["trainer.micro_batch_tokens=40", *FEATURES, "algorithm.ptx_coef=0.5"]
 LAYOUTS = ("tp1_dp2", "tp2", "pp2")
 TOL = 1e-5
-METRICS = ("train/loss", "train/policy_loss", "train/grad_norm", "train/kl", "train/entropy", "train/clip_frac",
-           "train/mismatch", "train/ratio", "train/tis", "train/ptx_loss", "reward/mean")  # fmt: skip
+METRICS = (
+    "train/loss",
+    "train/policy_loss",
+    "train/grad_norm",
+    "train/kl",
+    "train/entropy",
+    "train/clip_frac",
+    "train/mismatch",
+    "train/ratio",
+    "train/tis",
+    "train/ptx_loss",
+    "reward/mean",
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +59,19 @@ def reference(tiny_model_dir) -> dict:
     for step, batch in enumerate(steps, 1):
         metrics.append(trainer.train_step(batch, step, demos[step - 1]))
         weights.append({n: t.clone() for n, t in trainer.hf_tensors()})
-    return {"batches": plain, "demos": [[s.to_dict() for s in d] for d in demos], "metrics": metrics, "weights": weights}
+    return {
+        "batches": plain,
+        "demos": [[s.to_dict() for s in d] for d in demos],
+        "metrics": metrics,
+        "weights": weights,
+    }
 
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir, tmp_path_factory):
-    with engine_process(tiny_model_dir, log_path=tmp_path_factory.mktemp("logs") / "engine.log", weight_sync_timeout_s=120) as proc:
+    with engine_process(
+        tiny_model_dir, log_path=tmp_path_factory.mktemp("logs") / "engine.log", weight_sync_timeout_s=120
+    ) as proc:
         yield proc.url
 
 
@@ -61,10 +79,17 @@ def engine_url(tiny_model_dir, tmp_path_factory):
 def run(reference, tiny_model_dir, engine_url, tmp_path_factory) -> tuple[dict, Path]:
     """The worker on 2 ranks: rank 0's results per layout, and its output directory."""
     out = tmp_path_factory.mktemp("megatron_backend")
-    layouts = [{"name": "tp1_dp2", "tp": 1, "pp": 1}, {"name": "tp2", "tp": 2, "pp": 1, "resume": True, "engine_url": engine_url},
-               {"name": "pp2", "tp": 1, "pp": 2}]  # fmt: skip
-    spec = {"batches": reference["batches"], "demos": reference["demos"], "layouts": layouts,
-            "overrides": [f"model={tiny_model_dir}", "data.source=unused", "trainer.lr=1e-4", "steps=4", *OVERRIDES]}  # fmt: skip
+    layouts = [
+        {"name": "tp1_dp2", "tp": 1, "pp": 1},
+        {"name": "tp2", "tp": 2, "pp": 1, "resume": True, "engine_url": engine_url},
+        {"name": "pp2", "tp": 1, "pp": 2},
+    ]
+    spec = {
+        "batches": reference["batches"],
+        "demos": reference["demos"],
+        "layouts": layouts,
+        "overrides": [f"model={tiny_model_dir}", "data.source=unused", "trainer.lr=1e-4", "steps=4", *OVERRIDES],
+    }
     (out / "spec.json").write_text(json.dumps(spec))
     return torchrun_ranks(WORKER, [str(out / "spec.json"), str(out)], out)[0], out
 
@@ -114,7 +139,10 @@ def test_save_hf_loads_with_from_pretrained(run, tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(out / "tp2_hf", dtype=torch.float32)
     state, exported = model.state_dict(), torch.load(out / "tp2_step2.pt")
     assert sorted(state) == sorted(exported) and all(torch.equal(state[n], exported[n]) for n in state)
-    assert AutoTokenizer.from_pretrained(out / "tp2_hf").vocab_size == AutoTokenizer.from_pretrained(tiny_model_dir).vocab_size
+    assert (
+        AutoTokenizer.from_pretrained(out / "tp2_hf").vocab_size
+        == AutoTokenizer.from_pretrained(tiny_model_dir).vocab_size
+    )
 
 
 def test_parallel_sizes_are_checked():

@@ -43,7 +43,10 @@ def _tiny_moe(path: Path, vocab_size: int) -> Path:
 
     config = Qwen3MoeConfig(
         vocab_size=vocab_size,
-        **{k: SIZES["tiny"][k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")},
+        **{
+            k: SIZES["tiny"][k]
+            for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+        },
         head_dim=32,
         intermediate_size=128,
         moe_intermediate_size=48,
@@ -64,7 +67,11 @@ def _llama3_rope(path: Path) -> Path:
     config = json.loads((path / "config.json").read_text())
     config["max_position_embeddings"] = 16384
     config["rope_parameters"] = dict(
-        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        rope_type="llama3",
+        rope_theta=10000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
         original_max_position_embeddings=8192,
     )
     (path / "config.json").write_text(json.dumps(config))
@@ -99,7 +106,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def convert_shards(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`slimish convert hf-to-megatron` output of llama at TP=2 (the worker loads it per rank)."""
     out = tmp_path_factory.mktemp("shards") / "llama_tp2"
-    _slimish("convert", "hf-to-megatron", str(models["llama"]), str(out), "--tp", "2", "--make-vocab-size-divisible-by=100")
+    _slimish(
+        "convert", "hf-to-megatron", str(models["llama"]), str(out), "--tp", "2", "--make-vocab-size-divisible-by=100"
+    )
     return out
 
 
@@ -114,8 +123,17 @@ def results(models: dict[str, Path], convert_shards: Path, tmp_path_factory: pyt
     spec = out / "spec.json"
     paths = {k: str(v) for k, v in models.items()}
     te_models = {arch: str(_random_norms(models[arch], out / f"{arch}_norms")) for arch in TE_ARCHS}
-    spec.write_text(json.dumps({"models": paths, "tp2": TP2_ARCHS, "te_models": te_models, "te_tp2": TE_TP2_ARCHS,
-                                "convert_shards": str(convert_shards)}))  # fmt: skip
+    spec.write_text(
+        json.dumps(
+            {
+                "models": paths,
+                "tp2": TP2_ARCHS,
+                "te_models": te_models,
+                "te_tp2": TE_TP2_ARCHS,
+                "convert_shards": str(convert_shards),
+            }
+        )
+    )
     merged: dict = {}
     for rank, data in torchrun_ranks(WORKER, [str(spec), str(out)], out).items():
         merged.update({f"r{rank}:{k}": v for k, v in data.items()})
@@ -176,16 +194,25 @@ def test_tp2_export_gathers_exact_hf_tensors(results: dict, key: str) -> None:
 def test_te_spec_without_transformer_engine_names_the_field(results: dict) -> None:
     if importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("Transformer Engine is installed")
-    assert "spec='te' (trainer.megatron_spec in a run) needs Transformer Engine" in _values(results, "te_missing_error")[0]
+    assert (
+        "spec='te' (trainer.megatron_spec in a run) needs Transformer Engine" in _values(results, "te_missing_error")[0]
+    )
 
 
 def test_te_name_table_fuses_the_dense_pre_norms(models: dict[str, Path]) -> None:
     """TE names (megatron-core gpt_layer_specs: linear_qkv and, for dense MLPs, linear_fc1 are
     TELayerNormColumnParallelLinear); MoE layers keep pre_mlp_layernorm."""
-    names = {arch: {p.megatron: p.hf for p in stage_params(load_hf_config(models[arch], spec="te"))} for arch in ("llama", "qwen3_moe")}
+    names = {
+        arch: {p.megatron: p.hf for p in stage_params(load_hf_config(models[arch], spec="te"))}
+        for arch in ("llama", "qwen3_moe")
+    }
     layer = "decoder.layers.1."
-    assert names["llama"][layer + "self_attention.linear_qkv.layer_norm_weight"] == ("model.layers.1.input_layernorm.weight",)
-    assert names["llama"][layer + "mlp.linear_fc1.layer_norm_weight"] == ("model.layers.1.post_attention_layernorm.weight",)
+    assert names["llama"][layer + "self_attention.linear_qkv.layer_norm_weight"] == (
+        "model.layers.1.input_layernorm.weight",
+    )
+    assert names["llama"][layer + "mlp.linear_fc1.layer_norm_weight"] == (
+        "model.layers.1.post_attention_layernorm.weight",
+    )
     assert not any("input_layernorm" in n or "pre_mlp_layernorm" in n for n in names["llama"])
     assert names["qwen3_moe"][layer + "pre_mlp_layernorm.weight"] == ("model.layers.1.post_attention_layernorm.weight",)
     assert layer + "self_attention.linear_qkv.layer_norm_weight" in names["qwen3_moe"]
@@ -246,7 +273,10 @@ def test_convert_round_trip_is_bitwise(models: dict[str, Path], tmp_path: Path, 
 
 def test_convert_cli_round_trip(models: dict[str, Path], convert_shards: Path, tmp_path: Path) -> None:
     _slimish("convert", "megatron-to-hf", str(convert_shards), str(tmp_path / "hf"))
-    original, restored = load_file(models["llama"] / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    original, restored = (
+        load_file(models["llama"] / "model.safetensors"),
+        load_file(tmp_path / "hf" / "model.safetensors"),
+    )
     assert sorted(original) == sorted(restored) and all(torch.equal(original[k], restored[k]) for k in original)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config == json.loads((models["llama"] / "config.json").read_text())
@@ -284,10 +314,20 @@ def test_config_maps_the_model_families(models: dict[str, Path]) -> None:
         ("hidden_act", "gelu", "hidden_act='gelu'"),
         ("attention_bias", True, "attention_bias=True"),
         ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "rope_type.*'yarn'"),
-        ("rope_parameters", {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 2.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, "low_freq_factor"),
+        (
+            "rope_parameters",
+            {
+                "rope_type": "llama3",
+                "rope_theta": 1e4,
+                "factor": 8.0,
+                "low_freq_factor": 2.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            "low_freq_factor",
+        ),
     ],
-)  # fmt: skip
+)
 def test_config_rejects_unsupported_features(models: dict[str, Path], field: str, value, match: str) -> None:
     from transformers import AutoConfig
 

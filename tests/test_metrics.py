@@ -26,15 +26,27 @@ def test_run_log_and_plot(tmp_path):
     with pytest.raises(SystemExit, match="no metric"):
         plot(tmp_path, keys=["train/nothing"])
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
-    assert first.pop("time") > 0 and first == {"step": 0, "reward/mean": 0.0, "time/step": 1.5, "note": "x"}  # all kept, as given
+    assert first.pop("time") > 0 and first == {
+        "step": 0,
+        "reward/mean": 0.0,
+        "time/step": 1.5,
+        "note": "x",
+    }  # all kept, as given
 
 
 def test_console_prints_one_line_per_step_and_a_summary(tmp_path, capsys, monkeypatch):
     """Every console key at its widest still fits one 80-column line (it used to wrap)."""
     monkeypatch.setenv("COLUMNS", "80")
     log = RunLog(tmp_path, total_steps=2, console=True)
-    wide = {"reward/mean": 0.123, "eval/accuracy": 0.5, "response/length": 1234.5, "train/kl": 1.2e-3,
-            "train/mismatch": 3e-7, "time/step": 123.4, "time/weight_push": 10.25}  # fmt: skip
+    wide = {
+        "reward/mean": 0.123,
+        "eval/accuracy": 0.5,
+        "response/length": 1234.5,
+        "train/kl": 1.2e-3,
+        "train/mismatch": 3e-7,
+        "time/step": 123.4,
+        "time/weight_push": 10.25,
+    }
     log.log(1, wide)
     log.log(2, {**wide, "reward/mean": 0.75})
     log.message(log.summary())

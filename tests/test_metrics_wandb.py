@@ -96,21 +96,34 @@ def test_mode_offline_without_a_key_unless_set(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_disabled_never_imports_wandb(tmp_path: Path) -> None:
-    code = ("import sys; from slimish.config import WandbConfig; from slimish.metrics import RunLog\n"
-            f"for cfg in (None, WandbConfig(), WandbConfig(enabled=True, mode='disabled')):\n"
-            f"    log = RunLog({str(tmp_path)!r}, 2, console=False, wandb=cfg); log.log(1, {{'a': 1.0}}); log.close()\n"
-            "assert 'wandb' not in sys.modules, 'wandb imported'")  # fmt: skip
+    code = (
+        "import sys; from slimish.config import WandbConfig; from slimish.metrics import RunLog\n"
+        f"for cfg in (None, WandbConfig(), WandbConfig(enabled=True, mode='disabled')):\n"
+        f"    log = RunLog({str(tmp_path)!r}, 2, console=False, wandb=cfg); log.log(1, {{'a': 1.0}}); log.close()\n"
+        "assert 'wandb' not in sys.modules, 'wandb imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert not (tmp_path / "wandb").exists()
 
 
 def test_run_log_writes_the_same_keys_at_the_same_steps(tmp_path: Path, offline_wandb: Path) -> None:
     run_dir = tmp_path / "run"
-    log = RunLog(run_dir, 3, console=False, wandb=WandbConfig(enabled=True, project="t", sample_groups=1), config={"lr": 0.1})
+    log = RunLog(
+        run_dir, 3, console=False, wandb=WandbConfig(enabled=True, project="t", sample_groups=1), config={"lr": 0.1}
+    )
     log.log(0, {"eval/accuracy": 0.1})
     for step in (1, 2, 3):
-        group = [Sample(prompt=[{"role": "user", "content": f"q{step}"}], response=f"a{step}.{i}", reward=float(i),
-                        status=SampleStatus.COMPLETED, group_id=step, index=i) for i in range(2)]  # fmt: skip
+        group = [
+            Sample(
+                prompt=[{"role": "user", "content": f"q{step}"}],
+                response=f"a{step}.{i}",
+                reward=float(i),
+                status=SampleStatus.COMPLETED,
+                group_id=step,
+                index=i,
+            )
+            for i in range(2)
+        ]
         log.log_samples(step, [group, group])  # before the step's metrics, as the training loop does
         log.log(step, {"reward/mean": step / 4, "time/step": 1.5, "response/length": 7, "note": "x"})
     log.log(3, {"eval/accuracy": 0.9})  # a second row for one step merges into it, in both
@@ -126,7 +139,9 @@ def test_run_log_writes_the_same_keys_at_the_same_steps(tmp_path: Path, offline_
         assert history[step] == row, step  # the same keys and values
     tables = sorted(offline_wandb.glob("wandb/offline-run-*/files/media/table/samples_*.table.json"))
     rows = [r for t in tables for r in json.loads(t.read_text())["data"]]  # incremental: each holds its step's rows
-    assert sorted(rows) == [[s, s, i, f"user: q{s}", f"a{s}.{i}", float(i), "completed"] for s in (1, 2, 3) for i in (0, 1)]
+    assert sorted(rows) == [
+        [s, s, i, f"user: q{s}", f"a{s}.{i}", float(i), "completed"] for s in (1, 2, 3) for i in (0, 1)
+    ]
     assert (run_dir / "wandb_run_id").read_text().strip() in tables[0].parts[-5]
 
 
@@ -135,9 +150,22 @@ def test_train_logs_to_wandb_offline(tiny_model_dir: Path, tmp_path: Path, offli
     """A short `slimish train` with metrics.wandb.enabled: W&B's history has metrics.jsonl's keys at each step."""
     data, run_dir = tmp_path / "prompts.jsonl", tmp_path / "run"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "label": str(i + 1)}) + "\n" for i in range(8)))
-    argv = [sys.executable, "-m", "slimish.train", f"model={tiny_model_dir}", f"run_dir={run_dir}", f"data.source={data}",
-            "steps=2", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=6",
-            "rollout.filter_fn=null", "eval.every=0", "metrics.wandb.enabled=true", "metrics.wandb.project=test"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "slimish.train",
+        f"model={tiny_model_dir}",
+        f"run_dir={run_dir}",
+        f"data.source={data}",
+        "steps=2",
+        "rollout.rollout_batch_size=2",
+        "rollout.n_samples_per_prompt=2",
+        "rollout.max_new_tokens=6",
+        "rollout.filter_fn=null",
+        "eval.every=0",
+        "metrics.wandb.enabled=true",
+        "metrics.wandb.project=test",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

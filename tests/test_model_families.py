@@ -23,7 +23,7 @@ TOOLS = [
         },
     }
 ]
-TEXT = "Hello world! Ünïcödé, 你好 — 1234567\n\n  def f(x):\n\treturn {\"a\": [1, 2]}\n"
+TEXT = 'Hello world! Ünïcödé, 你好 — 1234567\n\n  def f(x):\n\treturn {"a": [1, 2]}\n'
 
 
 def tool_conversation(family, city: str = "Paris") -> list[dict]:
@@ -90,20 +90,46 @@ def test_special_tokens_at_real_ids(tokenizers, name):
 
 
 SPOT_CHECKS = {  # id -> (content, special) from the published tokenizer configs
-    "qwen2.5": {151643: ("<|endoftext|>", True), 151645: ("<|im_end|>", True), 151656: ("<|video_pad|>", True),
-                151657: ("<tool_call>", False), 151664: ("<|file_sep|>", False)},
+    "qwen2.5": {
+        151643: ("<|endoftext|>", True),
+        151645: ("<|im_end|>", True),
+        151656: ("<|video_pad|>", True),
+        151657: ("<tool_call>", False),
+        151664: ("<|file_sep|>", False),
+    },
     "qwen3": {151665: ("<tool_response>", False), 151667: ("<think>", False), 151668: ("</think>", False)},
-    "llama3.1": {128000: ("<|begin_of_text|>", True), 128004: ("<|finetune_right_pad_id|>", True),
-                 128008: ("<|eom_id|>", True), 128009: ("<|eot_id|>", True), 128010: ("<|python_tag|>", True),
-                 128011: ("<|reserved_special_token_3|>", True), 128255: ("<|reserved_special_token_247|>", True)},
-    "deepseek-v3.1": {0: ("<｜begin▁of▁sentence｜>", True), 1: ("<｜end▁of▁sentence｜>", True),
-                      2: ("<｜▁pad▁｜>", True), 128798: ("<think>", False), 128803: ("<｜User｜>", False),
-                      128804: ("<｜Assistant｜>", False), 128805: ("<|EOT|>", True),
-                      128806: ("<｜tool▁calls▁begin｜>", False), 128814: ("<｜tool▁sep｜>", False)},
-    "glm4.6": {151329: ("<|endoftext|>", True), 151331: ("[gMASK]", True), 151336: ("<|user|>", True),
-               151338: ("<|observation|>", True), 151350: ("<think>", False), 151352: ("<tool_call>", False),
-               151356: ("<arg_key>", False), 151360: ("/nothink", True), 151362: ("<|end_of_box|>", False)},
-}  # fmt: skip
+    "llama3.1": {
+        128000: ("<|begin_of_text|>", True),
+        128004: ("<|finetune_right_pad_id|>", True),
+        128008: ("<|eom_id|>", True),
+        128009: ("<|eot_id|>", True),
+        128010: ("<|python_tag|>", True),
+        128011: ("<|reserved_special_token_3|>", True),
+        128255: ("<|reserved_special_token_247|>", True),
+    },
+    "deepseek-v3.1": {
+        0: ("<｜begin▁of▁sentence｜>", True),
+        1: ("<｜end▁of▁sentence｜>", True),
+        2: ("<｜▁pad▁｜>", True),
+        128798: ("<think>", False),
+        128803: ("<｜User｜>", False),
+        128804: ("<｜Assistant｜>", False),
+        128805: ("<|EOT|>", True),
+        128806: ("<｜tool▁calls▁begin｜>", False),
+        128814: ("<｜tool▁sep｜>", False),
+    },
+    "glm4.6": {
+        151329: ("<|endoftext|>", True),
+        151331: ("[gMASK]", True),
+        151336: ("<|user|>", True),
+        151338: ("<|observation|>", True),
+        151350: ("<think>", False),
+        151352: ("<tool_call>", False),
+        151356: ("<arg_key>", False),
+        151360: ("/nothink", True),
+        151362: ("<|end_of_box|>", False),
+    },
+}
 
 
 @pytest.mark.parametrize("name", sorted(SPOT_CHECKS))
@@ -148,17 +174,20 @@ def test_dir_loads_and_renders_tool_conversation(family_dirs, tokenizers, name):
 
 def test_rendering_details(tokenizers):
     llama = tokenizers["llama3.1"]
-    ids = llama.apply_chat_template(tool_conversation("llama3.1"), tools=TOOLS, add_generation_prompt=True,
-                                    tokenize=True, return_dict=False)  # fmt: skip
+    ids = llama.apply_chat_template(
+        tool_conversation("llama3.1"), tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert ids[:2] == [128000, 128006] and ids.count(128000) == 1
     assert ids[-4:] == [128006, 78191, 128007, 271]  # <|start_header_id|>assistant<|end_header_id|>\n\n
     qwen = tokenizers["qwen2.5"]
-    ids = qwen.apply_chat_template(tool_conversation("qwen2.5"), tools=TOOLS, add_generation_prompt=True,
-                                   tokenize=True, return_dict=False)  # fmt: skip
+    ids = qwen.apply_chat_template(
+        tool_conversation("qwen2.5"), tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert ids[-3:] == [151644, 77091, 198] and 151657 in ids  # <|im_start|>assistant\n, <tool_call>
     glm = tokenizers["glm4.6"]
-    ids = glm.apply_chat_template(tool_conversation("glm4.6"), tools=TOOLS, add_generation_prompt=True,
-                                  tokenize=True, return_dict=False)  # fmt: skip
+    ids = glm.apply_chat_template(
+        tool_conversation("glm4.6"), tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert ids[:2] == [151331, 151333] and ids[-1] == 151337  # [gMASK]<sop> ... <|assistant|>
     assert {151352, 151356, 151358} <= set(ids)  # <tool_call>, <arg_key>, <arg_value>
     ds = tokenizers["deepseek-v3.1"]
@@ -181,13 +210,21 @@ def _target(tok, prompt: list[int], completion: str, eos: int) -> tuple[list[int
 def test_fit_reproduces_targets_in_shared_dirs(tmp_path):
     a, b = build_family("qwen2.5", tmp_path / "qwen2.5"), build_family("qwen3", tmp_path / "qwen3", seed=1)
     tok_a, tok_b = AutoTokenizer.from_pretrained(a), AutoTokenizer.from_pretrained(b)
-    pa = tok_a.apply_chat_template(tool_conversation("qwen2.5")[:2], tools=TOOLS, add_generation_prompt=True,
-                                   tokenize=True, return_dict=False)  # fmt: skip
+    pa = tok_a.apply_chat_template(
+        tool_conversation("qwen2.5")[:2], tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     # Qwen2.5's and Qwen3's templates render this prompt identically: a second target after the
     # same prompt would be a conflict, so the second sequence asks about another city.
-    pb = tok_b.apply_chat_template(tool_conversation("qwen3", "Rome")[:2], tools=TOOLS, add_generation_prompt=True,
-                                   tokenize=True, return_dict=False)  # fmt: skip
-    seq_a = _target(tok_a, pa, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', 151645)
+    pb = tok_b.apply_chat_template(
+        tool_conversation("qwen3", "Rome")[:2],
+        tools=TOOLS,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    seq_a = _target(
+        tok_a, pa, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', 151645
+    )
     seq_b = _target(tok_b, pb, "<think>\n\n</think>\n\nIt is sunny.", 151645)
     fit([a, b], [seq_a, seq_b])
 
@@ -195,8 +232,12 @@ def test_fit_reproduces_targets_in_shared_dirs(tmp_path):
     for d, (ids, mask) in ((a, seq_a), (b, seq_b)):
         model = AutoModelForCausalLM.from_pretrained(d)
         n = mask.index(1)
-        out = model.generate(torch.tensor([ids[:n]]), max_new_tokens=len(ids) - n + 5, do_sample=False,
-                             generation_config=GenerationConfig.from_pretrained(d))  # fmt: skip
+        out = model.generate(
+            torch.tensor([ids[:n]]),
+            max_new_tokens=len(ids) - n + 5,
+            do_sample=False,
+            generation_config=GenerationConfig.from_pretrained(d),
+        )
         assert out[0, n:].tolist() == ids[n:]  # every target, then stops on the eos id
 
 

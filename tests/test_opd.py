@@ -39,7 +39,10 @@ def test_opd_advantages_hand_computed() -> None:
     assert ratio.tolist() == [[0.5, -1.0, 0.0], [0.0, -1.0, 0.0]]
     adv = A.opd_advantages(t([1.0, -2.0]), ratio, coef=0.5)  # task advantage per sample, broadcast
     assert adv.tolist() == [[0.75, 1.5, 1.0], [-2.0, -1.5, -2.0]]
-    assert A.opd_advantages(t([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]), ratio, coef=2.0).tolist() == [[0.0, 3.0, 1.0], [0.0, 2.0, 0.0]]
+    assert A.opd_advantages(t([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]), ratio, coef=2.0).tolist() == [
+        [0.0, 3.0, 1.0],
+        [0.0, 2.0, 0.0],
+    ]
     old.requires_grad_(True)
     assert not A.teacher_log_ratio(old, teacher, mask).requires_grad  # a reward, not a loss term
 
@@ -87,7 +90,15 @@ def test_trainer_adds_the_teacher_signal_per_token(tiny_model_dir: Path) -> None
     assert b["train/loss"] == a["train/loss"] and b["train/grad_norm"] == a["train/grad_norm"]
     assert all(torch.equal(p, q) for p, q in zip(plain.model.parameters(), opd.model.parameters()))
 
-    pure = TorchTrainer(config(tiny_model_dir, "algorithm.opd.coef=0.3", "algorithm.opd.task_reward=false", "rollout.filter_fn=null", TEACHER))
+    pure = TorchTrainer(
+        config(
+            tiny_model_dir,
+            "algorithm.opd.coef=0.3",
+            "algorithm.opd.task_reward=false",
+            "rollout.filter_fn=null",
+            TEACHER,
+        )
+    )
     m = pure.train_step(with_teacher(with_rollout_logprobs(pure, make_groups(2), 0.0, 2), 0.5), 1)
     assert m["train/teacher_kl"] == pytest.approx(0.5, abs=1e-6)
     assert m["train/policy_loss"] == pytest.approx(0.3 * 0.5, abs=1e-6)
@@ -126,15 +137,25 @@ def test_teacher_logprobs_equal_the_engine_and_hf(engine: str, tiny_model_dir: P
             for turn in range(2):
                 if turn:
                     s.append_env(tok.encode(" tool says 5"))
-                r = await client.generate(input_ids=s.tokens, return_logprob=True,
-                                          sampling_params={"temperature": temperature, "max_new_tokens": 6, "ignore_eos": True, "sampling_seed": 3})  # fmt: skip
+                r = await client.generate(
+                    input_ids=s.tokens,
+                    return_logprob=True,
+                    sampling_params={
+                        "temperature": temperature,
+                        "max_new_tokens": 6,
+                        "ignore_eos": True,
+                        "sampling_seed": 3,
+                    },
+                )
                 s.append_model(r.output_ids, [e[0] for e in r.meta_info.output_token_logprobs])
             teacher = Teacher(client, temperature)
             await teacher.score(s)
             assert post(engine, "/update_weight_version", {"new_version": "1"}).status_code == 200
             again = Sample.from_dict(s.to_dict())
             again.teacher_logprobs = None
-            with pytest.raises(TeacherChanged, match="weight version default became 1: weights were pushed into the teacher"):
+            with pytest.raises(
+                TeacherChanged, match="weight version default became 1: weights were pushed into the teacher"
+            ):
                 await teacher.score(again)
             return s, again
 
@@ -148,7 +169,9 @@ def test_teacher_logprobs_equal_the_engine_and_hf(engine: str, tiny_model_dir: P
     assert again.teacher_logprobs is None
 
 
-def test_a_teacher_served_by_name_behind_the_policy_router(engine: str, tiny_model_dir_other_seed: Path, tok, tmp_path: Path) -> None:
+def test_a_teacher_served_by_name_behind_the_policy_router(
+    engine: str, tiny_model_dir_other_seed: Path, tok, tmp_path: Path
+) -> None:
     """`launch.teacher.served_name`: the teacher's engine (another model) is started and registered
     on the policy's router by name. Its log-probs are the teacher model's (HF's, within 1e-5, and
     not the policy's); the policy's rollouts and a weight-version push through the router never
@@ -159,7 +182,9 @@ def test_a_teacher_served_by_name_behind_the_policy_router(engine: str, tiny_mod
     from slimish.launch import teacher_servers
     from slimish.launch.local import existing_engine_urls
 
-    launch = LaunchConfig(start_timeout=120, teacher=TeacherConfig(model=str(tiny_model_dir_other_seed), served_name="teacher"))
+    launch = LaunchConfig(
+        start_timeout=120, teacher=TeacherConfig(model=str(tiny_model_dir_other_seed), served_name="teacher")
+    )
     params = {"temperature": 1.0, "max_new_tokens": 5, "ignore_eos": True, "sampling_seed": 1}
 
     async def main(router: str, teacher_url: str) -> list[Sample]:
@@ -196,31 +221,51 @@ def test_a_teacher_served_by_name_behind_the_policy_router(engine: str, tiny_mod
 # -- config and launch errors --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["algorithm.opd.coef=0.5"], "algorithm.opd.coef > 0 needs a teacher: set launch.teacher.model"),
-    (["algorithm.opd.task_reward=false"], "algorithm.opd.task_reward=false (pure distillation) needs algorithm.opd.coef > 0"),
-    (["algorithm.opd.coef=1", "algorithm.opd.task_reward=false", "launch.teacher.model=/t"],
-     "pure distillation) trains every group whatever its rewards: set rollout.filter_fn=null"),
-    (["algorithm.opd.coef=1", "launch.teacher.model=/t", "launch.teacher.router_url=http://h:1"],
-     "launch.teacher: set model (engines started by the run) or router_url (an existing server), not both"),
-    (["algorithm.opd.coef=1", "launch.router_url=http://h:1/", "launch.teacher.router_url=http://h:1"],
-     "launch.teacher.router_url is the policy's launch.router_url"),
-    (["algorithm.opd.coef=-1"], "algorithm.opd.coef must be >= 0"),
-    (["launch.teacher.engine_kind=external"], "launch.teacher.engine_kind must be one of builtin, sglang"),
-    (["algorithm.opd.coef=1", "launch.teacher.served_name=t", "launch.teacher.router_url=http://h:1"],
-     "launch.teacher.served_name: a non-empty name the teacher is served under on the policy's router; not with "
-     "launch.teacher.router_url"),
-    (["algorithm.opd.coef=1", "launch.teacher.served_name=t"],
-     "launch.teacher.served_name without launch.teacher.model names a teacher already registered on the policy's router"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algorithm.opd.coef=0.5"], "algorithm.opd.coef > 0 needs a teacher: set launch.teacher.model"),
+        (
+            ["algorithm.opd.task_reward=false"],
+            "algorithm.opd.task_reward=false (pure distillation) needs algorithm.opd.coef > 0",
+        ),
+        (
+            ["algorithm.opd.coef=1", "algorithm.opd.task_reward=false", "launch.teacher.model=/t"],
+            "pure distillation) trains every group whatever its rewards: set rollout.filter_fn=null",
+        ),
+        (
+            ["algorithm.opd.coef=1", "launch.teacher.model=/t", "launch.teacher.router_url=http://h:1"],
+            "launch.teacher: set model (engines started by the run) or router_url (an existing server), not both",
+        ),
+        (
+            ["algorithm.opd.coef=1", "launch.router_url=http://h:1/", "launch.teacher.router_url=http://h:1"],
+            "launch.teacher.router_url is the policy's launch.router_url",
+        ),
+        (["algorithm.opd.coef=-1"], "algorithm.opd.coef must be >= 0"),
+        (["launch.teacher.engine_kind=external"], "launch.teacher.engine_kind must be one of builtin, sglang"),
+        (
+            ["algorithm.opd.coef=1", "launch.teacher.served_name=t", "launch.teacher.router_url=http://h:1"],
+            "launch.teacher.served_name: a non-empty name the teacher is served under on the policy's router; not with "
+            "launch.teacher.router_url",
+        ),
+        (
+            ["algorithm.opd.coef=1", "launch.teacher.served_name=t"],
+            "launch.teacher.served_name without launch.teacher.model names a teacher already registered on the policy's router",
+        ),
+    ],
+)
 def test_config_errors_name_the_field(overrides: list[str], message: str) -> None:
-    with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.").replace(">", ".")):
+    with pytest.raises(
+        SystemExit, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.").replace(">", ".")
+    ):
         load_run_config(None, ["model=/m", "data.source=task:max_digit", *overrides])
 
 
 def test_weight_sync_never_targets_the_teacher() -> None:
     check_push_targets(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
-    with pytest.raises(ValueError, match=r"launch.teacher: engines \['http://127.0.0.1:2'\] serve both the policy and the teacher"):
+    with pytest.raises(
+        ValueError, match=r"launch.teacher: engines \['http://127.0.0.1:2'\] serve both the policy and the teacher"
+    ):
         check_push_targets(["http://127.0.0.1:1", "http://127.0.0.1:2/"], ["http://127.0.0.1:2"])
 
 
@@ -239,14 +284,27 @@ def test_a_teacher_equal_to_the_start_has_zero_kl_until_the_policy_moves(tmp_pat
     from slimish.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", arch="llama", size="tiny", seed=0)
-    rows = run_quickstart(tmp_path, "steps=3", "sft.steps=0", "eval.every=0", "rollout.rollout_batch_size=4",
-                          "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8", "rollout.filter_fn=null",
-                          "algorithm.opd.coef=1.0", "algorithm.ptx_coef=0", f"launch.teacher.model={model}", *mode, model=model)  # fmt: skip
+    rows = run_quickstart(
+        tmp_path,
+        "steps=3",
+        "sft.steps=0",
+        "eval.every=0",
+        "rollout.rollout_batch_size=4",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.max_new_tokens=8",
+        "rollout.filter_fn=null",
+        "algorithm.opd.coef=1.0",
+        "algorithm.ptx_coef=0",
+        f"launch.teacher.model={model}",
+        *mode,
+        model=model,
+    )
     kl = [r["train/teacher_kl"] for r in rows[1:]]
     assert abs(kl[0]) < 1e-5, kl
     assert max(abs(k) for k in kl[1:]) > 1e-4, kl
     assert all(r["rollout/groups_failed"] == 0 for r in rows[1:])
     assert (tmp_path / "run" / "logs" / "teacher" / "engine0.log").exists()  # its own engine
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
@@ -258,10 +316,21 @@ def test_a_run_with_its_teacher_served_by_name_on_the_policy_router(tmp_path: Pa
     from slimish.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", arch="llama", size="tiny", seed=0)
-    rows = run_quickstart(tmp_path, "steps=3", "sft.steps=0", "eval.every=0", "rollout.rollout_batch_size=2",
-                          "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8", "rollout.filter_fn=null",
-                          "algorithm.opd.coef=1.0", "algorithm.ptx_coef=0", f"launch.teacher.model={model}", "launch.teacher.served_name=teacher",
-                          model=model)  # fmt: skip
+    rows = run_quickstart(
+        tmp_path,
+        "steps=3",
+        "sft.steps=0",
+        "eval.every=0",
+        "rollout.rollout_batch_size=2",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.max_new_tokens=8",
+        "rollout.filter_fn=null",
+        "algorithm.opd.coef=1.0",
+        "algorithm.ptx_coef=0",
+        f"launch.teacher.model={model}",
+        "launch.teacher.served_name=teacher",
+        model=model,
+    )
     kl = [r["train/teacher_kl"] for r in rows[1:]]
     assert abs(kl[0]) < 1e-5 and max(abs(k) for k in kl[1:]) > 1e-4, kl
     assert all(r["rollout/groups_failed"] == 0 for r in rows[1:])
@@ -284,16 +353,32 @@ def test_student_distils_a_grpo_teacher_without_task_reward(tmp_path: Path, quic
     its reverse KL to the teacher falls. Its teacher is served by engines of its own, never pushed
     to: the run would fail its samples if the teacher's weight version moved."""
     teacher = tmp_path / "teacher"
-    rows = run_quickstart(teacher, f"steps={TEACHER_STEPS}", f"eval.every={TEACHER_STEPS}", f"eval.n_prompts={EVAL_PROMPTS}",
-                          "sft.steps=0", model=quickstart_sft)  # fmt: skip
+    rows = run_quickstart(
+        teacher,
+        f"steps={TEACHER_STEPS}",
+        f"eval.every={TEACHER_STEPS}",
+        f"eval.n_prompts={EVAL_PROMPTS}",
+        "sft.steps=0",
+        model=quickstart_sft,
+    )
     teacher_acc = rows[-1]["eval/accuracy"]
     assert teacher_acc >= 0.5, f"the teacher reached only {teacher_acc}"
 
     student = tmp_path / "student"
-    rows = run_quickstart(student, f"steps={STUDENT_STEPS}", f"eval.every={STUDENT_STEPS}", f"eval.n_prompts={EVAL_PROMPTS}",
-                          "sft.steps=0", "trainer.lr=4e-3", "algorithm.opd.coef=1.0", "algorithm.opd.task_reward=false",
-                          "algorithm.ptx_coef=0",  # the teacher alone trains it, not the quickstart's demonstrations
-                          "rollout.filter_fn=null", f"launch.teacher.model={teacher / 'run' / 'hf'}", model=quickstart_sft)  # fmt: skip
+    rows = run_quickstart(
+        student,
+        f"steps={STUDENT_STEPS}",
+        f"eval.every={STUDENT_STEPS}",
+        f"eval.n_prompts={EVAL_PROMPTS}",
+        "sft.steps=0",
+        "trainer.lr=4e-3",
+        "algorithm.opd.coef=1.0",
+        "algorithm.opd.task_reward=false",
+        "algorithm.ptx_coef=0",  # the teacher alone trains it, not the quickstart's demonstrations
+        "rollout.filter_fn=null",
+        f"launch.teacher.model={teacher / 'run' / 'hf'}",
+        model=quickstart_sft,
+    )
     before, after = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
     kl = [r["train/teacher_kl"] for r in rows[1:]]
     print(f"teacher {teacher_acc}; student {before} -> {after}; teacher_kl {[round(k, 3) for k in kl]}")

@@ -45,7 +45,10 @@ def test_gae_hand_computed_skips_masked_tokens():
 
 def test_whitening_value_loss_and_explained_variance_hand_computed():
     # trained values 1, 3, 5: mean 3, sample std 2 -> -1, 0, 1; the masked 100 is left at 0
-    exact(A.masked_whiten(torch.tensor([[1.0, 100.0], [3.0, 5.0]]), torch.tensor([[1, 0], [1, 1]]), eps=0.0), [[-1.0, 0.0], [0.0, 1.0]])
+    exact(
+        A.masked_whiten(torch.tensor([[1.0, 100.0], [3.0, 5.0]]), torch.tensor([[1, 0], [1, 1]]), eps=0.0),
+        [[-1.0, 0.0], [0.0, 1.0]],
+    )
     exact(A.masked_whiten(torch.ones(2, 2), torch.ones(2, 2)), torch.zeros(2, 2))  # all equal: 0, not NaN
     # token 0: V 1.0 from old 0.0, R 1.0: unclipped 0, clipped (0.5 - 1)^2 = 0.25 -> 0.25 (clipped)
     # token 1: V 0.1 from old 0.0, R 1.0: unclipped 0.81, clip inactive -> 0.81; token 2 masked
@@ -56,14 +59,21 @@ def test_whitening_value_loss_and_explained_variance_hand_computed():
     loss, _ = A.value_loss(values, old, ret, torch.tensor([[1, 1, 0]]), clip=None)
     exact(loss, 0.5 * (0.0 + 0.81) / 2)
     # returns 0, 2 (variance 1); residuals 0, 1 -> variance 0.25: 1 - 0.25 = 0.75
-    assert A.explained_variance(torch.tensor([0.0, 1.0, 9.0]), torch.tensor([0.0, 2.0, 0.0]), torch.tensor([1, 1, 0])) == 0.75
+    assert (
+        A.explained_variance(torch.tensor([0.0, 1.0, 9.0]), torch.tensor([0.0, 2.0, 0.0]), torch.tensor([1, 1, 0]))
+        == 0.75
+    )
 
 
 def test_config_errors_name_the_field(tiny_model_dir):
-    for override, message in [("algorithm.gamma=1.5", "algorithm.gamma must be in"), ("algorithm.lam=-0.1", "algorithm.lam must be in"),
-                              ("critic.lr=0", "critic.lr must be > 0"), ("critic.value_clip=-1", "critic.value_clip must be > 0"),
-                              ("critic.warmup_steps=-1", "critic.warmup_steps must be >= 0"),
-                              ("trainer.backend=megatron", "algorithm.advantage=gae .* needs trainer.backend=torch")]:  # fmt: skip
+    for override, message in [
+        ("algorithm.gamma=1.5", "algorithm.gamma must be in"),
+        ("algorithm.lam=-0.1", "algorithm.lam must be in"),
+        ("critic.lr=0", "critic.lr must be > 0"),
+        ("critic.value_clip=-1", "critic.value_clip must be > 0"),
+        ("critic.warmup_steps=-1", "critic.warmup_steps must be >= 0"),
+        ("trainer.backend=megatron", "algorithm.advantage=gae .* needs trainer.backend=torch"),
+    ]:
         with pytest.raises(SystemExit, match=message):
             config(tiny_model_dir, "algorithm.advantage=gae", override)
 
@@ -90,10 +100,14 @@ def test_critic_warmup_then_ppo_and_resume_restores_the_critic_exactly(tiny_mode
     for name, p in resumed.critic.named_parameters():
         assert torch.equal(p, trainer.critic.get_parameter(name)), name
     saved, loaded = trainer.critic_optimizer.state_dict()["state"], resumed.critic_optimizer.state_dict()["state"]
-    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k]["exp_avg_sq"], loaded[k]["exp_avg_sq"]) for k in saved)
+    assert saved.keys() == loaded.keys() and all(
+        torch.equal(saved[k]["exp_avg_sq"], loaded[k]["exp_avg_sq"]) for k in saved
+    )
     m2, m2r = trainer.train_step(batches[1], 2), resumed.train_step(batches[1], 2)
     assert m2["critic/value_loss"] == m2r["critic/value_loss"] and m2["train/loss"] == m2r["train/loss"]
-    assert any(not torch.equal(policy[n], p) for n, p in trainer.model.named_parameters())  # after warmup: the policy moves
+    assert any(
+        not torch.equal(policy[n], p) for n, p in trainer.model.named_parameters()
+    )  # after warmup: the policy moves
     for name, p in resumed.critic.named_parameters():
         assert torch.equal(p, trainer.critic.get_parameter(name)), name
 
@@ -105,7 +119,9 @@ def test_ppo_with_a_critic_learns_the_quickstart_task(tmp_path: Path, quickstart
     a critic at the defaults (gamma = lam = 1, critic.lr = trainer.lr, value_clip 0.5). Measured:
     0.109 -> 0.438 (25 steps), 0.562 (40 steps, 58 s on an idle machine)."""
     started = time.monotonic()
-    rows = run_quickstart(tmp_path, "algorithm.advantage=gae", "steps=40", "eval.every=20", "sft.steps=0", model=quickstart_sft)
+    rows = run_quickstart(
+        tmp_path, "algorithm.advantage=gae", "steps=40", "eval.every=20", "sft.steps=0", model=quickstart_sft
+    )
     before, after = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
     print(f"PPO+critic: held-out accuracy {before} -> {after} in {time.monotonic() - started:.0f} s")
     assert before < 0.3, f"SFT alone should leave accuracy near chance, got {before}"

@@ -19,7 +19,10 @@ ids = st.lists(st.integers(0, 2**31 - 1), max_size=8)
 logprob = st.floats(-1e5, 0.0, allow_nan=False)
 steps = st.lists(
     st.one_of(
-        st.tuples(st.just("model"), ids.flatmap(lambda xs: st.tuples(st.just(xs), st.lists(logprob, min_size=len(xs), max_size=len(xs))))),
+        st.tuples(
+            st.just("model"),
+            ids.flatmap(lambda xs: st.tuples(st.just(xs), st.lists(logprob, min_size=len(xs), max_size=len(xs)))),
+        ),
         st.tuples(st.just("env"), ids),
     ),
     max_size=10,
@@ -94,14 +97,30 @@ def grid(values: list[float]) -> torch.Tensor:
 
 
 @settings(max_examples=300, deadline=None)
-@given(cfg=configs, new=token_values, old=token_values, ref=token_values, rollout=token_values, mask=masks,
-       adv=st.lists(st.floats(-1e6, 1e6), min_size=B, max_size=B))  # fmt: skip
+@given(
+    cfg=configs,
+    new=token_values,
+    old=token_values,
+    ref=token_values,
+    rollout=token_values,
+    mask=masks,
+    adv=st.lists(st.floats(-1e6, 1e6), min_size=B, max_size=B),
+)
 def test_rl_loss_and_gradient_are_finite_at_extremes(cfg, new, old, ref, rollout, mask, adv):
     logprobs = grid(new).requires_grad_(True)
     m = grid(mask)
     normalizer = loss_normalizer(cfg.loss_reduction, int(m.sum()), B, T)
-    loss, stats = rl_loss(cfg, logprobs, grid(old), torch.tensor(adv), m, normalizer,
-                          ref_logprobs=grid(ref), rollout_logprobs=grid(rollout), entropy=torch.rand(B, T))  # fmt: skip
+    loss, stats = rl_loss(
+        cfg,
+        logprobs,
+        grid(old),
+        torch.tensor(adv),
+        m,
+        normalizer,
+        ref_logprobs=grid(ref),
+        rollout_logprobs=grid(rollout),
+        entropy=torch.rand(B, T),
+    )
     loss.backward()
     assert torch.isfinite(loss), (loss, stats)
     assert torch.isfinite(logprobs.grad).all()

@@ -24,4 +24,6 @@ def test_short_quickstart_raises_accuracy_and_keeps_ending_turns(tmp_path: Path,
     last = rows[-10:]
     truncated = sum(r["rollout/truncated_fraction"] for r in last) / len(last)
     length = sum(r["response/length"] for r in last) / len(last)
-    assert truncated <= 0.05 and abs(length - demonstrated) <= 1, f"truncated {truncated:.3f}, length {length:.2f} vs {demonstrated}"
+    assert truncated <= 0.05 and abs(length - demonstrated) <= 1, (
+        f"truncated {truncated:.3f}, length {length:.2f} vs {demonstrated}"
+    )

@@ -33,7 +33,13 @@ from slimish.tiny_model import make_tiny_model
 from slimish.types import Sample, SampleStatus
 
 QUESTION = [{"role": "user", "content": "What is 17 * 3?"}]
-CALL = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": json.dumps({"expression": "17 * 3"})}}]}
+CALL = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": json.dumps({"expression": "17 * 3"})}}
+    ],
+}
 TOOL = {"role": "tool", "name": "calculator", "content": "51"}
 ANSWER = {"role": "assistant", "content": "\\boxed{51}"}
 
@@ -71,8 +77,15 @@ def servers(tool_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 def make_cfg(model: Path, tmp: Path, *overrides: str) -> RunConfig:
     data = tmp / "q.jsonl"
     data.write_text(json.dumps({"prompt": QUESTION[0]["content"], "label": "51"}) + "\n")
-    base = [f"model={model}", f"data.source={data}", "rollout.filter_fn=null", "rollout.temperature=0.0", "rollout.max_new_tokens=48",
-            "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=1"]  # fmt: skip
+    base = [
+        f"model={model}",
+        f"data.source={data}",
+        "rollout.filter_fn=null",
+        "rollout.temperature=0.0",
+        "rollout.max_new_tokens=48",
+        "rollout.n_samples_per_prompt=2",
+        "rollout.rollout_batch_size=1",
+    ]
     return load_run_config(None, [*base, *overrides])
 
 
@@ -94,14 +107,19 @@ def engine_turn(url: str, ids: list[int], max_new_tokens: int, **params: Any) ->
 
     async def main() -> tuple[list[int], list[float]]:
         async with Client(url) as client:
-            out = await client.generate(input_ids=ids, return_logprob=True,
-                                        sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0.0, **params})  # fmt: skip
+            out = await client.generate(
+                input_ids=ids,
+                return_logprob=True,
+                sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0.0, **params},
+            )
         return out.output_ids, [e[0] for e in out.meta_info.output_token_logprobs]
 
     return asyncio.run(main())
 
 
-def test_tool_agent_sample_is_engine_ids_interleaved_with_tool_ids(servers: Servers, tool_model: Path, tmp_path: Path) -> None:
+def test_tool_agent_sample_is_engine_ids_interleaved_with_tool_ids(
+    servers: Servers, tool_model: Path, tmp_path: Path
+) -> None:
     stats, samples = one_step(make_cfg(tool_model, tmp_path), servers.router_url, tool_agent.rollout)
     tok = AutoTokenizer.from_pretrained(tool_model)
     chat = ModelFormat(tok).chat(tool_agent.TOOLS)
@@ -109,7 +127,9 @@ def test_tool_agent_sample_is_engine_ids_interleaved_with_tool_ids(servers: Serv
     call_ids, call_lps = engine_turn(servers.engine_urls[0], prompt, 48, skip_special_tokens=False)
     assert "<tool_call>" in tok.decode(call_ids, skip_special_tokens=False), "the fitted model should call the tool"
     tool_ids = chat.env_ids([TOOL], last_token=call_ids[-1])
-    answer_ids, answer_lps = engine_turn(servers.engine_urls[0], prompt + call_ids + tool_ids, 48, skip_special_tokens=False)
+    answer_ids, answer_lps = engine_turn(
+        servers.engine_urls[0], prompt + call_ids + tool_ids, 48, skip_special_tokens=False
+    )
 
     assert stats["groups_kept"] == 1 and stats["completed"] == 2
     for s in samples:
@@ -135,7 +155,9 @@ async def chat_then_follow_up(ctx: RolloutContext, sample: Sample) -> Sample:
     return sample
 
 
-def test_chat_closes_a_cut_off_turn_and_records_a_user_turn_with_mask_0(servers: Servers, tool_model: Path, tmp_path: Path) -> None:
+def test_chat_closes_a_cut_off_turn_and_records_a_user_turn_with_mask_0(
+    servers: Servers, tool_model: Path, tmp_path: Path
+) -> None:
     _, samples = one_step(make_cfg(tool_model, tmp_path), servers.router_url, chat_then_follow_up)
     tok = AutoTokenizer.from_pretrained(tool_model)
     chat = ModelFormat(tok).chat()
@@ -157,14 +179,18 @@ async def edits_history(ctx: RolloutContext, sample: Sample) -> Sample:
     return sample
 
 
-def test_chat_refuses_a_conversation_that_does_not_extend_the_last_one(servers: Servers, tool_model: Path, tmp_path: Path) -> None:
+def test_chat_refuses_a_conversation_that_does_not_extend_the_last_one(
+    servers: Servers, tool_model: Path, tmp_path: Path
+) -> None:
     cfg = make_cfg(tool_model, tmp_path, "rollout.max_prompts_factor=1")
 
     async def main() -> Any:
         runtime = await RolloutRuntime.create(cfg, servers.router_url)
         try:
             manager = RolloutManager(runtime, PromptData(cfg.data), Buffer(), edits_history)
-            with pytest.raises(RolloutStalled, match="rollout fn: ValueError: ctx.chat: `messages` must be the previous conversation"):
+            with pytest.raises(
+                RolloutStalled, match="rollout fn: ValueError: ctx.chat: `messages` must be the previous conversation"
+            ):
                 await manager.run_step(0)
         finally:
             await runtime.close()
@@ -174,14 +200,18 @@ def test_chat_refuses_a_conversation_that_does_not_extend_the_last_one(servers: 
 
 async def openai_sdk_agent(ctx: RolloutContext, sample: Sample) -> list[Sample]:
     async with openai.AsyncOpenAI(base_url=await ctx.openai_base_url(), api_key="x", max_retries=0) as client:
-        await client.chat.completions.create(model="m", messages=sample.prompt, tools=tool_agent.TOOLS, temperature=0, max_tokens=48)
+        await client.chat.completions.create(
+            model="m", messages=sample.prompt, tools=tool_agent.TOOLS, temperature=0, max_tokens=48
+        )
     samples = ctx.captured_samples()
     for s in samples:
         s.reward = 0.0
     return samples
 
 
-def test_an_openai_sdk_agent_through_the_context_yields_the_same_tokens(servers: Servers, tool_model: Path, tmp_path: Path) -> None:
+def test_an_openai_sdk_agent_through_the_context_yields_the_same_tokens(
+    servers: Servers, tool_model: Path, tmp_path: Path
+) -> None:
     _, samples = one_step(make_cfg(tool_model, tmp_path), servers.router_url, openai_sdk_agent)
     tok = AutoTokenizer.from_pretrained(tool_model)
     prompt = ModelFormat(tok).chat(tool_agent.TOOLS).prompt_ids(QUESTION)

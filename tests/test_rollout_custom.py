@@ -53,7 +53,11 @@ def chains(s: Sample) -> bool:
     """Each turn's ids follow the ones before it: the model's (mask 1), then the observation's (0)."""
     at, mask = s.prompt_length, []
     for start, out, obs in s.metadata["turns"]:
-        if start != at or s.tokens[at : at + len(out)] != out or s.tokens[at + len(out) : at + len(out) + len(obs)] != obs:
+        if (
+            start != at
+            or s.tokens[at : at + len(out)] != out
+            or s.tokens[at + len(out) : at + len(out) + len(obs)] != obs
+        ):
             return False
         at += len(out) + len(obs)
         mask += [1] * len(out) + [0] * len(obs)
@@ -63,9 +67,18 @@ def chains(s: Sample) -> bool:
 def test_partial_rollout_restarts_hand_built_turns(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
     """Before: an aborted hand-built sample was handed back to the function half-built, and its
     `set_prompt` failed it ("set_prompt after N response tokens"). Now it restarts from its prompt."""
-    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=1", "rollout.over_sampling=4",
-                   "rollout.partial_rollout=true", "buffer.max_staleness=1", "rollout.max_new_tokens=64",
-                   "rollout.args.more_turns=2", "rollout.args.turn_tokens=5")  # fmt: skip
+    cfg = make_cfg(
+        tiny_model_dir,
+        prompts,
+        "rollout.n_samples_per_prompt=2",
+        "rollout.rollout_batch_size=1",
+        "rollout.over_sampling=4",
+        "rollout.partial_rollout=true",
+        "buffer.max_staleness=1",
+        "rollout.max_new_tokens=64",
+        "rollout.args.more_turns=2",
+        "rollout.args.turn_tokens=5",
+    )
 
     async def body(m: RolloutManager) -> Any:
         batches, aborted = [], 0
@@ -105,9 +118,18 @@ async def search_like_resuming(ctx, sample: Sample) -> Sample:
 
 
 def test_a_resumable_plugin_gets_its_partial_samples_back(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
-    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=1", "rollout.over_sampling=4",
-                   "rollout.partial_rollout=true", "buffer.max_staleness=1", "rollout.max_new_tokens=64",
-                   "rollout.args.more_turns=2", "rollout.args.turn_tokens=5")  # fmt: skip
+    cfg = make_cfg(
+        tiny_model_dir,
+        prompts,
+        "rollout.n_samples_per_prompt=2",
+        "rollout.rollout_batch_size=1",
+        "rollout.over_sampling=4",
+        "rollout.partial_rollout=true",
+        "buffer.max_staleness=1",
+        "rollout.max_new_tokens=64",
+        "rollout.args.more_turns=2",
+        "rollout.args.turn_tokens=5",
+    )
 
     async def body(m: RolloutManager) -> Any:
         batches = []
@@ -120,16 +142,25 @@ def test_a_resumable_plugin_gets_its_partial_samples_back(servers: Servers, tiny
     assert m.counters["partial_resumed"] > 0 and m.counters["failed"] == 0 and accounted(m)
     samples = [s for g in batches for s in g]
     assert len(samples) >= 8 and all(s.status == SampleStatus.TRUNCATED for s in samples)
-    assert all(len(s.metadata["turns"]) == 1 + s.group_id % 3 * 2 and s.prompt_length + sum(len(o) + len(e) for _, o, e in s.metadata["turns"]) <= len(s.tokens)
-               for s in samples)  # fmt: skip
+    assert all(
+        len(s.metadata["turns"]) == 1 + s.group_id % 3 * 2
+        and s.prompt_length + sum(len(o) + len(e) for _, o, e in s.metadata["turns"]) <= len(s.tokens)
+        for s in samples
+    )
 
 
 # ---- text, routing, siblings ------------------------------------------------------------------
 
 
 def test_a_matched_stop_string_stays_in_the_text(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
-    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=1", "rollout.rollout_batch_size=1", "rollout.temperature=0.0",
-                   "rollout.max_new_tokens=12")  # fmt: skip
+    cfg = make_cfg(
+        tiny_model_dir,
+        prompts,
+        "rollout.n_samples_per_prompt=1",
+        "rollout.rollout_batch_size=1",
+        "rollout.temperature=0.0",
+        "rollout.max_new_tokens=12",
+    )
     found: dict[str, Any] = {}
 
     async def rollout(ctx, sample):
@@ -138,7 +169,9 @@ def test_a_matched_stop_string_stays_in_the_text(servers: Servers, tiny_model_di
         assert len(free.text) >= 8
         found["stop"] = stop = free.text[len(free.text) // 2 :][:3]  # text the model writes mid-answer
         stopped = await ctx.generate(ids, {"ignore_eos": True, "stop": [stop]})
-        trimmed = await ctx.client.generate(input_ids=ids, sampling_params={**ctx.sampling_params, "ignore_eos": True, "stop": [stop]})
+        trimmed = await ctx.client.generate(
+            input_ids=ids, sampling_params={**ctx.sampling_params, "ignore_eos": True, "stop": [stop]}
+        )
         found["texts"] = free.text, stopped.text, stopped.finish_reason, trimmed.text
         sample.set_prompt(ids)
         ctx.append_model(stopped)
@@ -152,7 +185,9 @@ def test_a_matched_stop_string_stays_in_the_text(servers: Servers, tiny_model_di
     sample, m = run_manager(cfg, servers.router_url, rollout, body)
     free, stopped, reason, trimmed = found["texts"]
     stop = found["stop"]
-    assert reason == "stop" and stop in stopped and free.startswith(stopped)  # up to the token that completed the stop string
+    assert (
+        reason == "stop" and stop in stopped and free.startswith(stopped)
+    )  # up to the token that completed the stop string
     assert stop not in trimmed and stopped.startswith(trimmed)  # what SGLang sends by default: cut at the match
     assert sample.response == m.runtime.tokenizer.decode(sample.response_ids) and sample.response == stopped
 
@@ -178,14 +213,18 @@ async def planner_and_worker(ctx, sample):
     await ctx.chat(sample.prompt, sampling_params={"max_new_tokens": 3})
     worker = ctx.new_sample(prompt=[{"role": "user", "content": "Check it."}])
     turn = await worker.chat(worker.sample.prompt, sampling_params={"max_new_tokens": 3})
-    await worker.chat([*worker.sample.prompt, turn.message, {"role": "user", "content": "Sure?"}], sampling_params={"max_new_tokens": 3})
+    await worker.chat(
+        [*worker.sample.prompt, turn.message, {"role": "user", "content": "Sure?"}],
+        sampling_params={"max_new_tokens": 3},
+    )
     for s in (sample, worker.sample):
         s.reward = float(sample.index)
     return [sample, worker.sample]
 
 
-def test_each_conversation_sends_one_routing_key_and_siblings_share_a_trajectory(recording: tuple[str, list], tiny_model_dir: Path,
-                                                                                  prompts: str) -> None:  # fmt: skip
+def test_each_conversation_sends_one_routing_key_and_siblings_share_a_trajectory(
+    recording: tuple[str, list], tiny_model_dir: Path, prompts: str
+) -> None:
     url, seen = recording
     cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2")
 
@@ -198,7 +237,9 @@ def test_each_conversation_sends_one_routing_key_and_siblings_share_a_trajectory
     assert len(seen) == 12 and None not in keys and len(set(keys)) == 8  # 4 planners (1 call), 4 workers (2 calls)
     assert sorted(keys.count(k) for k in set(keys)) == [1] * 4 + [2] * 4
     for group in groups:
-        assert len(group) == 4 and len({s.trajectory_id for s in group}) == 2  # planner + its worker: one trajectory each
+        assert (
+            len(group) == 4 and len({s.trajectory_id for s in group}) == 2
+        )  # planner + its worker: one trajectory each
 
 
 # ---- hooks and rewards ------------------------------------------------------------------------
@@ -228,14 +269,22 @@ def keep_with_setting(ctx, group):
 
 
 def test_hooks_see_ctx_and_dict_rewards_keep_their_text(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
-    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2", "rollout.reward_key=score",
-                   "rollout.args.keep=true")  # fmt: skip
+    cfg = make_cfg(
+        tiny_model_dir,
+        prompts,
+        "rollout.n_samples_per_prompt=2",
+        "rollout.rollout_batch_size=2",
+        "rollout.reward_key=score",
+        "rollout.args.keep=true",
+    )
 
     async def body(m: RolloutManager) -> Any:
         stats = await m.run_step(0)
         return stats, m.buffer.get_batch(2), m
 
-    stats, groups, m = run_manager(cfg, servers.router_url, answer, body, judged, keep_with_setting, sample_hook=mark, reward_post=halve)
+    stats, groups, m = run_manager(
+        cfg, servers.router_url, answer, body, judged, keep_with_setting, sample_hook=mark, reward_post=halve
+    )
     samples = [s for g in groups for s in g]
     assert len(samples) == 4 and stats["failed"] == 0 and accounted(m)
     for s in samples:
@@ -249,7 +298,9 @@ def test_hooks_see_ctx_and_dict_rewards_keep_their_text(servers: Servers, tiny_m
     cfg.rollout.reward_key = "pred"  # a string: named as such, every group failed with the reason
 
     async def fails(m: RolloutManager) -> Any:
-        with pytest.raises(RolloutStalled, match=r"rollout.reward_key 'pred' names a str .*numeric keys: \['acc', 'score'\]"):
+        with pytest.raises(
+            RolloutStalled, match=r"rollout.reward_key 'pred' names a str .*numeric keys: \['acc', 'score'\]"
+        ):
             await m.run_step(0)
 
     cfg.rollout.max_prompts_factor = 1.0
@@ -260,9 +311,18 @@ def drop_all(ctx, group):
     return "never enough"
 
 
-def test_keep_when_insufficient_fills_the_batch_with_filtered_groups(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
-    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2", "rollout.max_prompts_factor=2",
-                   "rollout.reward_key=score", "rollout.keep_when_insufficient=true")  # fmt: skip
+def test_keep_when_insufficient_fills_the_batch_with_filtered_groups(
+    servers: Servers, tiny_model_dir: Path, prompts: str
+) -> None:
+    cfg = make_cfg(
+        tiny_model_dir,
+        prompts,
+        "rollout.n_samples_per_prompt=2",
+        "rollout.rollout_batch_size=2",
+        "rollout.max_prompts_factor=2",
+        "rollout.reward_key=score",
+        "rollout.keep_when_insufficient=true",
+    )
     recorded: list[tuple[int, str | None]] = []
 
     async def body(m: RolloutManager) -> Any:
@@ -271,7 +331,12 @@ def test_keep_when_insufficient_fills_the_batch_with_filtered_groups(servers: Se
         return stats, m.buffer.get_batch(2), m
 
     stats, groups, m = run_manager(cfg, servers.router_url, answer, body, judged, drop_all)
-    assert stats["groups_refilled"] == 2 and stats["groups_kept"] == 2 and stats["groups_filtered"] == 2 and stats["groups_short"] == 0
+    assert (
+        stats["groups_refilled"] == 2
+        and stats["groups_kept"] == 2
+        and stats["groups_filtered"] == 2
+        and stats["groups_short"] == 0
+    )
     assert stats["filter_reasons"] == {"never enough": 2} and accounted(m) and m.counters["prompts_taken"] == 4
     assert all(s.metadata["refilled"] == "never enough" and "dropped" not in s.metadata for g in groups for s in g)
     assert sorted(gid for gid, dropped in recorded if dropped is None) == sorted(g[0].group_id for g in groups)
@@ -300,11 +365,19 @@ async def lengths_by_index(ctx, sample: Sample) -> Sample:
     return sample
 
 
-def test_overlong_penalty_and_filter_shape_a_group_before_its_filter(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
+def test_overlong_penalty_and_filter_shape_a_group_before_its_filter(
+    servers: Servers, tiny_model_dir: Path, prompts: str
+) -> None:
     """Soft penalty over the last 4 of 8 tokens: 0, -0.25, -0.75, -1; the truncated sample is out
     of the loss but in the baseline; the group, uniform in raw reward, survives `nonzero_std`."""
-    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=4", "rollout.rollout_batch_size=1",
-                   "rollout.overlong_buffer=4", "rollout.overlong_filter=true")  # fmt: skip
+    cfg = make_cfg(
+        tiny_model_dir,
+        prompts,
+        "rollout.n_samples_per_prompt=4",
+        "rollout.rollout_batch_size=1",
+        "rollout.overlong_buffer=4",
+        "rollout.overlong_filter=true",
+    )
 
     async def body(m: RolloutManager) -> Any:
         stats = await m.run_step(0)
@@ -329,32 +402,56 @@ def test_overlong_penalty_falls_linearly_over_the_buffer() -> None:
         make_cfg(Path("m"), "task:max_digit", "rollout.overlong_buffer=9")
 
 
-BROKEN = '''
+BROKEN = """
 async def reward(ctx, sample):
     scores = {"a": 1.0}
     return scores[sample.label]  # the label is never "a"
-'''
+"""
 
 
-def test_a_reward_that_always_raises_stops_the_run_naming_its_line(servers: Servers, tiny_model_dir: Path, prompts: str,
-                                                                   tmp_path: Path) -> None:  # fmt: skip
+def test_a_reward_that_always_raises_stops_the_run_naming_its_line(
+    servers: Servers, tiny_model_dir: Path, prompts: str, tmp_path: Path
+) -> None:
     (tmp_path / "broken.py").write_text(BROKEN)
     out = tmp_path / "samples.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "slimish.cli", "rollout", "--rollout-fn", "rollout_plugins/math.py:rollout", "--steps", "2",
-         "--reward-fn", f"{tmp_path / 'broken.py'}:reward", "--out", str(out), f"model={tiny_model_dir}", f"data.source={prompts}",
-         f"launch.router_url={servers.router_url}", "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2",
-         "rollout.max_new_tokens=4", "rollout.max_consecutive_failures=3", "rollout.max_concurrency=2", f"run_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "slimish.cli",
+            "rollout",
+            "--rollout-fn",
+            "rollout_plugins/math.py:rollout",
+            "--steps",
+            "2",
+            "--reward-fn",
+            f"{tmp_path / 'broken.py'}:reward",
+            "--out",
+            str(out),
+            f"model={tiny_model_dir}",
+            f"data.source={prompts}",
+            f"launch.router_url={servers.router_url}",
+            "rollout.n_samples_per_prompt=2",
+            "rollout.rollout_batch_size=2",
+            "rollout.max_new_tokens=4",
+            "rollout.max_consecutive_failures=3",
+            "rollout.max_concurrency=2",
+            f"run_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
-    assert "3 groups in a row failed the same way (rollout.max_consecutive_failures=3): reward fn: KeyError" in proc.stderr
+    assert (
+        "3 groups in a row failed the same way (rollout.max_consecutive_failures=3): reward fn: KeyError" in proc.stderr
+    )
     assert f"(at {tmp_path / 'broken.py'}:4)" in proc.stderr, proc.stderr[-2000:]
 
 
 # ---- evaluation -------------------------------------------------------------------------------
 
-JUDGES = '''
+JUDGES = """
 async def first_right(ctx, sample):
     return 1.0 if sample.index == 0 else 0.0
 
@@ -366,19 +463,41 @@ async def record_temperature(ctx, sample):
     sample.metadata["temperature"] = ctx.sampling_params["temperature"]
     sample.metadata["max_new_tokens"] = ctx.sampling_params["max_new_tokens"]
     return sample
-'''
+"""
 
 
-def test_two_eval_datasets_report_pass_at_k_and_mean_at_k(servers: Servers, tiny_model_dir: Path, prompts: str, tmp_path: Path) -> None:
+def test_two_eval_datasets_report_pass_at_k_and_mean_at_k(
+    servers: Servers, tiny_model_dir: Path, prompts: str, tmp_path: Path
+) -> None:
     judges = tmp_path / "judges.py"
     judges.write_text(JUDGES)
-    cfg = make_cfg(tiny_model_dir, prompts, "data.task_size=20", "eval.source=task:add", "eval.n_prompts=3", "eval.n_samples_per_prompt=2")
+    cfg = make_cfg(
+        tiny_model_dir,
+        prompts,
+        "data.task_size=20",
+        "eval.source=task:add",
+        "eval.n_prompts=3",
+        "eval.n_samples_per_prompt=2",
+    )
     cfg.eval.datasets = [
         EvalDataset(name=n, **kw)
-        for n, kw in (("add4", {"source": "task:add", "n_samples_per_prompt": 4, "n_prompts": 2, "reward_fn": f"{judges}:first_right"}),
-                      ("hot", {"source": prompts, "temperature": 1.0, "max_new_tokens": 3, "reward_fn": f"{judges}:by_temperature",
-                               "rollout_fn": f"{judges}:record_temperature"}))
-    ]  # fmt: skip
+        for n, kw in (
+            (
+                "add4",
+                {"source": "task:add", "n_samples_per_prompt": 4, "n_prompts": 2, "reward_fn": f"{judges}:first_right"},
+            ),
+            (
+                "hot",
+                {
+                    "source": prompts,
+                    "temperature": 1.0,
+                    "max_new_tokens": 3,
+                    "reward_fn": f"{judges}:by_temperature",
+                    "rollout_fn": f"{judges}:record_temperature",
+                },
+            ),
+        )
+    ]
 
     async def body(m: RolloutManager) -> Any:
         metrics: dict[str, float] = {}
@@ -392,9 +511,16 @@ def test_two_eval_datasets_report_pass_at_k_and_mean_at_k(servers: Servers, tiny
     from rollout_plugins import math as math_plugin
 
     metrics = run_manager(cfg, servers.router_url, math_plugin.rollout, body, none_right)
-    assert metrics["eval/samples"] == 6 and metrics["eval/pass@1"] == metrics["eval/pass@2"] == metrics["eval/mean@2"] == 0.0
+    assert (
+        metrics["eval/samples"] == 6
+        and metrics["eval/pass@1"] == metrics["eval/pass@2"] == metrics["eval/mean@2"] == 0.0
+    )
     # add4: one right of 4 per prompt
-    assert (metrics["eval/add4/samples"], metrics["eval/add4/accuracy"], metrics["eval/add4/mean@4"]) == (8.0, 0.25, 0.25)
+    assert (metrics["eval/add4/samples"], metrics["eval/add4/accuracy"], metrics["eval/add4/mean@4"]) == (
+        8.0,
+        0.25,
+        0.25,
+    )
     assert (metrics["eval/add4/pass@1"], metrics["eval/add4/pass@2"], metrics["eval/add4/pass@4"]) == (0.25, 0.5, 1.0)
     # hot: its own rollout fn, sampled at its temperature: every sample right
     assert metrics["eval/hot/samples"] == 6.0 and metrics["eval/hot/pass@1"] == metrics["eval/hot/mean@2"] == 1.0
@@ -415,17 +541,38 @@ def test_pass_at_k_is_the_chance_a_draw_of_k_holds_a_right_one() -> None:
 
 
 @pytest.mark.slow
-def test_a_fan_out_plugin_trains_with_per_trajectory_reduction(tiny_model_dir: Path, prompts: str, tmp_path: Path) -> None:
+def test_a_fan_out_plugin_trains_with_per_trajectory_reduction(
+    tiny_model_dir: Path, prompts: str, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "slimish.train", "--rollout-fn", "rollout_plugins.fanout_agent:rollout", f"model={tiny_model_dir}",
-         f"data.source={prompts}", f"run_dir={run_dir}", "steps=2", "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2",
-         "rollout.max_new_tokens=4", "rollout.filter_fn=null", "rollout.args.solvers=3", "algorithm.loss_reduction=trajectory",
-         "eval.every=0", "checkpoint.every=0"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "slimish.train",
+            "--rollout-fn",
+            "rollout_plugins.fanout_agent:rollout",
+            f"model={tiny_model_dir}",
+            f"data.source={prompts}",
+            f"run_dir={run_dir}",
+            "steps=2",
+            "rollout.n_samples_per_prompt=2",
+            "rollout.rollout_batch_size=2",
+            "rollout.max_new_tokens=4",
+            "rollout.filter_fn=null",
+            "rollout.args.solvers=3",
+            "algorithm.loss_reduction=trajectory",
+            "eval.every=0",
+            "checkpoint.every=0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/loss" in r]
-    assert len(steps) == 2 and all(r["rollout/segments_per_trajectory"] == 4.0 for r in steps)  # a planner and 3 solvers
+    assert len(steps) == 2 and all(
+        r["rollout/segments_per_trajectory"] == 4.0 for r in steps
+    )  # a planner and 3 solvers
     assert all(r["rollout/groups_kept"] == 2 and r["rollout/failed"] == 0 for r in steps)

@@ -40,8 +40,10 @@ def test_jsonl_rows_become_chat_prompts_with_labels_and_metadata(tmp_path: Path)
 
 def test_chat_prompts_keep_their_own_system_message(tmp_path: Path) -> None:
     chat = [{"role": "system", "content": "mine"}, {"role": "user", "content": "hi"}]
-    rows = load_rows(_jsonl(tmp_path / "c.jsonl", [{"question": chat, "answer": "x"}, {"question": chat[1:], "answer": "y"}]),
-                     _cfg("x", system_prompt="default"))  # fmt: skip
+    rows = load_rows(
+        _jsonl(tmp_path / "c.jsonl", [{"question": chat, "answer": "x"}, {"question": chat[1:], "answer": "y"}]),
+        _cfg("x", system_prompt="default"),
+    )
     assert rows[0]["prompt"] == chat
     assert rows[1]["prompt"] == [{"role": "system", "content": "default"}, chat[1]]
 
@@ -53,7 +55,9 @@ def test_parquet_and_datasets_directories(tmp_path: Path) -> None:
 
     pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "d.parquet")
     assert [r["label"] for r in load_rows(str(tmp_path / "d.parquet"), _cfg("x"))] == [r["answer"] for r in ROWS]
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:2])}).save_to_disk(tmp_path / "saved")
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:2])}
+    ).save_to_disk(tmp_path / "saved")
     assert len(load_rows(str(tmp_path / "saved"), _cfg("x"))) == 10
     assert len(load_rows(str(tmp_path / "saved"), _cfg("x"), split="test")) == 2
     files = tmp_path / "files"
@@ -67,15 +71,25 @@ def test_built_in_tasks_carry_their_verifier_name() -> None:
     rows = load_rows(cfg.source, cfg)
     assert len(rows) == 20 and all(r["metadata"]["task"] == "add" for r in rows)
     held_out = load_rows(cfg.source, cfg, "test")
-    assert len(held_out) == 20 and not {r["prompt"][0]["content"] for r in held_out} & {r["prompt"][0]["content"] for r in rows}
+    assert len(held_out) == 20 and not {r["prompt"][0]["content"] for r in held_out} & {
+        r["prompt"][0]["content"] for r in rows
+    }
 
 
 @pytest.mark.parametrize(
     ("rows", "cfg", "message"),
     [
         ([{"prompt": "p"}], DataConfig(source="x"), "row 0 has no 'label' (keys: prompt); set data.label_key"),
-        ([{"text": "p", "label": 1}], DataConfig(source="x"), "row 0 has no 'prompt' (keys: text, label); set data.prompt_key"),
-        ([{"prompt": 3, "label": 1}], DataConfig(source="x"), "row 0 'prompt': expected text or a non-empty list of chat messages"),
+        (
+            [{"text": "p", "label": 1}],
+            DataConfig(source="x"),
+            "row 0 has no 'prompt' (keys: text, label); set data.prompt_key",
+        ),
+        (
+            [{"prompt": 3, "label": 1}],
+            DataConfig(source="x"),
+            "row 0 'prompt': expected text or a non-empty list of chat messages",
+        ),
         ([], DataConfig(source="x"), "no rows"),
     ],
 )
@@ -152,4 +166,7 @@ def test_nonzero_std_drops_groups_with_equal_rewards() -> None:
     assert nonzero_std(ctx(), group(1.0)) is None  # a group of one has no variance to compare
     # With a reward key only that value counts: a parsed answer that differs is not variance.
     same_score = group({"score": 1.0, "pred": "4"}, {"score": 1.0, "pred": "5"})
-    assert nonzero_std(ctx(), same_score) is None and nonzero_std(ctx("score"), same_score) == "zero reward variance (all 2 rewards 1.0)"
+    assert (
+        nonzero_std(ctx(), same_score) is None
+        and nonzero_std(ctx("score"), same_score) == "zero reward variance (all 2 rewards 1.0)"
+    )

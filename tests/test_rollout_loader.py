@@ -11,7 +11,7 @@ import pytest
 from slimish.rollout.loader import LoadError, load_function
 from slimish.rollout.rewards import group_reward, is_group_reward
 
-PLUGIN = '''
+PLUGIN = """
 from slimish.rollout.rewards import group_reward
 
 async def rollout(ctx, sample):
@@ -44,7 +44,7 @@ async def keep_all_async(group):
     return None
 
 CONSTANT = 3
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,9 @@ def test_good_specs_load(plugin: Path) -> None:
     assert load_function(f"{plugin}:keep_all_async", "filter").__name__ == "keep_all_async"
     judge = load_function(f"{plugin}:judge", "reward")
     assert is_group_reward(judge) and not is_group_reward(load_function(f"{plugin}:rollout", "reward"))
-    assert load_function(f"{plugin}:rollout", "rollout") is load_function(f"{plugin}:rollout", "rollout")  # one module per file
+    assert load_function(f"{plugin}:rollout", "rollout") is load_function(
+        f"{plugin}:rollout", "rollout"
+    )  # one module per file
 
 
 @pytest.mark.parametrize(
@@ -79,10 +81,22 @@ def test_good_specs_load(plugin: Path) -> None:
         ("rollout_plugins.math:rollout_fn", "rollout", "has no function 'rollout_fn'; it defines: reward, rollout"),
         ("{plugin}:nope", "reward", "--reward-fn"),
         ("{plugin}:CONSTANT", "rollout", "CONSTANT is a int, not a function"),
-        ("{plugin}:not_async", "rollout", "must be an async function (it is called with await); write `async def not_async(ctx, sample)`"),
-        ("{plugin}:one_arg", "rollout", "one_arg(ctx) cannot be called with (ctx, sample); write `async def one_arg(ctx, sample)`"),
+        (
+            "{plugin}:not_async",
+            "rollout",
+            "must be an async function (it is called with await); write `async def not_async(ctx, sample)`",
+        ),
+        (
+            "{plugin}:one_arg",
+            "rollout",
+            "one_arg(ctx) cannot be called with (ctx, sample); write `async def one_arg(ctx, sample)`",
+        ),
         ("{plugin}:extra", "reward", "cannot be called with (ctx, sample)"),
-        ("{plugin}:bad_group", "reward", "bad_group(samples) cannot be called with (ctx, samples); write `async def bad_group(ctx, samples)`"),
+        (
+            "{plugin}:bad_group",
+            "reward",
+            "bad_group(samples) cannot be called with (ctx, samples); write `async def bad_group(ctx, samples)`",
+        ),
         ("{plugin}:extra", "filter", "--filter-fn"),
     ],
 )
@@ -113,10 +127,26 @@ def test_cli_fails_at_start_up_before_any_server(tmp_path: Path) -> None:
     """The bad spec is reported before engines start: no engine log is ever written."""
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "slimish.cli", "rollout", "--rollout-fn", "rollout_plugins.math:rollout_fn", "--out",
-         str(tmp_path / "out.jsonl"), "model=/nonexistent", "data.source=task:add", f"run_dir={run_dir}"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "slimish.cli",
+            "rollout",
+            "--rollout-fn",
+            "rollout_plugins.math:rollout_fn",
+            "--out",
+            str(tmp_path / "out.jsonl"),
+            "model=/nonexistent",
+            "data.source=task:add",
+            f"run_dir={run_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
-    assert "--rollout-fn 'rollout_plugins.math:rollout_fn': rollout_plugins.math has no function 'rollout_fn'" in proc.stderr
+    assert (
+        "--rollout-fn 'rollout_plugins.math:rollout_fn': rollout_plugins.math has no function 'rollout_fn'"
+        in proc.stderr
+    )
     assert not run_dir.exists()

@@ -30,27 +30,42 @@ from rollout_plugins import math as math_plugin
 
 async def greedy(url: str, ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     async with Client(url) as client:
-        out = await client.generate(input_ids=ids, sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0.0}, return_logprob=True)
+        out = await client.generate(
+            input_ids=ids, sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0.0}, return_logprob=True
+        )
     return out.output_ids, [e[0] for e in out.meta_info.output_token_logprobs]
 
 
 def test_math_plugin_end_to_end(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
     """Groups of n with stream-position ids, the engine's exact tokens and logprobs, a reward each."""
-    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=3", "rollout.rollout_batch_size=2", "rollout.temperature=0.0")
+    cfg = make_cfg(
+        tiny_model_dir,
+        prompts,
+        "rollout.n_samples_per_prompt=3",
+        "rollout.rollout_batch_size=2",
+        "rollout.temperature=0.0",
+    )
 
     async def body(m: RolloutManager) -> Any:
         stats = await m.run_step(0)
         batch = sorted(m.buffer.get_batch(10), key=lambda g: g[0].group_id)  # the buffer keeps finish order
-        direct = [await greedy(servers.engine_urls[i % 2], g[0].tokens[: g[0].prompt_length], 8) for i, g in enumerate(batch)]
+        direct = [
+            await greedy(servers.engine_urls[i % 2], g[0].tokens[: g[0].prompt_length], 8) for i, g in enumerate(batch)
+        ]
         return stats, batch, direct, m
 
     stats, batch, direct, m = run_manager(cfg, servers.router_url, math_plugin.rollout, body)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    assert [[(s.group_id, s.index, s.metadata["row_id"]) for s in g] for g in batch] == [[(0, i, 0) for i in range(3)], [(1, i, 1) for i in range(3)]]
+    assert [[(s.group_id, s.index, s.metadata["row_id"]) for s in g] for g in batch] == [
+        [(0, i, 0) for i in range(3)],
+        [(1, i, 1) for i in range(3)],
+    ]
     for group, (ids, logprobs) in zip(batch, direct):
         for s in group:
             s.check()
-            assert s.tokens[: s.prompt_length] == ModelFormat(tok).chat().prompt_ids([{"role": "user", "content": s.prompt[0]["content"]}])
+            assert s.tokens[: s.prompt_length] == ModelFormat(tok).chat().prompt_ids(
+                [{"role": "user", "content": s.prompt[0]["content"]}]
+            )
             assert s.response_ids == ids and s.loss_mask == [1] * len(ids)
             assert s.rollout_logprobs == pytest.approx(logprobs, abs=1e-4)
             assert s.weight_versions == [0] and s.reward == 0.0
@@ -85,8 +100,16 @@ async def raise_on_row_3(ctx, sample):
     return sample
 
 
-def test_a_raising_rollout_fn_fails_one_sample_and_the_run_goes_on(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
-    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=1", "rollout.rollout_batch_size=9", "rollout.max_new_tokens=4")
+def test_a_raising_rollout_fn_fails_one_sample_and_the_run_goes_on(
+    servers: Servers, tiny_model_dir: Path, prompts: str
+) -> None:
+    cfg = make_cfg(
+        tiny_model_dir,
+        prompts,
+        "rollout.n_samples_per_prompt=1",
+        "rollout.rollout_batch_size=9",
+        "rollout.max_new_tokens=4",
+    )
     dropped: list[tuple[list[Sample], str | None]] = []
 
     async def body(m: RolloutManager) -> Any:
@@ -96,13 +119,23 @@ def test_a_raising_rollout_fn_fails_one_sample_and_the_run_goes_on(servers: Serv
         return first, second, m
 
     first, second, m = run_manager(cfg, servers.router_url, raise_on_row_3, body)
-    assert (first["completed"] + first["truncated"], first["failed"], first["groups_failed"], first["groups_kept"]) == (9, 1, 1, 9)
-    assert first["prompts_taken"] == 10 and first["errors"][0].startswith("3/0: rollout fn: ValueError: tool crashed on row 3 (at ")
+    assert (first["completed"] + first["truncated"], first["failed"], first["groups_failed"], first["groups_kept"]) == (
+        9,
+        1,
+        1,
+        9,
+    )
+    assert first["prompts_taken"] == 10 and first["errors"][0].startswith(
+        "3/0: rollout fn: ValueError: tool crashed on row 3 (at "
+    )
     assert "test_rollout_manager.py" in first["errors"][0]
     (failed,), reason = dropped[0]
     at = failed.metadata.pop("error_at")  # the line in this file that raised
     assert failed.status == SampleStatus.FAILED and failed.metadata == {"row_id": 3, "epoch": 0, "dropped": reason}
-    assert at.startswith(f"{__file__}:") and "tool crashed" in Path(__file__).read_text().splitlines()[int(at.rpartition(":")[2]) - 1]
+    assert (
+        at.startswith(f"{__file__}:")
+        and "tool crashed" in Path(__file__).read_text().splitlines()[int(at.rpartition(":")[2]) - 1]
+    )
     assert "tool crashed on row 3" in failed.error and reason.startswith("failed: rollout fn: ValueError")
     assert second["groups_kept"] == 9 and second["failed"] == 1 and len(m.buffer) == 18 and accounted(m)
 
@@ -119,9 +152,16 @@ async def short_rollout(ctx, sample):
 
 
 @pytest.mark.parametrize("over_sampling", [1.0, 2.0])
-def test_zero_variance_groups_are_dropped_and_over_sampling_fills_the_batch(servers: Servers, tiny_model_dir: Path, prompts: str,
-                                                                            over_sampling: float) -> None:  # fmt: skip
-    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=3", f"rollout.over_sampling={over_sampling}")
+def test_zero_variance_groups_are_dropped_and_over_sampling_fills_the_batch(
+    servers: Servers, tiny_model_dir: Path, prompts: str, over_sampling: float
+) -> None:
+    cfg = make_cfg(
+        tiny_model_dir,
+        prompts,
+        "rollout.n_samples_per_prompt=2",
+        "rollout.rollout_batch_size=3",
+        f"rollout.over_sampling={over_sampling}",
+    )
 
     async def body(m: RolloutManager) -> Any:
         return await m.run_step(0), m.buffer.get_batch(10), m
@@ -131,12 +171,23 @@ def test_zero_variance_groups_are_dropped_and_over_sampling_fills_the_batch(serv
     assert [[s.reward for s in g] for g in batch] == [[0.0, 1.0]] * len(batch)
     assert stats["groups_filtered"] >= 3 and stats["filtered"] == 2 * stats["groups_filtered"]
     assert stats["filter_reasons"] == {"zero reward variance (all 2 rewards 0.0)": stats["groups_filtered"]}
-    assert accounted(m) and stats["prompts_taken"] == stats["groups_kept"] + stats["groups_filtered"] + stats["requeued_pending"]
+    assert (
+        accounted(m)
+        and stats["prompts_taken"] == stats["groups_kept"] + stats["groups_filtered"] + stats["requeued_pending"]
+    )
 
 
-def test_a_step_that_spends_its_prompt_cap_trains_on_the_groups_that_survived(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
+def test_a_step_that_spends_its_prompt_cap_trains_on_the_groups_that_survived(
+    servers: Servers, tiny_model_dir: Path, prompts: str
+) -> None:
     """A model that has solved most prompts leaves few groups with variance: a short batch, not a crash."""
-    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=4", "rollout.max_prompts_factor=1")
+    cfg = make_cfg(
+        tiny_model_dir,
+        prompts,
+        "rollout.n_samples_per_prompt=2",
+        "rollout.rollout_batch_size=4",
+        "rollout.max_prompts_factor=1",
+    )
 
     async def body(m: RolloutManager) -> Any:
         return await m.run_step(0), m.buffer.get_batch(10), m
@@ -150,8 +201,16 @@ async def always_raises(ctx, sample):
     raise RuntimeError("no API key for the judge")
 
 
-def test_a_step_that_cannot_fill_its_batch_stops_with_the_reason(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
-    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2", "rollout.max_prompts_factor=2")
+def test_a_step_that_cannot_fill_its_batch_stops_with_the_reason(
+    servers: Servers, tiny_model_dir: Path, prompts: str
+) -> None:
+    cfg = make_cfg(
+        tiny_model_dir,
+        prompts,
+        "rollout.n_samples_per_prompt=2",
+        "rollout.rollout_batch_size=2",
+        "rollout.max_prompts_factor=2",
+    )
 
     async def body(m: RolloutManager) -> Any:
         with pytest.raises(RolloutStalled) as info:
@@ -159,7 +218,11 @@ def test_a_step_that_cannot_fill_its_batch_stops_with_the_reason(servers: Server
         return str(info.value), m
 
     message, m = run_manager(cfg, servers.router_url, always_raises, body)
-    assert "took 4 prompts" in message and "0 groups survived: 4 failed" in message and "no API key for the judge" in message
+    assert (
+        "took 4 prompts" in message
+        and "0 groups survived: 4 failed" in message
+        and "no API key for the judge" in message
+    )
     assert m.counters["failed"] == 8 and accounted(m)
 
 
@@ -186,13 +249,37 @@ def filter_returns_number(ctx, group):
         (reward_raises, None, [], "reward fn: KeyError: 'judge unavailable'"),
         (group_reward_short, None, [], "the group reward fn returned list [1.0]; expected a list of 2 rewards"),
         (reward_dict, None, [], "dict reward ['correct', 'format'] needs rollout.reward_key"),
-        (reward_dict, None, ["rollout.reward_key=accuracy"], "rollout.reward_key 'accuracy' is not in its reward ['correct', 'format']"),
-        (reward_dict, filter_returns_number, ["rollout.reward_key=correct"], "filter fn: TypeError: the filter fn returned int 0"),
+        (
+            reward_dict,
+            None,
+            ["rollout.reward_key=accuracy"],
+            "rollout.reward_key 'accuracy' is not in its reward ['correct', 'format']",
+        ),
+        (
+            reward_dict,
+            filter_returns_number,
+            ["rollout.reward_key=correct"],
+            "filter fn: TypeError: the filter fn returned int 0",
+        ),
     ],
 )
-def test_bad_reward_and_filter_fns_fail_the_group_with_the_error(servers: Servers, tiny_model_dir: Path, prompts: str, reward_fn: Any,
-                                                                 filter_fn: Any, overrides: list[str], error: str) -> None:  # fmt: skip
-    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=1", "rollout.max_prompts_factor=1", *overrides)
+def test_bad_reward_and_filter_fns_fail_the_group_with_the_error(
+    servers: Servers,
+    tiny_model_dir: Path,
+    prompts: str,
+    reward_fn: Any,
+    filter_fn: Any,
+    overrides: list[str],
+    error: str,
+) -> None:
+    cfg = make_cfg(
+        tiny_model_dir,
+        prompts,
+        "rollout.n_samples_per_prompt=2",
+        "rollout.rollout_batch_size=1",
+        "rollout.max_prompts_factor=1",
+        *overrides,
+    )
 
     async def body(m: RolloutManager) -> Any:
         with pytest.raises(RolloutStalled) as info:
@@ -209,10 +296,18 @@ async def reward_raises_on_even_groups(ctx, sample):
     return float(sample.index)
 
 
-def test_a_batch_past_failed_groups_says_why_they_failed(servers: Servers, tiny_model_dir: Path, prompts: str, caplog) -> None:
+def test_a_batch_past_failed_groups_says_why_they_failed(
+    servers: Servers, tiny_model_dir: Path, prompts: str, caplog
+) -> None:
     """The run goes on without the failed groups, and its console says why they failed (the
     metrics only count them)."""
-    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2", "rollout.max_prompts_factor=4")
+    cfg = make_cfg(
+        tiny_model_dir,
+        prompts,
+        "rollout.n_samples_per_prompt=2",
+        "rollout.rollout_batch_size=2",
+        "rollout.max_prompts_factor=4",
+    )
 
     async def body(m: RolloutManager) -> Any:
         return await m.next_batch(0)
@@ -225,7 +320,13 @@ def test_a_batch_past_failed_groups_says_why_they_failed(servers: Servers, tiny_
 
 
 def test_dict_rewards_with_a_reward_key_are_kept(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
-    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=1", "rollout.reward_key=format")
+    cfg = make_cfg(
+        tiny_model_dir,
+        prompts,
+        "rollout.n_samples_per_prompt=2",
+        "rollout.rollout_batch_size=1",
+        "rollout.reward_key=format",
+    )
 
     async def body(m: RolloutManager) -> Any:
         return await m.run_step(0), m.buffer.get_batch(1)
@@ -251,10 +352,18 @@ async def long_and_short(ctx, sample):
 
 
 @pytest.mark.parametrize("partial_rollout", [True, False])
-def test_leftovers_are_aborted_requeued_and_partial_samples_resumed(servers: Servers, tiny_model_dir: Path, prompts: str,
-                                                                    partial_rollout: bool) -> None:  # fmt: skip
-    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=1", "rollout.rollout_batch_size=2", "rollout.over_sampling=3",
-                   f"rollout.partial_rollout={partial_rollout}", "buffer.max_staleness=1")  # fmt: skip
+def test_leftovers_are_aborted_requeued_and_partial_samples_resumed(
+    servers: Servers, tiny_model_dir: Path, prompts: str, partial_rollout: bool
+) -> None:
+    cfg = make_cfg(
+        tiny_model_dir,
+        prompts,
+        "rollout.n_samples_per_prompt=1",
+        "rollout.rollout_batch_size=2",
+        "rollout.over_sampling=3",
+        f"rollout.partial_rollout={partial_rollout}",
+        "buffer.max_staleness=1",
+    )
 
     async def first_step(m: RolloutManager) -> Any:
         stats = await m.run_step(0)
@@ -295,16 +404,27 @@ def test_leftovers_are_aborted_requeued_and_partial_samples_resumed(servers: Ser
         assert s.response_length == longest + 6 and s.status == SampleStatus.TRUNCATED
         if partial_rollout:
             kept = Sample.from_dict(partial[s.group_id][0])
-            assert s.tokens[: len(kept.tokens)] == kept.tokens and s.rollout_logprobs[: kept.response_length] == kept.rollout_logprobs
+            assert (
+                s.tokens[: len(kept.tokens)] == kept.tokens
+                and s.rollout_logprobs[: kept.response_length] == kept.rollout_logprobs
+            )
     assert stats["partial_resumed"] == sum(len(p) for p in partial.values())
 
 
-def test_async_production_runs_ahead_by_the_staleness_bound(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
+def test_async_production_runs_ahead_by_the_staleness_bound(
+    servers: Servers, tiny_model_dir: Path, prompts: str
+) -> None:
     """`produce` starts groups only while the buffer owes the trainer at most 1 + max_staleness
     batches: with bound 1 and no push, exactly two batches' prompts are taken; a push (the
     engines' version and `weights_pushed`) releases one more batch, made by the new version."""
-    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2",
-                   "buffer.max_staleness=1", "mode=async")  # fmt: skip
+    cfg = make_cfg(
+        tiny_model_dir,
+        prompts,
+        "rollout.n_samples_per_prompt=2",
+        "rollout.rollout_batch_size=2",
+        "buffer.max_staleness=1",
+        "mode=async",
+    )
 
     async def set_engines_version(version: str) -> None:
         for url in servers.engine_urls:
@@ -325,11 +445,15 @@ def test_async_production_runs_ahead_by_the_staleness_bound(servers: Servers, ti
             await set_engines_version(DEFAULT_WEIGHT_VERSION)
         return first, second, third, metrics, taken_before_push, m
 
-    first, second, third, metrics, taken_before_push, m = run_manager(cfg, servers.router_url, math_plugin.rollout, body)
+    first, second, third, metrics, taken_before_push, m = run_manager(
+        cfg, servers.router_url, math_plugin.rollout, body
+    )
     assert taken_before_push == (4, 0)
     assert sorted(g[0].group_id for g in first + second) == [0, 1, 2, 3]  # groups finish in any order
     assert {v for g in first + second for s in g for v in s.weight_versions} == {0}  # the engines' "default"
-    assert sorted(g[0].group_id for g in third) == [4, 5] and {v for g in third for s in g for v in s.weight_versions} == {1}
+    assert sorted(g[0].group_id for g in third) == [4, 5] and {
+        v for g in third for s in g for v in s.weight_versions
+    } == {1}
     assert 0.0 <= metrics["rollout/engine_idle_fraction"] <= 1.0 and metrics["rollout/staleness_max"] == 0
     assert accounted(m) and m.counters["prompts_taken"] == 6 + len(m.requeued)
 
@@ -341,7 +465,14 @@ async def record_temperature(ctx, sample):
 
 
 def test_evaluate_uses_the_eval_temperature(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
-    cfg = make_cfg(tiny_model_dir, "task:add", "data.task_size=20", "eval.source=task:add", "eval.n_samples_per_prompt=2", "eval.n_prompts=3")
+    cfg = make_cfg(
+        tiny_model_dir,
+        "task:add",
+        "data.task_size=20",
+        "eval.source=task:add",
+        "eval.n_samples_per_prompt=2",
+        "eval.n_prompts=3",
+    )
     seen: list[Sample] = []
 
     async def judge(ctx, sample):
@@ -353,8 +484,17 @@ def test_evaluate_uses_the_eval_temperature(servers: Servers, tiny_model_dir: Pa
         return await m.evaluate(only), m
 
     result, m = run_manager(cfg, servers.router_url, record_temperature, body, judge)
-    assert result["eval/samples"] == 6 and result["eval/failed"] == 0 and result["eval/reward"] == 0.5 and result["eval/accuracy"] == 0.5
-    assert (result["eval/pass@1"], result["eval/pass@2"], result["eval/mean@2"]) == (0.5, 1.0, 0.5)  # one of two right per prompt
+    assert (
+        result["eval/samples"] == 6
+        and result["eval/failed"] == 0
+        and result["eval/reward"] == 0.5
+        and result["eval/accuracy"] == 0.5
+    )
+    assert (result["eval/pass@1"], result["eval/pass@2"], result["eval/mean@2"]) == (
+        0.5,
+        1.0,
+        0.5,
+    )  # one of two right per prompt
     assert 0 < result["eval/response_length"] <= 8
     assert {s.metadata["temperature"] for s in seen} == {0.0} and all(s.metadata["eval"] for s in seen)
     by_row = {}
@@ -367,14 +507,34 @@ def test_evaluate_uses_the_eval_temperature(servers: Servers, tiny_model_dir: Pa
 def test_rollout_cli_writes_every_sample(servers: Servers, tiny_model_dir: Path, prompts: str, tmp_path: Path) -> None:
     out = tmp_path / "samples.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "slimish.cli", "rollout", "--rollout-fn", "rollout_plugins/math.py:rollout", "--steps", "2",
-         "--out", str(out), f"model={tiny_model_dir}", f"data.source={prompts}", f"launch.router_url={servers.router_url}",
-         "rollout.filter_fn=null", "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2", "rollout.max_new_tokens=4",
-         f"run_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "slimish.cli",
+            "rollout",
+            "--rollout-fn",
+            "rollout_plugins/math.py:rollout",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+            f"model={tiny_model_dir}",
+            f"data.source={prompts}",
+            f"launch.router_url={servers.router_url}",
+            "rollout.filter_fn=null",
+            "rollout.n_samples_per_prompt=2",
+            "rollout.rollout_batch_size=2",
+            "rollout.max_new_tokens=4",
+            f"run_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     samples = [Sample.from_dict(json.loads(line)) for line in out.read_text().splitlines()]
-    assert sorted((s.group_id, s.index) for s in samples) == [(g, i) for g in range(4) for i in range(2)]  # in finish order
+    assert sorted((s.group_id, s.index) for s in samples) == [
+        (g, i) for g in range(4) for i in range(2)
+    ]  # in finish order
     assert all(s.response_length and s.reward == 0.0 and s.weight_versions == [0] for s in samples)
     assert "step 2: 2 groups kept" in proc.stderr

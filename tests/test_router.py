@@ -72,7 +72,9 @@ def test_least_inflight_prefers_the_idle_worker(urls):
             lines = stream.iter_lines()  # kept: a dropped iterator closes the stream
             assert next(lines).startswith("data: ")  # generating now
             assert loads(router)[busy] == 1
-            served = {generate(router, input_ids=PROMPT, sampling_params=GREEDY).headers[WORKER_HEADER] for _ in range(4)}
+            served = {
+                generate(router, input_ids=PROMPT, sampling_params=GREEDY).headers[WORKER_HEADER] for _ in range(4)
+            }
             assert served == set(urls) - {busy}
         # The client left: the router drops the upstream stream and its in-flight count.
         wait_for(lambda: loads(router)[busy] == 0, "the busy worker's load to return to 0")
@@ -85,7 +87,9 @@ def test_session_sticks_across_turns_and_repins_when_removed(urls):
         for agent in ("agent-a", "agent-b"):
             ids, seen = list(PROMPT), set()
             for _ in range(4):  # a multi-turn conversation: each turn extends the last one's tokens
-                r = generate(router, {ROUTING_KEY_HEADER: agent}, input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 3})
+                r = generate(
+                    router, {ROUTING_KEY_HEADER: agent}, input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 3}
+                )
                 seen.add(r.headers[WORKER_HEADER])
                 ids += r.json()["output_ids"] + [11]
             assert len(seen) == 1, f"{agent} moved between workers: {seen}"
@@ -103,7 +107,9 @@ def test_cache_aware_keeps_a_shared_prefix_on_one_worker(urls):
         owners = {}
         for name, prefix in (("a", list(range(100, 140))), ("b", list(range(600, 640)))):
             served = {
-                generate(router, input_ids=prefix + [i, i + 1], sampling_params={**GREEDY, "max_new_tokens": 2}).headers[WORKER_HEADER]
+                generate(
+                    router, input_ids=prefix + [i, i + 1], sampling_params={**GREEDY, "max_new_tokens": 2}
+                ).headers[WORKER_HEADER]
                 for i in range(5)
             }
             assert len(served) == 1, f"prefix {name} spread over {served}"
@@ -115,9 +121,13 @@ def test_cache_aware_keeps_a_shared_prefix_on_one_worker(urls):
 
 
 def test_streaming_batch_and_n_pass_through(urls):
-    direct_stream = httpx.post(urls[1] + "/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY, "stream": True})
+    direct_stream = httpx.post(
+        urls[1] + "/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY, "stream": True}
+    )
     with running_router(worker_urls=urls) as router:
-        with httpx.stream("POST", router + "/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY, "stream": True}) as r:
+        with httpx.stream(
+            "POST", router + "/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY, "stream": True}
+        ) as r:
             assert r.headers["content-type"].startswith("text/event-stream")
             events = [line for line in r.iter_lines() if line]
         batch = {"input_ids": [PROMPT, [300, 301, 302]], "sampling_params": GREEDY}
@@ -144,7 +154,9 @@ def test_killed_worker_is_retried_marked_unhealthy_and_comes_back(urls, engines,
     body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 1000}}
     expected = httpx.post(urls[0] + "/generate", json=body, timeout=60).json()["output_ids"]
     with running_router(worker_urls=urls, policy="round_robin", max_retries=2) as router:
-        stream = httpx.Client(timeout=60).send(httpx.Request("POST", router + "/generate", json={**body, "stream": True}), stream=True)
+        stream = httpx.Client(timeout=60).send(
+            httpx.Request("POST", router + "/generate", json={**body, "stream": True}), stream=True
+        )
         victim_url = stream.headers[WORKER_HEADER]
         victim = next(p for p in engines if p.url == victim_url)
         with ThreadPoolExecutor(6) as pool:
@@ -168,7 +180,9 @@ def test_killed_worker_is_retried_marked_unhealthy_and_comes_back(urls, engines,
         wait_for(lambda: worker_states(router)[victim_url] is False, "the victim to be marked unhealthy")
         assert f'slimish_router_worker_healthy{{worker="{victim_url}"}} 0.0' in httpx.get(router + "/metrics").text
 
-        restarted = engine_process(tiny_model_dir, port=victim.port, log_path=tmp_path / "restarted.log", max_running_requests=16)
+        restarted = engine_process(
+            tiny_model_dir, port=victim.port, log_path=tmp_path / "restarted.log", max_running_requests=16
+        )
         engines[engines.index(victim)] = restarted.start()
         wait_for(lambda: worker_states(router)[victim_url], "the restarted worker to be healthy again")
         served = [generate(router, **body).headers[WORKER_HEADER] for _ in range(2)]
@@ -179,10 +193,20 @@ def test_errors_name_the_worker_and_the_cause(urls):
     dead = f"http://127.0.0.1:{free_port()}"
     with running_router(worker_urls=[dead]) as router:
         r = httpx.post(router + "/generate", json={"input_ids": PROMPT})
-        assert r.status_code == 503 and dead in r.json()["error"]["message"] and "cannot connect" in r.json()["error"]["message"]
-        assert httpx.get(router + "/readiness").json() == {"status": "not_ready", "healthy_workers": 0, "total_workers": 1}
+        assert (
+            r.status_code == 503
+            and dead in r.json()["error"]["message"]
+            and "cannot connect" in r.json()["error"]["message"]
+        )
+        assert httpx.get(router + "/readiness").json() == {
+            "status": "not_ready",
+            "healthy_workers": 0,
+            "total_workers": 1,
+        }
     with running_router(worker_urls=urls[:1], request_timeout=0.3) as router:
-        r = httpx.post(router + "/generate", json={"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 1500}})
+        r = httpx.post(
+            router + "/generate", json={"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 1500}}
+        )
         assert r.status_code == 504, r.text
         assert urls[0] in r.json()["error"]["message"] and "--request-timeout" in r.json()["error"]["message"]
         assert httpx.get(router + "/readiness").json()["status"] == "ready"
@@ -199,7 +223,9 @@ def test_worker_registry_current_and_legacy_shapes(urls):
         assert listing["workers"][0]["metadata"]["tp_size"] == 1
         added = httpx.post(router + "/workers", json={"url": urls[1]}, headers=key)
         assert added.status_code == 202 and added.json()["status"] == "accepted"
-        wait_for(lambda: worker_states(router, "adm") == {urls[0]: True, urls[1]: True}, "the added worker to be healthy")
+        wait_for(
+            lambda: worker_states(router, "adm") == {urls[0]: True, urls[1]: True}, "the added worker to be healthy"
+        )
         assert httpx.post(router + "/workers", json={"url": urls[1]}, headers=key).status_code == 409
         bad = httpx.post(router + "/workers", json={"url": "localhost"}, headers=key)
         assert bad.status_code == 400 and "url: expected" in bad.json()["error"]["message"]
@@ -216,7 +242,11 @@ def test_worker_registry_current_and_legacy_shapes(urls):
 
 def test_control_fans_out_to_every_worker(urls):
     with running_router(worker_urls=urls) as router:
-        for path, body in (("/pause_generation", {"mode": "in_place"}), ("/continue_generation", {}), ("/abort_request", {"abort_all": True})):
+        for path, body in (
+            ("/pause_generation", {"mode": "in_place"}),
+            ("/continue_generation", {}),
+            ("/abort_request", {"abort_all": True}),
+        ):
             r = httpx.post(router + path, json=body)
             assert r.status_code == 200 and r.json()["success"], r.text
             assert sorted(w["url"] for w in r.json()["workers"]) == sorted(urls)
@@ -232,17 +262,34 @@ def test_every_engine_admin_route_goes_through_the_router(urls, tiny_model_dir):
     with running_router(worker_urls=urls) as router:
         one = {"worker": urls[1]}
         r = httpx.post(router + "/update_weight_version", params=one, json={"new_version": "v7"})
-        assert r.status_code == 200 and r.json() == {"success": True, "message": "Weight version updated to v7", "new_version": "v7"}
+        assert r.status_code == 200 and r.json() == {
+            "success": True,
+            "message": "Weight version updated to v7",
+            "new_version": "v7",
+        }
         assert [httpx.get(u + "/model_info").json()["weight_version"] for u in urls] == ["default", "v7"]
-        r = httpx.post(router + "/update_weights_from_disk", json={"model_path": str(tiny_model_dir), "weight_version": "v8"})
+        r = httpx.post(
+            router + "/update_weights_from_disk", json={"model_path": str(tiny_model_dir), "weight_version": "v8"}
+        )
         assert r.status_code == 200 and [w["body"]["success"] for w in r.json()["workers"]] == [True, True]
         assert [httpx.get(u + "/model_info").json()["weight_version"] for u in urls] == ["v8", "v8"]
         worker_id = httpx.get(router + "/workers").json()["workers"][0]["id"]
         name = "model.embed_tokens.weight"
         direct = httpx.post(urls[0] + "/get_weights_by_name", json={"name": name, "truncate_size": 3}).json()
-        assert httpx.post(router + "/get_weights_by_name", params={"worker": worker_id}, json={"name": name, "truncate_size": 3}).json() == direct
-        assert httpx.post(router + "/start_profile", params=one, json={"output_dir": "/nonexistent/\0"}).status_code == 400
-        assert httpx.post(router + "/stop_profile", params=one).json()["error"]["message"].startswith("Profiling is not in progress")
+        assert (
+            httpx.post(
+                router + "/get_weights_by_name", params={"worker": worker_id}, json={"name": name, "truncate_size": 3}
+            ).json()
+            == direct
+        )
+        assert (
+            httpx.post(router + "/start_profile", params=one, json={"output_dir": "/nonexistent/\0"}).status_code == 400
+        )
+        assert (
+            httpx.post(router + "/stop_profile", params=one)
+            .json()["error"]["message"]
+            .startswith("Profiling is not in progress")
+        )
         missing = httpx.post(router + "/flush_cache", params={"worker": "no-such-worker"})
         assert missing.status_code == 404 and "no worker with id" in missing.json()["error"]["message"]
 
@@ -251,7 +298,12 @@ def test_keys_guard_serving_and_admin_routes(urls):
     with running_router(worker_urls=urls, api_key="serve", admin_api_key="adm") as router:
         r = httpx.post(router + "/generate", json={"input_ids": PROMPT})
         assert r.status_code == 401 and "--api-key" in r.json()["error"]["message"]
-        assert httpx.post(router + "/generate", json={"input_ids": PROMPT}, headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert (
+            httpx.post(
+                router + "/generate", json={"input_ids": PROMPT}, headers={"Authorization": "Bearer nope"}
+            ).status_code
+            == 401
+        )
         generate(router, {"Authorization": "Bearer serve"}, input_ids=PROMPT, sampling_params=GREEDY)
         assert httpx.get(router + "/workers", headers={"Authorization": "Bearer serve"}).status_code == 401
         assert httpx.post(router + "/pause_generation", json={}).status_code == 401
@@ -267,7 +319,10 @@ def test_body_limit_and_max_new_tokens_cap(urls):
         assert over.status_code == 400 and "at most 6" in over.json()["error"]["message"]
         filled = generate(router, input_ids=PROMPT, sampling_params={"temperature": 0.0, "ignore_eos": True}).json()
         assert filled["meta_info"]["completion_tokens"] == 6  # default 128 > cap: the cap applies
-        assert httpx.post(router + "/generate", content=b"{nope", headers={"content-type": "application/json"}).status_code == 400
+        assert (
+            httpx.post(router + "/generate", content=b"{nope", headers={"content-type": "application/json"}).status_code
+            == 400
+        )
 
 
 def test_metrics_count_requests_per_route_and_worker(urls):
@@ -289,13 +344,19 @@ def test_openai_sdk_through_the_router(urls):
     with running_router(worker_urls=urls, api_key="sk-router") as router:
         client = openai.OpenAI(base_url=router + "/v1", api_key="sk-router", max_retries=0)
         model = client.models.list().data[0].id
-        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0)
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0
+        )
         assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 5
         done = client.completions.create(model=model, prompt="hello", max_tokens=5, temperature=0)
         assert done.object == "text_completion" and done.usage.completion_tokens <= 5
         chunks = list(client.completions.create(model=model, prompt="hello", max_tokens=5, temperature=0, stream=True))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
-        parts = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0, stream=True))
+        parts = list(
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0, stream=True
+            )
+        )
         assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == chat.choices[0].message.content
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=router + "/v1", api_key="wrong", max_retries=0).models.list()

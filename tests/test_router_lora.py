@@ -52,9 +52,13 @@ def test_an_added_worker_is_read_for_its_adapters(router, engines):
 
 
 def test_requests_land_only_on_workers_holding_their_adapter(router, engines):
-    wait_for(lambda: httpx.get(router + "/readiness", timeout=10).json()["healthy_workers"] == 2, "both workers healthy")
+    wait_for(
+        lambda: httpx.get(router + "/readiness", timeout=10).json()["healthy_workers"] == 2, "both workers healthy"
+    )
     for lora, home in (("a1", engines[0]), ("a2", engines[1])):
-        direct = post(home, "/generate", {"input_ids": PROMPTS[0], "lora_path": lora, "sampling_params": GREEDY}).json()["output_ids"]
+        direct = post(
+            home, "/generate", {"input_ids": PROMPTS[0], "lora_path": lora, "sampling_params": GREEDY}
+        ).json()["output_ids"]
         for _ in range(4):
             assert served_by(router, lora) == (home, direct)
     assert served_by(router, "a1")[1] != served_by(router, "a2")[1]  # a2's weights differ: a mix-up would show
@@ -67,7 +71,9 @@ def test_requests_land_only_on_workers_holding_their_adapter(router, engines):
 
 def test_unknown_or_split_adapters_are_refused_naming_them(router):
     r = post(router, "/generate", {"input_ids": PROMPTS[0], "lora_path": "zz", "sampling_params": GREEDY})
-    assert r.status_code == 400 and "lora adapter 'zz' is not loaded on any worker" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "lora adapter 'zz' is not loaded on any worker" in r.json()["error"]["message"], (
+        r.text
+    )
     r = post(router, "/generate", {"input_ids": PROMPTS[:2], "lora_path": ["a1", "a2"], "sampling_params": GREEDY})
     assert r.status_code == 400 and "no healthy worker holds all of the lora adapters ['a1', 'a2']" in r.text
     r = post(router, "/load_lora_adapter", {"lora_name": "x"})
@@ -82,12 +88,17 @@ def test_load_and_unload_fan_out_and_teach_the_router(router, engines, adapter_d
 
     r = post(router, "/load_lora_adapter", {"lora_name": "a1", "lora_path": str(adapter_dirs["a1"])})
     assert r.status_code == 400 and not r.json()["success"]  # engine 0 has it already; engine 1 loads it
-    assert r.json()["error_message"].startswith(f"{engines[0]}: lora adapter 'a1'") and "already loaded" in r.json()["error_message"]
+    assert (
+        r.json()["error_message"].startswith(f"{engines[0]}: lora adapter 'a1'")
+        and "already loaded" in r.json()["error_message"]
+    )
     assert holders(router) == {engines[0]: ["a1", "a3"], engines[1]: ["a1", "a2", "a3"]}
     assert {served_by(router, "a1")[0] for _ in range(4)} == set(engines)
 
     r = post(router, "/unload_lora_adapter", {"lora_name": "a2"})
-    assert r.status_code == 400 and engines[0] in r.json()["error_message"] and engines[1] not in r.json()["error_message"]
+    assert (
+        r.status_code == 400 and engines[0] in r.json()["error_message"] and engines[1] not in r.json()["error_message"]
+    )
     assert sorted(r.json()["loaded_adapters"]) == ["a1", "a3"]
     r = post(router, "/generate", {"input_ids": PROMPTS[0], "lora_path": "a2", "sampling_params": GREEDY})
     assert r.status_code == 400 and "'a2' is not loaded on any worker" in r.text

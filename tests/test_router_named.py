@@ -25,8 +25,10 @@ REQUESTS = "sglang:num_requests_total"
 def pair(tiny_model_dir: Path, tiny_model_dir_other_seed: Path, tmp_path_factory) -> Iterator[tuple[str, str]]:
     """(the policy's engine, the teacher's engine): real processes, the teacher on other weights."""
     logs = tmp_path_factory.mktemp("named-logs")
-    procs = [engine_process(tiny_model_dir, log_path=logs / "policy.log"),
-             engine_process(tiny_model_dir_other_seed, log_path=logs / "teacher.log")]  # fmt: skip
+    procs = [
+        engine_process(tiny_model_dir, log_path=logs / "policy.log"),
+        engine_process(tiny_model_dir_other_seed, log_path=logs / "teacher.log"),
+    ]
     try:
         start_all(procs, timeout=120)
         yield procs[0].url, procs[1].url
@@ -41,7 +43,9 @@ def router(pair: tuple[str, str]) -> Iterator[str]:
     policy, teacher = pair
     with running_router(worker_urls=[policy]) as url:
         assert post(url, "/workers", {"url": teacher, "model_id": "teacher"}).status_code == 202
-        wait_for(lambda: all(w["is_healthy"] for w in httpx.get(url + "/workers").json()["workers"]), "both workers healthy")
+        wait_for(
+            lambda: all(w["is_healthy"] for w in httpx.get(url + "/workers").json()["workers"]), "both workers healthy"
+        )
         yield url
 
 
@@ -66,14 +70,19 @@ def test_only_requests_naming_the_model_reach_the_named_worker(pair, router) -> 
     served = {u: metric_total(u, REQUESTS) - before[u] for u in pair}  # each engine's own count
     assert served == {policy: 6, teacher: 3}
 
-    completion = post(router, "/v1/completions", {"model": "teacher", "prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+    completion = post(
+        router, "/v1/completions", {"model": "teacher", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    )
     assert completion.status_code == 200 and completion.headers[WORKER_HEADER] == teacher
     served_name = listed[policy]  # the policy's own served model name is not a named worker's
     assert generate(router, model=served_name).headers[WORKER_HEADER] == policy
 
     unknown = generate(router, model="techer")
     assert unknown.status_code == 404
-    assert "model 'techer' is served by no worker; model ids registered with POST /workers: teacher" in unknown.json()["error"]["message"]
+    assert (
+        "model 'techer' is served by no worker; model ids registered with POST /workers: teacher"
+        in unknown.json()["error"]["message"]
+    )
     bad = post(router, "/workers", {"url": "http://127.0.0.1:9", "model_id": ""})
     assert bad.status_code == 400 and "model_id" in bad.json()["error"]["message"]
 

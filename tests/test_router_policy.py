@@ -90,7 +90,11 @@ def test_cap_rejects_naming_the_limit_and_fills_defaults():
     with pytest.raises(RouterError, match=r"sampling_params\.max_new_tokens is 500; this router allows at most 100"):
         apply_cap("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 500}}, 100)
     with pytest.raises(RouterError, match=r"sampling_params\[1\]\.max_new_tokens is 101"):
-        apply_cap("/generate", {"input_ids": [[1], [2]], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 101}]}, 100)
+        apply_cap(
+            "/generate",
+            {"input_ids": [[1], [2]], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 101}]},
+            100,
+        )
     with pytest.raises(RouterError, match="max_tokens is 64"):
         apply_cap("/v1/chat/completions", {"messages": [], "max_tokens": 64}, 32)
     body = {"text": "x"}
@@ -109,7 +113,10 @@ def test_prompt_of_each_route():
     assert prompt_of("/generate", {"input_ids": [1, "x"]}) is None
     assert prompt_of("/v1/completions", {"prompt": ["p", "q"]}) == "p"
     chat = prompt_of("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
-    longer = prompt_of("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    longer = prompt_of(
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+    )
     assert longer.startswith(chat)  # a conversation's key extends its earlier turns' keys
 
 

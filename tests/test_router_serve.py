@@ -21,9 +21,23 @@ def test_serve_starts_engines_and_router_and_stops_them_all(tiny_model_dir, tmp_
     port = free_port()
     router = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-c", SERVE, "--model", str(tiny_model_dir), "--engines", "2", "--port", str(port),
-         "--log-dir", str(tmp_path), "--engine-flag", "max_running_requests=4"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-c",
+            SERVE,
+            "--model",
+            str(tiny_model_dir),
+            "--engines",
+            "2",
+            "--port",
+            str(port),
+            "--log-dir",
+            str(tmp_path),
+            "--engine-flag",
+            "max_running_requests=4",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.monotonic() + 120
@@ -38,7 +52,10 @@ def test_serve_starts_engines_and_router_and_stops_them_all(tiny_model_dir, tmp_
             time.sleep(0.1)
         engines = [w["url"] for w in httpx.get(router + "/workers").json()["workers"]]
         assert all(httpx.get(e + "/server_info").json()["max_running_requests"] == 4 for e in engines)
-        r = httpx.post(router + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+        r = httpx.post(
+            router + "/generate",
+            json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0}},
+        )
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 3
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0  # a graceful stop: requests in flight finished, engines stopped

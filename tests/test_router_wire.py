@@ -57,7 +57,9 @@ class Worker(asyncio.Protocol):
             elif how == "drop-second":
                 self.answer(REPLY)
             elif how.startswith("stream"):
-                self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                self.transport.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
                 asyncio.get_running_loop().create_task(self.stream(how))
             # "never": no answer
 
@@ -77,11 +79,17 @@ class Worker(asyncio.Protocol):
 
     def answer(self, body: bytes) -> None:
         if not self.transport.is_closing():
-            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            self.transport.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+            )
 
 
 def post(body: bytes, extra: bytes = b"") -> bytes:
-    return b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+    return b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s" % (
+        len(body),
+        extra,
+        body,
+    )
 
 
 async def read_reply(reader: asyncio.StreamReader) -> tuple[int, bytes]:
@@ -125,13 +133,28 @@ def test_pipelined_requests_are_answered_in_order_on_one_connection():
     assert first == (200, REPLY) and second == (200, b"OK") and third == (200, REPLY)
 
 
-@pytest.mark.parametrize("request_bytes, status, says", [
-    (post(b'{"how": "now", "pad": "' + b"x" * 200 + b'"}'), 413, "--max-body-bytes"),
-    (b"POST /generate HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n80\r\n" + b"x" * 128 + b"\r\n80\r\n" + b"x" * 128
-     + b"\r\n0\r\n\r\n", 413, "--max-body-bytes"),
-    (post(b'{"how": "now"}', b"".join(b"x-pad-%d: %s\r\n" % (i, b"y" * 1000) for i in range(80))), 431, "exceed 65536 bytes"),
-    (b"POST /generate HTTP/1.1\r\ncontent-length: nope\r\n\r\n", 400, "malformed HTTP request"),
-], ids=["body", "chunked body", "headers", "malformed"])  # fmt: skip
+@pytest.mark.parametrize(
+    "request_bytes, status, says",
+    [
+        (post(b'{"how": "now", "pad": "' + b"x" * 200 + b'"}'), 413, "--max-body-bytes"),
+        (
+            b"POST /generate HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n80\r\n"
+            + b"x" * 128
+            + b"\r\n80\r\n"
+            + b"x" * 128
+            + b"\r\n0\r\n\r\n",
+            413,
+            "--max-body-bytes",
+        ),
+        (
+            post(b'{"how": "now"}', b"".join(b"x-pad-%d: %s\r\n" % (i, b"y" * 1000) for i in range(80))),
+            431,
+            "exceed 65536 bytes",
+        ),
+        (b"POST /generate HTTP/1.1\r\ncontent-length: nope\r\n\r\n", 400, "malformed HTTP request"),
+    ],
+    ids=["body", "chunked body", "headers", "malformed"],
+)
 def test_a_refused_request_gets_a_4xx_naming_why_and_the_connection_closes(request_bytes, status, says):
     async def test(port, *_):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)

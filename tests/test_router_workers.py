@@ -46,22 +46,38 @@ def urls(tiny_model_dir, tmp_path_factory) -> Iterator[list[str]]:
 def router(tmp_path, worker_urls: list[str], *flags: str) -> Iterator[ServerProcess]:
     """A `slimish router --workers 2` process, returned once every router process serves."""
     port = free_port()
-    argv = ["router", "--workers", str(PROCESSES), "--port", str(port), "--health-check-interval", "0.2",
-            "--admin-api-key", "adm", *flags, "--worker-urls", *worker_urls]  # fmt: skip
+    argv = [
+        "router",
+        "--workers",
+        str(PROCESSES),
+        "--port",
+        str(port),
+        "--health-check-interval",
+        "0.2",
+        "--admin-api-key",
+        "adm",
+        *flags,
+        "--worker-urls",
+        *worker_urls,
+    ]
     # TMPDIR: the registry file lands under tmp_path, so a parent killed by a test leaves nothing behind
     proc = ServerProcess(argv, port=port, log_path=tmp_path / "router.log", env={"TMPDIR": str(tmp_path)})
     try:
         proc.start(timeout=60)
         seen: set[str] = set()
-        wait_for(lambda: seen.add(httpx.get(proc.url + "/v1/models").headers[PROCESS_HEADER]) or len(seen) == PROCESSES,
-                 "every router process to take connections")  # fmt: skip
+        wait_for(
+            lambda: seen.add(httpx.get(proc.url + "/v1/models").headers[PROCESS_HEADER]) or len(seen) == PROCESSES,
+            "every router process to take connections",
+        )
         yield proc
     finally:
         proc.stop()
 
 
 def generate(url: str, input_ids: list[int], headers: dict | None = None) -> httpx.Response:
-    r = httpx.post(url + "/generate", json={"input_ids": input_ids, "sampling_params": GREEDY}, headers=headers, timeout=60)
+    r = httpx.post(
+        url + "/generate", json={"input_ids": input_ids, "sampling_params": GREEDY}, headers=headers, timeout=60
+    )
     assert r.status_code == 200, r.text
     return r
 
@@ -72,7 +88,9 @@ def test_sessions_and_prefixes_stick_across_processes(urls, tmp_path):
     agents = [next(k for k, u in owner.items() if u == url) for url in urls]  # keys for each engine
     agents += [k for k in owner if k not in agents][:2]
     with router(tmp_path, urls, "--policy", "session") as r:
-        replies = {agent: [generate(r.url, [5, 6, 7], {ROUTING_KEY_HEADER: agent}) for _ in range(8)] for agent in agents}
+        replies = {
+            agent: [generate(r.url, [5, 6, 7], {ROUTING_KEY_HEADER: agent}) for _ in range(8)] for agent in agents
+        }
     for agent, theirs in replies.items():
         served = {x.headers[WORKER_HEADER] for x in theirs}
         assert served == {owner[agent]}, f"{agent}: expected only {owner[agent]}, served by {served}"
@@ -93,16 +111,25 @@ def test_registry_and_fan_outs_are_one_across_processes(urls, tmp_path):
     with router(tmp_path, urls[:1], "--policy", "round_robin") as r:
         added = httpx.post(r.url + "/workers", json={"url": urls[1]}, headers=ADMIN)
         assert added.status_code == 202, added.text
-        assert {w["url"] for w in httpx.get(r.url + "/workers", headers=ADMIN).json()["workers"]} == set(urls)  # the parent's
-        assert all({w["worker"] for w in x.json()["workers"]} == set(urls) for x in everywhere("/get_loads"))  # each child's
-        wait_for(lambda: all(x.json()["healthy_workers"] == 2 for x in everywhere("/readiness")), "the added engine to be routable")
+        assert {w["url"] for w in httpx.get(r.url + "/workers", headers=ADMIN).json()["workers"]} == set(
+            urls
+        )  # the parent's
+        assert all(
+            {w["worker"] for w in x.json()["workers"]} == set(urls) for x in everywhere("/get_loads")
+        )  # each child's
+        wait_for(
+            lambda: all(x.json()["healthy_workers"] == 2 for x in everywhere("/readiness")),
+            "the added engine to be routable",
+        )
         assert {generate(r.url, [1, 2]).headers[WORKER_HEADER] for _ in range(8)} == set(urls)
 
         for _ in range(4):  # each through whichever process takes it: one result per engine
             fan = httpx.post(r.url + "/flush_cache", headers=ADMIN, timeout=60)
             assert fan.status_code == 200, fan.text
             assert sorted(w["url"] for w in fan.json()["workers"]) == sorted(urls)
-        assert all(httpx.post(r.url + "/flush_cache").status_code == 401 for _ in range(4))  # keys checked whichever process
+        assert all(
+            httpx.post(r.url + "/flush_cache").status_code == 401 for _ in range(4)
+        )  # keys checked whichever process
 
         gone = httpx.post(r.url + "/remove_worker", params={"url": urls[0]}, headers=ADMIN)
         assert gone.status_code == 200, gone.text
@@ -116,11 +143,18 @@ def test_a_named_worker_is_named_in_every_process(urls, tmp_path):
     with router(tmp_path, urls[:1]) as r:
         added = httpx.post(r.url + "/workers", json={"url": urls[1], "model_id": "teacher"}, headers=ADMIN)
         assert added.status_code == 202, added.text
-        wait_for(lambda: all(x.json()["healthy_workers"] == 2 for x in [httpx.get(r.url + "/readiness") for _ in range(8)]),
-                 "the named engine to be routable")  # fmt: skip
-        named = [httpx.post(r.url + "/generate", json={"input_ids": [1, 2], "model": "teacher", "sampling_params": GREEDY}) for _ in range(8)]
+        wait_for(
+            lambda: all(x.json()["healthy_workers"] == 2 for x in [httpx.get(r.url + "/readiness") for _ in range(8)]),
+            "the named engine to be routable",
+        )
+        named = [
+            httpx.post(r.url + "/generate", json={"input_ids": [1, 2], "model": "teacher", "sampling_params": GREEDY})
+            for _ in range(8)
+        ]
         plain = [generate(r.url, [1, 2]) for _ in range(8)]
-    assert {x.headers[WORKER_HEADER] for x in named} == {urls[1]} and {x.headers[WORKER_HEADER] for x in plain} == {urls[0]}
+    assert {x.headers[WORKER_HEADER] for x in named} == {urls[1]} and {x.headers[WORKER_HEADER] for x in plain} == {
+        urls[0]
+    }
     assert len({x.headers[PROCESS_HEADER] for x in named + plain}) == PROCESSES
 
 
@@ -140,8 +174,10 @@ def test_a_run_starts_its_router_with_launch_router_workers(urls, tmp_path):
 
     with router_process(LaunchConfig(router_workers=PROCESSES, policy="round_robin"), urls, tmp_path).start(60) as proc:
         seen: set[str] = set()
-        wait_for(lambda: seen.add(httpx.get(proc.url + "/v1/models").headers[PROCESS_HEADER]) or len(seen) == PROCESSES,
-                 "every router process to take connections")  # fmt: skip
+        wait_for(
+            lambda: seen.add(httpx.get(proc.url + "/v1/models").headers[PROCESS_HEADER]) or len(seen) == PROCESSES,
+            "every router process to take connections",
+        )
 
 
 def test_router_processes_die_with_the_parent(urls, tmp_path):

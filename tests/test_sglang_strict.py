@@ -55,9 +55,20 @@ def post(url: str, path: str, body: dict | None = None, timeout: float = WAIT_S)
 def engine(sglang_double, tiny_model_dir, tmp_path_factory):
     """One double run as SGLang runs by default, /health generating (with a 2 s timeout here)."""
     port = free_port()
-    argv = ["--model-path", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port), "--enable-metrics", *LORA_ARGS]
+    argv = [
+        "--model-path",
+        str(tiny_model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enable-metrics",
+        *LORA_ARGS,
+    ]
     env = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "true", "SGLANG_HEALTH_CHECK_TIMEOUT": "2"}
-    with ServerProcess(argv, port=port, env=env, log_path=tmp_path_factory.mktemp("logs") / "double.log", module=MODULE).start(WAIT_S) as proc:
+    with ServerProcess(
+        argv, port=port, env=env, log_path=tmp_path_factory.mktemp("logs") / "double.log", module=MODULE
+    ).start(WAIT_S) as proc:
         yield proc.url
 
 
@@ -65,7 +76,9 @@ def engine(sglang_double, tiny_model_dir, tmp_path_factory):
 def parallel_engine(sglang_double, tiny_model_dir, tmp_path_factory):
     """A double started as the launcher starts SGLang, with data and pipeline parallelism."""
     log = tmp_path_factory.mktemp("logs") / "parallel.log"
-    with sglang_process(tiny_model_dir, ["--dp-size", "2", "--pp-size", "2", "--dtype", "bfloat16"], log_path=log).start(WAIT_S) as proc:
+    with sglang_process(
+        tiny_model_dir, ["--dp-size", "2", "--pp-size", "2", "--dtype", "bfloat16"], log_path=log
+    ).start(WAIT_S) as proc:
         yield proc.url
 
 
@@ -77,7 +90,9 @@ def late_pause(upstream: str) -> Starlette:
     async def forward(request: Request) -> Response:
         if request.url.path == "/pause_generation":
             await asyncio.sleep(0.2)
-        r = await client.request(request.method, request.url.path, content=await request.body(), headers={"content-type": "application/json"})
+        r = await client.request(
+            request.method, request.url.path, content=await request.body(), headers={"content-type": "application/json"}
+        )
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
 
     return Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])])
@@ -91,7 +106,9 @@ class Running:
         before = metric_total(url, "sglang:num_running_reqs")
         body = {"input_ids": PROMPT, "sampling_params": params}
         self.futures: list[Future] = [self.pool.submit(post, url, "/generate", body, 600.0) for _ in range(n)]
-        wait_for(lambda: metric_total(url, "sglang:num_running_reqs") >= before + n, "the generations to run", timeout=60)
+        wait_for(
+            lambda: metric_total(url, "sglang:num_running_reqs") >= before + n, "the generations to run", timeout=60
+        )
 
     def results(self) -> list[dict]:
         try:
@@ -122,20 +139,40 @@ def greedy(url: str, **body) -> dict:
 
 
 def launch(*argv: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", MODULE, *argv], capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-m", MODULE, *argv], capture_output=True, text=True, timeout=60, env={**os.environ, **env}
+    )
 
 
 def test_the_command_line_is_sglangs(sglang_double, tmp_path):
     """Bare boolean flags, SGLang's aliases and choices parse (the start is recorded; exit 7 is
     SGLANG_SHIM_EXIT's); an unknown flag, a value after a boolean flag or a bad choice exits 2
     with argparse's message, as `sglang serve` does."""
-    ok = ["--model", "/m", "--tensor-parallel-size", "2", "--dp-size", "1", "--base-gpu-id", "3", "--dtype", "bfloat16",
-          "--trust-remote-code", "--disable-radix-cache", *LORA_ARGS, "--mem-fraction-static", "0.7"]  # fmt: skip
+    ok = [
+        "--model",
+        "/m",
+        "--tensor-parallel-size",
+        "2",
+        "--dp-size",
+        "1",
+        "--base-gpu-id",
+        "3",
+        "--dtype",
+        "bfloat16",
+        "--trust-remote-code",
+        "--disable-radix-cache",
+        *LORA_ARGS,
+        "--mem-fraction-static",
+        "0.7",
+    ]
     done = launch(*ok, SGLANG_SHIM_EXIT="7")
     assert done.returncode == 7, done.stderr
     assert json.loads(sglang_double.read_text().splitlines()[-1])["argv"] == ok
-    for bad, message in [(["--bogus-flag"], "unrecognized arguments: --bogus-flag"), (["--enable-lora", "true"], "unrecognized arguments: true"),
-                         (["--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'")]:  # fmt: skip
+    for bad, message in [
+        (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+        (["--enable-lora", "true"], "unrecognized arguments: true"),
+        (["--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
+    ]:
         done = launch("--model-path", "/m", *bad, SGLANG_SHIM_EXIT="7")
         assert done.returncode == 2 and f"sglang serve: error: {message}" in done.stderr, done.stderr
 
@@ -154,10 +191,16 @@ def test_weight_updates_only_inside_a_session(engine):
     message = "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
     assert (r.status_code, r.json()["message"]) == (400, message)
     r = post(engine, "/end_weight_update")
-    assert (r.status_code, r.json()["message"]) == (400, "no weight-update session is open; call begin_weight_update() first")
+    assert (r.status_code, r.json()["message"]) == (
+        400,
+        "no weight-update session is open; call begin_weight_update() first",
+    )
     assert post(engine, "/begin_weight_update").status_code == 200
     r = post(engine, "/begin_weight_update")
-    assert (r.status_code, r.json()["message"]) == (400, "a weight-update session is already open; call end_weight_update() first")
+    assert (r.status_code, r.json()["message"]) == (
+        400,
+        "a weight-update session is already open; call end_weight_update() first",
+    )
     assert post(engine, "/end_weight_update").status_code == 200
 
 
@@ -187,7 +230,10 @@ def test_a_begin_that_reaches_sglang_before_the_pause_hangs(engine):
             post(engine, "/begin_weight_update", timeout=1.0)  # waits for the running request
         assert post(engine, "/pause_generation", {"mode": "retract"}).status_code == 200
         r = post(engine, "/end_weight_update")  # paused: runs at once
-        assert (r.status_code, r.json()["message"]) == (400, "no weight-update session is open; call begin_weight_update() first")
+        assert (r.status_code, r.json()["message"]) == (
+            400,
+            "no weight-update session is open; call begin_weight_update() first",
+        )
     finally:
         post(engine, "/abort_request", {"abort_all": True})
         post(engine, "/continue_generation")
@@ -212,7 +258,9 @@ def test_health_generates_and_so_waits_out_a_pause(engine):
 
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
-def test_a_push_while_requests_run_completes_and_leaves_no_session_open(engine, tiny_model_dir, tiny_model_dir_other_seed, mode):
+def test_a_push_while_requests_run_completes_and_leaves_no_session_open(
+    engine, tiny_model_dir, tiny_model_dir_other_seed, mode
+):
     """Issue 42 #6 and #7: each engine is paused before its session opens, though the pause
     reaches it late (a begin that came first would wait forever on the request the pause
     parks), and only the last bucket flushes, never under in_place (its running batch makes
@@ -227,7 +275,9 @@ def test_a_push_while_requests_run_completes_and_leaves_no_session_open(engine, 
             sync.push(other.named_parameters(), "4")
     (meta,) = [r["meta_info"] for r in running.results()]
     spans = [span["version"] for span in meta["weight_versions"]]
-    assert meta["finish_reason"]["type"] == "length" and spans[0] == before and spans[-1] in ("3", "4")  # parked, then resumed
+    assert (
+        meta["finish_reason"]["type"] == "length" and spans[0] == before and spans[-1] in ("3", "4")
+    )  # parked, then resumed
     assert greedy(engine)["output_ids"] == hf_greedy(other)
 
 
@@ -285,7 +335,10 @@ def test_a_paused_sglang_engine_stays_healthy_in_the_router(parallel_engine):
     so /health answers while a push has generation paused: the router keeps the engine through
     more than its failure threshold of checks (1 failure, 0.5 s timeout, every 0.2 s)."""
     with running_router(worker_urls=[parallel_engine], health_check_timeout=0.5) as router:
-        wait_for(lambda: httpx.get(router + "/workers", timeout=10).json()["workers"][0]["is_healthy"], "the engine to turn healthy")
+        wait_for(
+            lambda: httpx.get(router + "/workers", timeout=10).json()["workers"][0]["is_healthy"],
+            "the engine to turn healthy",
+        )
         assert post(parallel_engine, "/pause_generation", {"mode": "retract"}).status_code == 200
         try:
             deadline = time.monotonic() + 3.0  # 0.5 s timeout + 0.2 s interval, several times over
@@ -302,7 +355,9 @@ def test_data_or_pipeline_parallel_engines_are_refused_at_connect(parallel_engin
     and SGLang asserts dp_size == 1: refused before any group is formed, naming the engine."""
     sync = WeightSync(sync_config(group_name="parallel"), [parallel_engine])
     try:
-        with pytest.raises(WeightSyncError, match=rf"{parallel_engine}: dp_size=2, pp_size=2: .*dp_size=1 and pp_size=1"):
+        with pytest.raises(
+            WeightSyncError, match=rf"{parallel_engine}: dp_size=2, pp_size=2: .*dp_size=1 and pp_size=1"
+        ):
             sync.connect()
         assert sync.group is None
     finally:
@@ -324,7 +379,10 @@ def test_an_adapter_push_into_sglang_reloads_it_and_versions_the_engine(engine, 
     cfg = sync_config(transport="disk", pause_mode="abort", disk_dir=str(tmp_path / "pushes"))
     # Checks once, at the start: this engine's /health generates, and so fails while a push pauses it.
     with running_router(worker_urls=[engine], health_check_interval=600) as router:
-        wait_for(lambda: httpx.get(router + "/workers", timeout=10).json()["workers"][0]["is_healthy"], "the engine to turn healthy")
+        wait_for(
+            lambda: httpx.get(router + "/workers", timeout=10).json()["workers"][0]["is_healthy"],
+            "the engine to turn healthy",
+        )
         with WeightSync(cfg, [engine], adapter="run", router_url=router) as sync:
             for version, seed in (("1", 1), ("2", 2)):
                 tensors, config = adapter(tiny_model_dir, tmp_path, seed)
@@ -339,10 +397,16 @@ def test_an_adapter_broadcast_into_sglang_is_refused_naming_the_fields(engine, t
     """The broadcast cannot work against SGLang (its update has no adapter target): refused at
     the first push, before anything is loaded, as the run's config check refuses it for
     launch.engine_kind=sglang."""
-    with running_router(worker_urls=[engine]) as router, WeightSync(sync_config(), [engine], adapter="run", router_url=router) as sync:
+    with (
+        running_router(worker_urls=[engine]) as router,
+        WeightSync(sync_config(), [engine], adapter="run", router_url=router) as sync,
+    ):
         with pytest.raises(WeightSyncError, match=r"weight_sync.transport=disk and weight_sync.pause_mode=abort"):
             sync.push_adapter({"x": torch.zeros(1)}, {}, "1")
     overrides = ["model=/m", "data.source=task:max_digit", "launch.engine_kind=sglang", "trainer.lora.enabled=true"]
-    with pytest.raises(SystemExit, match=r"trainer.lora with launch.engine_kind=sglang: .*transport=disk and weight_sync.pause_mode=abort"):
+    with pytest.raises(
+        SystemExit,
+        match=r"trainer.lora with launch.engine_kind=sglang: .*transport=disk and weight_sync.pause_mode=abort",
+    ):
         load_run_config(None, overrides)
     load_run_config(None, [*overrides, "weight_sync.transport=disk", "weight_sync.pause_mode=abort"])

@@ -25,10 +25,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # ~8 minutes on a qu
 STEPS, EVAL_PROMPTS = 30, 1024
 MODES = {  # name -> overrides; bound 1 retracts requests at a push, bound 2 aborts and resumes them
     "sync": ["mode=sync"],
-    "async-1": ["mode=async", "buffer.max_staleness=1", "weight_sync.pause_mode=retract", "rollout.partial_rollout=false"],
-    "async-2": ["mode=async", "buffer.max_staleness=2", "weight_sync.pause_mode=abort", "rollout.partial_rollout=true",
-                "buffer.mask_stale_tokens=true"],
-}  # fmt: skip
+    "async-1": [
+        "mode=async",
+        "buffer.max_staleness=1",
+        "weight_sync.pause_mode=retract",
+        "rollout.partial_rollout=false",
+    ],
+    "async-2": [
+        "mode=async",
+        "buffer.max_staleness=2",
+        "weight_sync.pause_mode=abort",
+        "rollout.partial_rollout=true",
+        "buffer.mask_stale_tokens=true",
+    ],
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +47,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory, quickstart_sft: Path) -> dict
     out = {}
     for name, overrides in MODES.items():
         tmp = tmp_path_factory.mktemp(name)
-        rows = run_quickstart(tmp, f"steps={STEPS}", f"eval.every={STEPS}", f"eval.n_prompts={EVAL_PROMPTS}",
-                              "sft.steps=0", *overrides, model=quickstart_sft)  # fmt: skip
+        rows = run_quickstart(
+            tmp,
+            f"steps={STEPS}",
+            f"eval.every={STEPS}",
+            f"eval.n_prompts={EVAL_PROMPTS}",
+            "sft.steps=0",
+            *overrides,
+            model=quickstart_sft,
+        )
         out[name] = rows, tmp / "run"
     return out
 

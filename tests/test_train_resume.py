@@ -31,11 +31,23 @@ def _prompts(path: Path, n: int) -> Path:
 
 def _argv(model: Path, run_dir: Path, data: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "slimish.train", f"model={model}", f"run_dir={run_dir}", f"data.source={data}",
-        f"steps={STEPS}", f"rollout.rollout_batch_size={GROUPS}", "rollout.n_samples_per_prompt=2",
-        "rollout.max_new_tokens=6", "rollout.filter_fn=null", "checkpoint.every=1", "checkpoint.keep=2",
-        "eval.every=0", "trainer.lr=1e-3", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "slimish.train",
+        f"model={model}",
+        f"run_dir={run_dir}",
+        f"data.source={data}",
+        f"steps={STEPS}",
+        f"rollout.rollout_batch_size={GROUPS}",
+        "rollout.n_samples_per_prompt=2",
+        "rollout.max_new_tokens=6",
+        "rollout.filter_fn=null",
+        "checkpoint.every=1",
+        "checkpoint.keep=2",
+        "eval.every=0",
+        "trainer.lr=1e-3",
+        *extra,
+    ]
 
 
 def _trained(run_dir: Path) -> list[dict]:
@@ -46,7 +58,9 @@ def _trained(run_dir: Path) -> list[dict]:
 def test_sigkill_then_resume_trains_every_prompt_once(tiny_model_dir: Path, tmp_path: Path) -> None:
     data, run_dir = _prompts(tmp_path / "prompts.jsonl", 100), tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen(_argv(tiny_model_dir, run_dir, data), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    first = subprocess.Popen(
+        _argv(tiny_model_dir, run_dir, data), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     try:
         deadline = time.monotonic() + 240
         while len(_trained(run_dir)) < 3:  # bounded wait for the third trained step
@@ -58,8 +72,9 @@ def test_sigkill_then_resume_trains_every_prompt_once(tiny_model_dir: Path, tmp_
         first.wait(timeout=30)
     killed_at = len(_trained(run_dir))
     assert killed_at < STEPS
-    second = subprocess.run(_argv(tiny_model_dir, run_dir, data, "--resume", "auto"), env=env,
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    second = subprocess.run(
+        _argv(tiny_model_dir, run_dir, data, "--resume", "auto"), env=env, capture_output=True, text=True, timeout=300
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stderr
     lineage: dict[int, list[int]] = {}
@@ -79,8 +94,13 @@ def test_two_ranks_train_checkpoint_and_resume(tiny_model_dir: Path, tmp_path: P
     data, run_dir = _prompts(tmp_path / "prompts.jsonl", 20), tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for steps, extra in ((2, ()), (3, ("--resume", "auto"))):
-        done = subprocess.run(_argv(tiny_model_dir, run_dir, data, f"steps={steps}", "trainer.nproc=2", *extra), env=env,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        done = subprocess.run(
+            _argv(tiny_model_dir, run_dir, data, f"steps={steps}", "trainer.nproc=2", *extra),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stderr and [r["step"] for r in _trained(run_dir)] == [1, 2, 3]
     trained = [gid for r in _trained(run_dir) for gid in r["group_ids"]]
@@ -91,7 +111,7 @@ def test_two_ranks_train_checkpoint_and_resume(tiny_model_dir: Path, tmp_path: P
 # The trainer killed at a chosen point of step KILL_STEP, from inside: this launcher patches the
 # point to SIGKILL its own process, then runs `python -m slimish.train` as usual.
 KILL_STEP = 3
-KILLER = '''
+KILLER = """
 import os, signal, sys
 point, at = sys.argv.pop(1), int(sys.argv.pop(1))
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
@@ -117,11 +137,13 @@ elif point == "checkpoint":  # the state written to the temporary directory, not
     wrap(checkpoint, "_fsync_dir", before=lambda path: path.name.startswith(".tmp-step_%08d" % at))
 from slimish.train import main
 sys.exit(main(sys.argv[1:]))
-'''.replace("{groups}", str(GROUPS))
+""".replace("{groups}", str(GROUPS))
 
 
 @pytest.mark.parametrize("point", ["rollout", "train", "push", "checkpoint"])
-def test_killed_at_a_chosen_point_resumes_training_every_prompt_once(tiny_model_dir: Path, tmp_path: Path, point: str) -> None:
+def test_killed_at_a_chosen_point_resumes_training_every_prompt_once(
+    tiny_model_dir: Path, tmp_path: Path, point: str
+) -> None:
     data, run_dir = _prompts(tmp_path / "prompts.jsonl", 100), tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     argv = _argv(tiny_model_dir, run_dir, data)
@@ -131,8 +153,9 @@ def test_killed_at_a_chosen_point_resumes_training_every_prompt_once(tiny_model_
     saved = sorted(p.name for p in checkpoint_dir(run_dir).iterdir())
     assert saved[-1] == f"step_{KILL_STEP - 1:08d}", saved  # the killed step's checkpoint is not there
     assert (point == "checkpoint") == any(name.startswith(".tmp-") for name in saved)  # killed mid-write: ignored
-    second = subprocess.run(_argv(tiny_model_dir, run_dir, data, "--resume", "auto"), env=env,
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    second = subprocess.run(
+        _argv(tiny_model_dir, run_dir, data, "--resume", "auto"), env=env, capture_output=True, text=True, timeout=300
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     lineage: dict[int, list[int]] = {}
     for row in _trained(run_dir):

@@ -21,8 +21,14 @@ from slimish.types import Sample
 
 from conftest import torchrun_ranks  # noqa: E402
 
-FEATURES = ["algorithm.kl_coef=0.1", "algorithm.entropy_coef=0.01", "algorithm.eps_clip_high=0.28",
-            "algorithm.tis_cap=2.0", "algorithm.dual_clip_c=3.0", "trainer.updates_per_step=2"]  # fmt: skip
+FEATURES = [
+    "algorithm.kl_coef=0.1",
+    "algorithm.entropy_coef=0.01",
+    "algorithm.eps_clip_high=0.28",
+    "algorithm.tis_cap=2.0",
+    "algorithm.dual_clip_c=3.0",
+    "trainer.updates_per_step=2",
+]
 
 
 def config(model_dir, *overrides: str):
@@ -54,7 +60,9 @@ def make_groups(seed: int, n_groups: int = 3, group_size: int = 4, vocab: int = 
     return groups
 
 
-def with_rollout_logprobs(trainer: TorchTrainer, groups: list[list[Sample]], noise: float, seed: int) -> list[list[Sample]]:
+def with_rollout_logprobs(
+    trainer: TorchTrainer, groups: list[list[Sample]], noise: float, seed: int
+) -> list[list[Sample]]:
     g = torch.Generator().manual_seed(seed)
     for group in groups:
         for s, lp in zip(group, trainer.logprobs(group)):
@@ -142,7 +150,13 @@ def two_steps_batches(trainer: TorchTrainer) -> list[list[list[Sample]]]:
     first = with_rollout_logprobs(trainer, make_groups(1), noise=0.3, seed=1)
     small = make_groups(2, n_groups=1, group_size=2)
     empty = small[0][1]
-    empty.tokens, empty.response_length, empty.loss_mask, empty.rollout_logprobs, empty.token_versions = empty.tokens[:3], 0, [], [], []
+    empty.tokens, empty.response_length, empty.loss_mask, empty.rollout_logprobs, empty.token_versions = (
+        empty.tokens[:3],
+        0,
+        [],
+        [],
+        [],
+    )
     return [first, with_rollout_logprobs(trainer, small, noise=0.3, seed=2)]
 
 
@@ -153,11 +167,18 @@ def ptx_demos(trainer: TorchTrainer, step: int) -> list[Sample] | None:
 
 
 def two_steps(trainer: TorchTrainer) -> list[dict[str, float]]:
-    return [trainer.train_step(batch, step, ptx_demos(trainer, step)) for step, batch in enumerate(two_steps_batches(trainer), 1)]
+    return [
+        trainer.train_step(batch, step, ptx_demos(trainer, step))
+        for step, batch in enumerate(two_steps_batches(trainer), 1)
+    ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("algorithm.advantage=gae", "critic.lr=1e-3"), ("algorithm.ptx_coef=0.5",)], ids=["grpo", "ppo_critic", "ptx"])
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("algorithm.advantage=gae", "critic.lr=1e-3"), ("algorithm.ptx_coef=0.5",)],
+    ids=["grpo", "ppo_critic", "ptx"],
+)
 def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path, extra):
     """Two torchrun ranks (this file is their main, below) take the same two steps as one rank.
     torchrun, as the megatron tests use it: two CI runs hung 300 s in ranks this test spawned with
@@ -176,10 +197,20 @@ def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path, extra):
         assert_close(params(single, critic=True), saved["critic"], atol=1e-5)
     for mine, theirs in zip([m1, m2], two["metrics"]):
         critic = sorted(k for k in mine if k.startswith("critic/"))
-        assert len(critic) == (6 if with_critic else 0) and critic == sorted(k for k in theirs if k.startswith("critic/"))
+        assert len(critic) == (6 if with_critic else 0) and critic == sorted(
+            k for k in theirs if k.startswith("critic/")
+        )
         assert ("train/ptx_loss" in mine) == ("algorithm.ptx_coef=0.5" in extra)
-        for key in ("train/loss", "train/grad_norm", "train/kl", "train/entropy", "train/mismatch", "reward/mean", *critic,
-                    *[k for k in mine if k == "train/ptx_loss"]):  # fmt: skip
+        for key in (
+            "train/loss",
+            "train/grad_norm",
+            "train/kl",
+            "train/entropy",
+            "train/mismatch",
+            "reward/mean",
+            *critic,
+            *[k for k in mine if k == "train/ptx_loss"],
+        ):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
 
 
@@ -209,8 +240,15 @@ def test_reference_kl_starts_at_zero_and_grows(tiny_model_dir):
 def test_recomputed_old_logprobs_and_kl_in_reward(tiny_model_dir):
     """With old logprobs recomputed the first update's ratio is exactly 1 whatever the engine
     said; the mismatch metric then measures the (here injected) engine noise."""
-    trainer = TorchTrainer(config(tiny_model_dir, "algorithm.recompute_old_logprobs=true", "algorithm.kl_coef=0.05",
-                                  "algorithm.kl_in_reward=true", "algorithm.advantage=reinforce_pp"))  # fmt: skip
+    trainer = TorchTrainer(
+        config(
+            tiny_model_dir,
+            "algorithm.recompute_old_logprobs=true",
+            "algorithm.kl_coef=0.05",
+            "algorithm.kl_in_reward=true",
+            "algorithm.advantage=reinforce_pp",
+        )
+    )
     metrics = trainer.train_step(with_rollout_logprobs(trainer, make_groups(5), noise=0.2, seed=5), 1)
     assert metrics["train/ratio"] == pytest.approx(1.0, abs=1e-6) and metrics["train/clip_frac"] == 0.0
     assert 0.1 < metrics["train/mismatch"] < 0.25  # E|N(0, 0.2)| = 0.16
@@ -280,7 +318,9 @@ def test_ptx_batches_depend_on_seed_and_step_alone(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     a, b = ptx_batches(cfg, tok), ptx_batches(cfg, tok)
     assert [s.tokens for s in a(3)] == [s.tokens for s in b(3)] != [s.tokens for s in a(4)]
-    assert len(a(3)) == 4 and all(s.train_mask == [1] * s.response_length and s.tokens[-1] == tok.eos_token_id for s in a(3))
+    assert len(a(3)) == 4 and all(
+        s.train_mask == [1] * s.response_length and s.tokens[-1] == tok.eos_token_id for s in a(3)
+    )
 
 
 def test_hf_tensors_tied_once(tiny_qwen2_dir):
@@ -342,7 +382,9 @@ def test_bf16_logprobs_are_autocast_and_pushes_are_bf16(tiny_model_dir):
     masters = dict(trainer.model.named_parameters())
     assert {t.dtype for t in pushed.values()} == {torch.bfloat16}
     assert all(torch.equal(t, masters[n].detach().to(torch.bfloat16)) for n, t in pushed.items())
-    lora = TorchTrainer(config(tiny_model_dir, "trainer.dtype=bfloat16", "trainer.lora.enabled=true", "trainer.lora.rank=4"))
+    lora = TorchTrainer(
+        config(tiny_model_dir, "trainer.dtype=bfloat16", "trainer.lora.enabled=true", "trainer.lora.rank=4")
+    )
     assert {t.dtype for t in lora.adapter_tensors().values()} == {torch.bfloat16}
 
 

@@ -83,8 +83,16 @@ def advantages(name: str, groups: list[list[Sample]], credit: str = "broadcast")
 
 
 def single(reward: float, tid: str) -> Sample:
-    return Sample(prompt="p", tokens=[1, 2], response_length=1, loss_mask=[1], rollout_logprobs=[0.0], reward=reward,
-                  trajectory_id=tid, status=SampleStatus.COMPLETED)  # fmt: skip
+    return Sample(
+        prompt="p",
+        tokens=[1, 2],
+        response_length=1,
+        loss_mask=[1],
+        rollout_logprobs=[0.0],
+        reward=reward,
+        trajectory_id=tid,
+        status=SampleStatus.COMPLETED,
+    )
 
 
 def test_compaction_makes_two_segments_of_one_trajectory_that_count_once(router: str, tok: Any) -> None:
@@ -136,7 +144,9 @@ async def rollout(ctx, sample):
 
 
 @pytest.mark.slow
-def test_a_harness_killed_by_its_budget_is_infra_failed_and_the_run_goes_on(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_a_harness_killed_by_its_budget_is_infra_failed_and_the_run_goes_on(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
     """Two RL steps in which one trajectory of every group is killed by its time budget: those are
     absent from the loss and the baseline (groups of 3 train), counted, and the run goes on."""
     from slimish.metrics import read_metrics
@@ -145,10 +155,23 @@ def test_a_harness_killed_by_its_budget_is_infra_failed_and_the_run_goes_on(tmp_
     plugin = tmp_path / "infra_plugin.py"
     plugin.write_text(INFRA_PLUGIN)
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "slimish.train", f"model={tiny_model_dir}", f"run_dir={run_dir}", "steps=2",
-            "data.source=task:max_digit", f"rollout.rollout_fn={plugin}:rollout", "rollout.filter_fn=null",
-            "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8", "eval.every=0",
-            "checkpoint.every=0", "sft.steps=0"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "slimish.train",
+        f"model={tiny_model_dir}",
+        f"run_dir={run_dir}",
+        "steps=2",
+        "data.source=task:max_digit",
+        f"rollout.rollout_fn={plugin}:rollout",
+        "rollout.filter_fn=null",
+        "rollout.rollout_batch_size=2",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.max_new_tokens=8",
+        "eval.every=0",
+        "checkpoint.every=0",
+        "sft.steps=0",
+    ]
     import subprocess
 
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)

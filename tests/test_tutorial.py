@@ -24,7 +24,9 @@ def page_code() -> str:
 
 
 def test_the_example_file_is_the_pages_code() -> None:
-    assert EXAMPLE.read_text() == page_code(), f"{EXAMPLE.relative_to(ROOT)} differs from the python blocks of {PAGE.relative_to(ROOT)}"
+    assert EXAMPLE.read_text() == page_code(), (
+        f"{EXAMPLE.relative_to(ROOT)} differs from the python blocks of {PAGE.relative_to(ROOT)}"
+    )
 
 
 @pytest.mark.slow
@@ -47,8 +49,14 @@ def test_the_tutorial_task_trains_from_its_page(tmp_path: Path) -> None:
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for sub, args in argvs:
-        done = subprocess.run([sys.executable, "-m", "slimish.cli", sub, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=800)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "slimish.cli", sub, *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=800,
+        )
         assert done.returncode == 0, f"slimish {sub}: {done.stderr[-3000:]}"
 
     from slimish.metrics import read_metrics
@@ -57,6 +65,8 @@ def test_the_tutorial_task_trains_from_its_page(tmp_path: Path) -> None:
     rewards = [r["reward/mean"] for r in rows if r["step"] >= 1]
     assert len(rewards) == config["steps"]
     early, late = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
-    assert early < 0.5 and late >= early + 0.4, f"reward/mean: steps 1-3 {early:.3f}, last 5 steps {late:.3f}: {rewards}"
+    assert early < 0.5 and late >= early + 0.4, (
+        f"reward/mean: steps 1-3 {early:.3f}, last 5 steps {late:.3f}: {rewards}"
+    )
     accuracy = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     assert accuracy[0] < 0.3 and accuracy[-1] >= 0.8, f"greedy held-out accuracy {accuracy}"

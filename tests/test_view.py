@@ -47,7 +47,9 @@ def _write_run(run_dir: Path, steps: int = 2, groups: int = 3) -> None:
     writer._tokenizer = _Pieces()
     with open(run_dir / "metrics.jsonl", "w") as f:
         for step in range(steps + 1):
-            f.write(json.dumps({"step": step, "reward/mean": 0.5, "response/length": 6.0, "train/kl": float("nan")}) + "\n")
+            f.write(
+                json.dumps({"step": step, "reward/mean": 0.5, "response/length": 6.0, "train/kl": float("nan")}) + "\n"
+            )
     with writer.phase("push"):  # as train.py: the first push, before step 1
         pass
     writer.end_step(0, {"time/weight_push": 0.01})
@@ -75,7 +77,11 @@ def test_writer_records_and_page_embeds_them(tmp_path: Path) -> None:
     assert r["weight_versions"] == [0, 1] and r["status"] == "completed" and r["trajectory_id"] == "10-0"
     timeline = [json.loads(x) for x in (tmp_path / "view" / "timeline.jsonl").read_text().splitlines()][1:]
     assert [[p["name"] for p in t["phases"]] for t in timeline] == [["rollout", "train", "push"]] * 2
-    assert timeline[1]["version"] == 2 and timeline[1]["trained_versions"] == [1, 2] and timeline[1]["engine_idle_fraction"] == 0.25
+    assert (
+        timeline[1]["version"] == 2
+        and timeline[1]["trained_versions"] == [1, 2]
+        and timeline[1]["engine_idle_fraction"] == 0.25
+    )
     assert all(p["start"] <= p["end"] for t in timeline for p in t["phases"])
 
     page = build(tmp_path).read_text()
@@ -114,7 +120,9 @@ def test_serve_and_cli(tmp_path: Path) -> None:
     finally:
         server.shutdown()
         server.server_close()
-    proc = subprocess.Popen([sys.executable, "-m", "slimish.cli", "view", str(tmp_path), "--serve"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "slimish.cli", "view", str(tmp_path), "--serve"], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == str(tmp_path / "view.html")
         url = proc.stdout.readline().split(" at ")[1].split()[0]
@@ -180,8 +188,12 @@ class _Dom(HTMLParser):
 def _chromium(*args: str) -> subprocess.CompletedProcess:
     exe = shutil.which("chromium")
     assert exe
-    return subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", *args],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.slow
@@ -190,14 +202,32 @@ def test_train_then_view_in_chromium(tiny_model_dir: Path, tmp_path: Path) -> No
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "label": str(i + 1)}) + "\n" for i in range(40)))
     fn.write_text(ROLLOUT)
     steps = 3
-    argv = [sys.executable, "-m", "slimish.train", f"model={tiny_model_dir}", f"run_dir={run_dir}", f"data.source={data}",
-            f"steps={steps}", "rollout.rollout_batch_size=3", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=9",
-            "rollout.filter_fn=null", f"eval.source={data}", "eval.n_prompts=2", f"eval.every={steps}", "trainer.lr=1e-3",
-            "metrics.view_groups=2", "--rollout-fn", f"{fn}:rollout"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "slimish.train",
+        f"model={tiny_model_dir}",
+        f"run_dir={run_dir}",
+        f"data.source={data}",
+        f"steps={steps}",
+        "rollout.rollout_batch_size=3",
+        "rollout.n_samples_per_prompt=2",
+        "rollout.max_new_tokens=9",
+        "rollout.filter_fn=null",
+        f"eval.source={data}",
+        "eval.n_prompts=2",
+        f"eval.every={steps}",
+        "trainer.lr=1e-3",
+        "metrics.view_groups=2",
+        "--rollout-fn",
+        f"{fn}:rollout",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     trained = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert trained.returncode == 0, trained.stderr[-3000:]
-    viewed = subprocess.run([sys.executable, "-m", "slimish.cli", "view", str(run_dir)], capture_output=True, text=True, timeout=60)
+    viewed = subprocess.run(
+        [sys.executable, "-m", "slimish.cli", "view", str(run_dir)], capture_output=True, text=True, timeout=60
+    )
     assert viewed.returncode == 0, viewed.stderr
     page = run_dir / "view.html"
     assert viewed.stdout.strip() == str(page)
@@ -208,13 +238,17 @@ def test_train_then_view_in_chromium(tiny_model_dir: Path, tmp_path: Path) -> No
     assert 0 in chosen["response"]["mask"] and 1 in chosen["response"]["mask"]  # the tool turn is in it
 
     if shutil.which("chromium") is None:
-        pytest.skip("no `chromium` on PATH (Debian: apt-get install chromium; .ci/run installs it as root): "
-                    "the run and the page were built and checked, the browser rendering was not")  # fmt: skip
+        pytest.skip(
+            "no `chromium` on PATH (Debian: apt-get install chromium; .ci/run installs it as root): "
+            "the run and the page were built and checked, the browser rendering was not"
+        )
     url = f"{page.as_uri()}#step=2"
     common = [f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=10000"]
     dumped = _chromium(*common, "--enable-logging=stderr", "--dump-dom", url)
     assert dumped.returncode == 0 and "<body" in dumped.stdout, dumped.stderr[-2000:]
-    assert "Uncaught" not in dumped.stderr, [line for line in dumped.stderr.splitlines() if "CONSOLE" in line]  # the page's JS ran clean
+    assert "Uncaught" not in dumped.stderr, [
+        line for line in dumped.stderr.splitlines() if "CONSOLE" in line
+    ]  # the page's JS ran clean
     dom = _Dom(chosen["step"], chosen["group_id"], chosen["index"])
     dom.feed(dumped.stdout)
     assert dom.step_rows == list(range(steps + 1))  # every step, 0 (the first push and eval) included

@@ -76,8 +76,10 @@ def hf_model(model_dir) -> torch.nn.Module:
 
 def hf_greedy(model: torch.nn.Module) -> list[int]:
     n = GREEDY["max_new_tokens"]
-    out = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
+    out = model.generate(
+        torch.tensor([PROMPT]), do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(PROMPT) :].tolist()
 
 
 def generate(url: str, input_ids: list[int] = PROMPT, params: dict = GREEDY) -> dict:
@@ -104,8 +106,10 @@ def model_info(url: str) -> dict:
 
 def seeded(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(name, torch.randn(p.shape, generator=g).to(torch.bfloat16 if name in BF16 else torch.float32))
-            for name, p in model.named_parameters()]  # fmt: skip
+    return [
+        (name, torch.randn(p.shape, generator=g).to(torch.bfloat16 if name in BF16 else torch.float32))
+        for name, p in model.named_parameters()
+    ]
 
 
 # -- pushes of given tensors --------------------------------------------------------------------
@@ -180,7 +184,10 @@ def test_second_group_and_destroy(engines, sync):
     second.close()
     second.close()  # idempotent
     r = post(engines[0], "/destroy_weights_update_group", {"group_name": "second"})
-    assert (r.status_code, r.json()) == (400, {"success": False, "message": "The group to be destroyed does not exist."})
+    assert (r.status_code, r.json()) == (
+        400,
+        {"success": False, "message": "The group to be destroyed does not exist."},
+    )
 
 
 def test_disk_transport(engines, tiny_model_dir, tiny_model_dir_other_seed, tmp_path):
@@ -275,12 +282,25 @@ def test_trainer_killed_mid_broadcast_leaves_torn_weights_that_the_engine_refuse
     child = mp.get_context("spawn").Process(target=dying_trainer, args=(port, shapes), daemon=True)
     child.start()
     try:
-        join = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-                "group_name": "dying", "backend": "gloo"}  # fmt: skip
+        join = {
+            "master_address": "127.0.0.1",
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": "dying",
+            "backend": "gloo",
+        }
         assert post(url, "/init_weights_update_group", join).json()["success"]
         reply = {}
-        update = {"names": list(names), "dtypes": ["float32"] * len(names), "shapes": list(shapes), "group_name": "dying"}
-        poster = threading.Thread(target=lambda: reply.update(post(url, "/update_weights_from_distributed", update).json()))
+        update = {
+            "names": list(names),
+            "dtypes": ["float32"] * len(names),
+            "shapes": list(shapes),
+            "group_name": "dying",
+        }
+        poster = threading.Thread(
+            target=lambda: reply.update(post(url, "/update_weights_from_distributed", update).json())
+        )
         poster.start()
         child.join(timeout=WAIT_S)
         poster.join(timeout=WAIT_S)

@@ -16,7 +16,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from slimish.distributed import broadcast_tensors, destroy_custom_process_group, flattened_layout, init_custom_process_group
+from slimish.distributed import (
+    broadcast_tensors,
+    destroy_custom_process_group,
+    flattened_layout,
+    init_custom_process_group,
+)
 from slimish.engine.weights import WeightUpdater
 from slimish.net import free_port
 from slimish.protocol import InitWeightsUpdateGroupReq, UpdateWeightsFromDistributedReq
@@ -36,8 +41,13 @@ def tiny_model(seed: int) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     config = Qwen2Config(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        tie_word_embeddings=True,
     )
     return Qwen2ForCausalLM(config).eval()
 
@@ -46,8 +56,11 @@ def all_specs(model: torch.nn.Module) -> list[Spec]:
     """Every distinct parameter; the tied embedding under its lm_head name; fp32 before bf16
     so a flattened bucket stays aligned."""
     specs = [
-        ("lm_head.weight" if name == "model.embed_tokens.weight" else name,
-         "bfloat16" if name in BF16 else "float32", list(p.shape))
+        (
+            "lm_head.weight" if name == "model.embed_tokens.weight" else name,
+            "bfloat16" if name in BF16 else "float32",
+            list(p.shape),
+        )
         for name, p in model.named_parameters()
     ]
     return sorted(specs, key=lambda s: s[1] == "bfloat16")
@@ -60,14 +73,23 @@ def make_tensors(seed: int, specs: list[Spec]) -> list[torch.Tensor]:
 
 def request(specs: list[Spec], flattened: bool = False, group_name: str = GROUP) -> UpdateWeightsFromDistributedReq:
     return UpdateWeightsFromDistributedReq(
-        names=[s[0] for s in specs], dtypes=[s[1] for s in specs], shapes=[s[2] for s in specs],
-        group_name=group_name, load_format="flattened_bucket" if flattened else None,
+        names=[s[0] for s in specs],
+        dtypes=[s[1] for s in specs],
+        shapes=[s[2] for s in specs],
+        group_name=group_name,
+        load_format="flattened_bucket" if flattened else None,
     )
 
 
 def join_req(port: int, world_size: int, group_name: str, rank: int) -> InitWeightsUpdateGroupReq:
-    return InitWeightsUpdateGroupReq(master_address="127.0.0.1", master_port=port, rank_offset=rank,
-                                     world_size=world_size, group_name=group_name, backend="gloo")
+    return InitWeightsUpdateGroupReq(
+        master_address="127.0.0.1",
+        master_port=port,
+        rank_offset=rank,
+        world_size=world_size,
+        group_name=group_name,
+        backend="gloo",
+    )
 
 
 def params_equal(updater: WeightUpdater, specs: list[Spec], tensors: list[torch.Tensor]) -> bool:
@@ -217,8 +239,16 @@ def test_get_weights_by_name(engine):
     "field, bad, message",
     [
         ("names", "model.nope.weight", r"names\[1\]: 'model.nope.weight' is not a parameter"),
-        ("shapes", [32, 31], r"shapes\[1\]: \[32, 31\] for 'model.layers.0.self_attn.q_proj.weight' does not match the parameter's shape \[32, 32\]"),
-        ("dtypes", "floaty", r"dtypes\[1\] for 'model.layers.0.self_attn.q_proj.weight': 'floaty' is not a torch dtype"),
+        (
+            "shapes",
+            [32, 31],
+            r"shapes\[1\]: \[32, 31\] for 'model.layers.0.self_attn.q_proj.weight' does not match the parameter's shape \[32, 32\]",
+        ),
+        (
+            "dtypes",
+            "floaty",
+            r"dtypes\[1\] for 'model.layers.0.self_attn.q_proj.weight': 'floaty' is not a torch dtype",
+        ),
         ("dtypes", "Tensor", r"dtypes\[1\] .*'Tensor' is not a torch dtype"),
         ("names", "model.norm.weight", r"names\[1\]: 'model.norm.weight' is listed twice"),
     ],
@@ -271,7 +301,11 @@ def test_two_engines_receive_the_same_broadcast(engine):
 
 
 def test_flattened_layout_alignment():
-    assert flattened_layout(["a", "b", "c"], [torch.float32, torch.bfloat16, torch.uint8], [[2, 3], [3], [5]]) == [(0, 24), (24, 30), (30, 35)]
+    assert flattened_layout(["a", "b", "c"], [torch.float32, torch.bfloat16, torch.uint8], [[2, 3], [3], [5]]) == [
+        (0, 24),
+        (24, 30),
+        (30, 35),
+    ]
     with pytest.raises(ValueError, match=r"'b' \(float32\) would start at byte 6, not a multiple of its itemsize 4"):
         flattened_layout(["a", "b"], [torch.bfloat16, torch.float32], [[3], [2]])
     # The sender checks before sending anything: no group is needed to get the error.

@@ -81,10 +81,17 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--spec", choices=("auto", "te", "local"), default="auto",
-                        help="Megatron layer spec; auto: te when transformer_engine imports, else local")  # fmt: skip
-    parser.add_argument("--engine-device", default="auto",
-                        help="the built-in engine's device: auto (a spare GPU, else cpu), cpu or cuda:K")  # fmt: skip
+    parser.add_argument(
+        "--spec",
+        choices=("auto", "te", "local"),
+        default="auto",
+        help="Megatron layer spec; auto: te when transformer_engine imports, else local",
+    )
+    parser.add_argument(
+        "--engine-device",
+        default="auto",
+        help="the built-in engine's device: auto (a spare GPU, else cpu), cpu or cuda:K",
+    )
     parser.add_argument("--out", default="runs/bench-megatron-rl")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -108,9 +115,17 @@ def main() -> int:
     dist.barrier()
     from slimish.trainer.megatron_backend import MegatronTrainer  # after the process group: ~12 s import
 
-    overrides = [f"model={model}", "data.source=unused", "trainer.backend=megatron", f"trainer.tp={args.tp}",
-                 f"trainer.pp={args.pp}", "trainer.dtype=bfloat16", f"trainer.megatron_spec={spec}",
-                 "trainer.lr=1e-5", f"steps={args.steps}"]  # fmt: skip
+    overrides = [
+        f"model={model}",
+        "data.source=unused",
+        "trainer.backend=megatron",
+        f"trainer.tp={args.tp}",
+        f"trainer.pp={args.pp}",
+        "trainer.dtype=bfloat16",
+        f"trainer.megatron_spec={spec}",
+        "trainer.lr=1e-5",
+        f"steps={args.steps}",
+    ]
     trainer = MegatronTrainer(load_run_config(None, overrides))
     t_trainer = time.perf_counter()
     failures: list[str] = []
@@ -121,21 +136,29 @@ def main() -> int:
         engines: dict[str, str] = {}
         syncs: dict[str, WeightSync] = {}
         if rank == 0:
-            print(f"world {world} (tp {args.tp}, pp {args.pp}), {torch.cuda.device_count()} GPUs, model {model}, "
-                  f"spec {spec}, bf16; trainer built in {t_trainer - t_start:.1f} s")  # fmt: skip
+            print(
+                f"world {world} (tp {args.tp}, pp {args.pp}), {torch.cuda.device_count()} GPUs, model {model}, "
+                f"spec {spec}, bf16; trainer built in {t_trainer - t_start:.1f} s"
+            )
             print(f"builtin engine: {place.device}, {place.dtype}, pushed over {place.backend}")
             engines["builtin"] = stack.enter_context(
                 engine_process(model, log_path=out / "engine.log", device=place.device, dtype=place.dtype)
             ).url
-            syncs["builtin"] = stack.enter_context(WeightSync(WeightSyncConfig(backend=place.backend), [engines["builtin"]]))
+            syncs["builtin"] = stack.enter_context(
+                WeightSync(WeightSyncConfig(backend=place.backend), [engines["builtin"]])
+            )
             if importlib.util.find_spec("sglang") is None:
                 print("sglang: not installed, skipped")
             elif place.sglang_gpu is None:
-                print(f"sglang: skipped, no spare GPU ({torch.cuda.device_count()} GPUs, {world} trainer ranks, "
-                      f"builtin engine on {place.device})")  # fmt: skip
+                print(
+                    f"sglang: skipped, no spare GPU ({torch.cuda.device_count()} GPUs, {world} trainer ranks, "
+                    f"builtin engine on {place.device})"
+                )
             else:
                 argv = ["--dtype", "bfloat16", "--mem-fraction-static", "0.5", "--base-gpu-id", str(place.sglang_gpu)]
-                engines["sglang"] = stack.enter_context(sglang_process(model, argv, log_path=out / "sglang.log").start(900)).url
+                engines["sglang"] = stack.enter_context(
+                    sglang_process(model, argv, log_path=out / "sglang.log").start(900)
+                ).url
                 syncs["sglang"] = stack.enter_context(WeightSync(WeightSyncConfig(backend="nccl"), [engines["sglang"]]))
             print(f"engines up in {time.perf_counter() - t_trainer:.1f} s: {', '.join(engines)}", flush=True)
         names = [list(engines)]
@@ -144,7 +167,9 @@ def main() -> int:
             t0 = time.perf_counter()
             groups = None
             if rank == 0:
-                groups = rollouts(engines["builtin"], random_prompts(step, args.prompts), args.n, step * 1000, args.max_new_tokens)
+                groups = rollouts(
+                    engines["builtin"], random_prompts(step, args.prompts), args.n, step * 1000, args.max_new_tokens
+                )
             box = [groups]
             dist.broadcast_object_list(box, src=0)
             t1 = time.perf_counter()
@@ -166,12 +191,16 @@ def main() -> int:
         exported = {n: t.clone() for n, t in trainer.hf_tensors()}
         if rank == 0:
             for name, url in engines.items():
-                bad = served_differs(url, exported, None if name == "builtin" else 4, place.dtype if name == "builtin" else "bfloat16")
+                bad = served_differs(
+                    url, exported, None if name == "builtin" else 4, place.dtype if name == "builtin" else "bfloat16"
+                )
                 version = served_version(url)
                 failures += [f"{name}: serves other values of {n}" for n in bad]
                 if version != str(args.steps):
                     failures.append(f"{name}: reports weight version {version!r}, pushed {args.steps}")
-                print(f"{name}: {len(exported) - len(bad)}/{len(exported)} tensors served exactly, weight version {version}")
+                print(
+                    f"{name}: {len(exported) - len(bad)}/{len(exported)} tensors served exactly, weight version {version}"
+                )
     gathered: list[list[str]] = [[] for _ in range(world)]
     dist.all_gather_object(gathered, failures)
     dist.destroy_process_group()

@@ -79,23 +79,40 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="CPU, fp32, the SGLang double, no TE spec")
     parser.add_argument("--out", default="runs/gpu-smoke", help="model, logs and the RL run go here")
     parser.add_argument("--model", default=None, help="an HF llama/qwen directory instead of the random-weight one")
-    parser.add_argument("--sglang-path", default=None, help=f"prepended to PYTHONPATH for `sglang` (--dry-run default: {DOUBLE})")
+    parser.add_argument(
+        "--sglang-path", default=None, help=f"prepended to PYTHONPATH for `sglang` (--dry-run default: {DOUBLE})"
+    )
     parser.add_argument("--steps", type=int, default=None, help="RL steps of the quickstart run (default 3; dry run 2)")
-    parser.add_argument("--mem-fraction", type=float, default=0.3, help="SGLang's --mem-fraction-static (the trainers share the GPU)")
-    parser.add_argument("--start-timeout", type=float, default=None, help="seconds an engine gets to start (default 600; dry run 180)")
-    parser.add_argument("--rl-timeout", type=float, default=None, help="seconds the RL run gets (default 420; dry run 300)")
-    parser.add_argument("--budget", type=float, default=None, help="seconds the whole test gets (default 570; dry run 420)")
+    parser.add_argument(
+        "--mem-fraction", type=float, default=0.3, help="SGLang's --mem-fraction-static (the trainers share the GPU)"
+    )
+    parser.add_argument(
+        "--start-timeout", type=float, default=None, help="seconds an engine gets to start (default 600; dry run 180)"
+    )
+    parser.add_argument(
+        "--rl-timeout", type=float, default=None, help="seconds the RL run gets (default 420; dry run 300)"
+    )
+    parser.add_argument(
+        "--budget", type=float, default=None, help="seconds the whole test gets (default 570; dry run 420)"
+    )
     args = parser.parse_args(argv)
     args.out = str(Path(args.out).absolute())  # the RL run works in the repository root
     dry = args.dry_run
     if dry and args.sglang_path is None:
         args.sglang_path = str(DOUBLE)
-    defaults = {"steps": (3, 2), "start_timeout": (600.0, 180.0), "rl_timeout": (420.0, 300.0), "budget": (570.0, 420.0)}
+    defaults = {
+        "steps": (3, 2),
+        "start_timeout": (600.0, 180.0),
+        "rl_timeout": (420.0, 300.0),
+        "budget": (570.0, 420.0),
+    }
     for key, (gpu, cpu) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, cpu if dry else gpu)
     if dry and args.sglang_path and not (Path(args.sglang_path) / "sglang" / "launch_server.py").exists():
-        parser.error(f"--sglang-path {args.sglang_path}: no sglang/launch_server.py there (the dry run's SGLang double)")
+        parser.error(
+            f"--sglang-path {args.sglang_path}: no sglang/launch_server.py there (the dry run's SGLang double)"
+        )
     return args
 
 
@@ -186,24 +203,43 @@ class Setup:
     def launch(self) -> LaunchConfig:
         """The LaunchConfig of every engine the checks start (and of the RL run's)."""
         if self.sglang_missing:
-            return LaunchConfig(engine_kind="builtin", engine_flag=["device=cuda:0", f"dtype={self.dtype}"],
-                                start_timeout=self.args.start_timeout)  # fmt: skip
+            return LaunchConfig(
+                engine_kind="builtin",
+                engine_flag=["device=cuda:0", f"dtype={self.dtype}"],
+                start_timeout=self.args.start_timeout,
+            )
         # --base-gpu-id 0: beside the trainer (the launcher would place engines after its GPUs)
-        sglang_args = ["--mem-fraction-static", str(self.args.mem_fraction), "--dtype", self.dtype, "--base-gpu-id", "0"]
+        sglang_args = [
+            "--mem-fraction-static",
+            str(self.args.mem_fraction),
+            "--dtype",
+            self.dtype,
+            "--base-gpu-id",
+            "0",
+        ]
         return LaunchConfig(engine_kind="sglang", sglang_args=sglang_args, start_timeout=self.args.start_timeout)
 
     def sync_config(self, group: str) -> WeightSyncConfig:
         """gloo over the distributed transport, in several buckets (CUDA tensors on a GPU)."""
-        return WeightSyncConfig(backend="gloo", transport="distributed", bucket_mb=0.25 if self.dry_run else 16.0,
-                                group_name=f"smoke-{group}", timeout_s=self.args.start_timeout)  # fmt: skip
+        return WeightSyncConfig(
+            backend="gloo",
+            transport="distributed",
+            bucket_mb=0.25 if self.dry_run else 16.0,
+            group_name=f"smoke-{group}",
+            timeout_s=self.args.start_timeout,
+        )
 
     def lora_sync_config(self) -> WeightSyncConfig:
         """An adapter push as a run makes it: SGLang 0.5.23 takes an adapter only from a directory,
         reloaded under an abort pause (config.py's SGLANG_LORA); the built-in engine by broadcast."""
         if self.sglang_missing:
             return self.sync_config("lora")
-        return WeightSyncConfig(transport="disk", pause_mode="abort", disk_dir=str(Path(self.args.out) / "lora-pushes"),
-                                timeout_s=self.args.start_timeout)  # fmt: skip
+        return WeightSyncConfig(
+            transport="disk",
+            pause_mode="abort",
+            disk_dir=str(Path(self.args.out) / "lora-pushes"),
+            timeout_s=self.args.start_timeout,
+        )
 
     def trainer_config(self, *overrides: str) -> RunConfig:
         return load_run_config(None, [f"model={self.model}", "data.source=unused", "trainer.lr=1e-3", *overrides])
@@ -239,14 +275,23 @@ def importable(module: str) -> str | None:
 # -- talking to an engine --------------------------------------------------------------------------
 
 
-def rollouts(url: str, prompts: list[list[int]], n: int, seed: int, max_new_tokens: int, lora: str | None = None) -> list[list[Sample]]:
+def rollouts(
+    url: str, prompts: list[list[int]], n: int, seed: int, max_new_tokens: int, lora: str | None = None
+) -> list[list[Sample]]:
     """`n` samples per prompt from the engine with its logprobs and versions; reward: the first
     response token is even (any reward with spread within groups gives GRPO a gradient)."""
     groups = []
     with httpx.Client(timeout=HTTP_TIMEOUT) as http:
         for g, prompt in enumerate(prompts):
-            params = [{"temperature": 1.0, "max_new_tokens": max_new_tokens, "sampling_seed": seed + g * n + k} for k in range(n)]
-            body = {"input_ids": [prompt] * n, "return_logprob": True, "sampling_params": params}  # a seed each: n different samples
+            params = [
+                {"temperature": 1.0, "max_new_tokens": max_new_tokens, "sampling_seed": seed + g * n + k}
+                for k in range(n)
+            ]
+            body = {
+                "input_ids": [prompt] * n,
+                "return_logprob": True,
+                "sampling_params": params,
+            }  # a seed each: n different samples
             if lora:
                 body["lora_path"] = [lora] * n
             outs = http.post(url + "/generate", json=body).raise_for_status().json()
@@ -268,7 +313,11 @@ def random_prompts(seed: int, count: int) -> list[list[int]]:
 def served_version(url: str, lora: str | None = None) -> str:
     """The weight version an engine reports on a response (SGLang and the built-in engine alike)."""
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}, **({"lora_path": lora} if lora else {})}
-    return httpx.post(url + "/generate", json=body, timeout=HTTP_TIMEOUT).raise_for_status().json()["meta_info"]["weight_version"]
+    return (
+        httpx.post(url + "/generate", json=body, timeout=HTTP_TIMEOUT)
+        .raise_for_status()
+        .json()["meta_info"]["weight_version"]
+    )
 
 
 def served_differs(url: str, tensors: dict[str, torch.Tensor], rows: int | None, dtype: str) -> list[str]:
@@ -278,7 +327,11 @@ def served_differs(url: str, tensors: dict[str, torch.Tensor], rows: int | None,
     with httpx.Client(timeout=HTTP_TIMEOUT) as http:
         for name, t in tensors.items():
             want = t.detach()[: rows or t.shape[0]].to("cpu", getattr(torch, dtype)).float()
-            got = http.post(url + "/get_weights_by_name", json={"name": name, "truncate_size": want.shape[0]}).raise_for_status().json()
+            got = (
+                http.post(url + "/get_weights_by_name", json={"name": name, "truncate_size": want.shape[0]})
+                .raise_for_status()
+                .json()
+            )
             if got is None or not torch.equal(torch.tensor(got, dtype=torch.float32).view_as(want), want):
                 bad.append(name)
     return bad
@@ -293,8 +346,10 @@ def step_detail(metrics: dict) -> tuple[bool, str]:
     bad = finite(metrics)
     mismatch = metrics.get("train/mismatch", float("nan"))
     ok = not bad and mismatch < MISMATCH_MAX
-    detail = (f"train/mismatch {mismatch:.2e} (< {MISMATCH_MAX:g}), grad norm {metrics.get('train/grad_norm', float('nan')):.3g}, "
-              f"reward std {metrics.get('reward/std', float('nan')):.3f}")
+    detail = (
+        f"train/mismatch {mismatch:.2e} (< {MISMATCH_MAX:g}), grad norm {metrics.get('train/grad_norm', float('nan')):.3g}, "
+        f"reward std {metrics.get('reward/std', float('nan')):.3f}"
+    )
     return ok, detail + (f"; not finite: {', '.join(bad)}" if bad else "")
 
 
@@ -318,8 +373,12 @@ def check_model(report: Report, setup: Setup) -> None:
         started = time.perf_counter()
         setup.model = make_tiny_model(Path(setup.args.out) / f"model-llama-{size}", arch="llama", size=size, seed=0)
         params = sum(t.numel() for t in load_file(str(setup.model / "model.safetensors")).values())
-        report.check("model", True, f"random-weight llama `{size}`, {params / 1e6:.1f}M params, built in "
-                                    f"{time.perf_counter() - started:.1f} s ({setup.model})")  # fmt: skip
+        report.check(
+            "model",
+            True,
+            f"random-weight llama `{size}`, {params / 1e6:.1f}M params, built in "
+            f"{time.perf_counter() - started:.1f} s ({setup.model})",
+        )
 
 
 def check_sglang(report: Report, setup: Setup) -> None:
@@ -332,7 +391,9 @@ def check_sglang(report: Report, setup: Setup) -> None:
             report.check("sglang", False, f"{why}; the dry run needs the double (--sglang-path, default {DOUBLE})")
         else:
             setup.sglang_missing = why
-            report.skip("sglang", f"{why}: the engine steps run on the built-in engine on cuda:0 ({setup.dtype}) instead")
+            report.skip(
+                "sglang", f"{why}: the engine steps run on the built-in engine on cuda:0 ({setup.dtype}) instead"
+            )
 
 
 def trainer_checks(report: Report, setup: Setup, url: str, name: str, versions: Iterator[int], *overrides: str) -> None:
@@ -346,7 +407,11 @@ def trainer_checks(report: Report, setup: Setup, url: str, name: str, versions: 
         report.progress(f"{name}: building the trainer")
         cfg = setup.trainer_config(*overrides)
         trainer = make_trainer(cfg)
-        fused = sum(k.endswith("linear_qkv.layer_norm_weight") for k in trainer.model.state_dict()) if cfg.trainer.backend == "megatron" else 0
+        fused = (
+            sum(k.endswith("linear_qkv.layer_norm_weight") for k in trainer.model.state_dict())
+            if cfg.trainer.backend == "megatron"
+            else 0
+        )
         with WeightSync(setup.sync_config(name), [url]) as sync:
             first = next(versions)
             sync.push(trainer.hf_tensors(), str(first))
@@ -367,26 +432,40 @@ def trainer_checks(report: Report, setup: Setup, url: str, name: str, versions: 
             dtype = getattr(torch, setup.dtype)
             changed = sum(not after[k][: rows or after[k].shape[0]].to(dtype).equal(before[k].to(dtype)) for k in after)
             device = next(iter(after.values())).device
-            report.check(push, not bad and version == str(second) and changed > 0,
-                         f"{len(after) - len(bad)}/{len(after)} tensors served as the trainer's ({'all' if rows is None else f'first {rows}'} rows, "
-                         f"{setup.dtype}), {changed} changed by the step; version {version!r} (pushed {second}); {device} tensors over gloo, "
-                         f"{int(pushed['buckets'])} buckets, {pushed['seconds']:.2f} s"
-                         + (f"; differ: {', '.join(bad[:4])}" if bad else ""))  # fmt: skip
+            report.check(
+                push,
+                not bad and version == str(second) and changed > 0,
+                f"{len(after) - len(bad)}/{len(after)} tensors served as the trainer's ({'all' if rows is None else f'first {rows}'} rows, "
+                f"{setup.dtype}), {changed} changed by the step; version {version!r} (pushed {second}); {device} tensors over gloo, "
+                f"{int(pushed['buckets'])} buckets, {pushed['seconds']:.2f} s"
+                + (f"; differ: {', '.join(bad[:4])}" if bad else ""),
+            )
         del trainer
         release()
 
 
 def engine_checks(report: Report, setup: Setup) -> None:
     """Start one engine of the kind under test; the torch and Megatron trainers push into it."""
-    names = ["torch_step", "torch_push", "megatron_local_step", "megatron_local_push", "megatron_te_step", "megatron_te_push"]
+    names = [
+        "torch_step",
+        "torch_push",
+        "megatron_local_step",
+        "megatron_local_push",
+        "megatron_te_step",
+        "megatron_te_push",
+    ]
     with report.guard("engine", *names):
         report.progress(f"starting the {setup.engine} (logs in {Path(setup.args.out) / 'logs-engine'})")
         started = time.perf_counter()
         with engines_only(setup.launch(), setup.model, Path(setup.args.out) / "logs-engine") as engines:
             url = engines[0].url
             launch = setup.launch()
-            report.check("engine", True, f"{setup.engine} healthy in {time.perf_counter() - started:.1f} s at {url} "
-                                         f"({' '.join(launch.sglang_args or launch.engine_flag)})")  # fmt: skip
+            report.check(
+                "engine",
+                True,
+                f"{setup.engine} healthy in {time.perf_counter() - started:.1f} s at {url} "
+                f"({' '.join(launch.sglang_args or launch.engine_flag)})",
+            )
             versions = iter(range(1, 100))
             trainer_checks(report, setup, url, "torch", versions, "trainer.backend=torch")
             megatron_missing = importable("megatron.core")
@@ -399,7 +478,9 @@ def engine_checks(report: Report, setup: Setup) -> None:
                     report.skip(f"{name}_step", why)
                     report.skip(f"{name}_push", why)
                     continue
-                trainer_checks(report, setup, url, name, versions, "trainer.backend=megatron", f"trainer.megatron_spec={spec}")
+                trainer_checks(
+                    report, setup, url, name, versions, "trainer.backend=megatron", f"trainer.megatron_spec={spec}"
+                )
 
 
 def lora_checks(report: Report, setup: Setup) -> None:
@@ -413,7 +494,9 @@ def lora_checks(report: Report, setup: Setup) -> None:
         cfg = setup.trainer_config("trainer.backend=torch", "trainer.lora.enabled=true", "trainer.lr=0.05")
         adapter = cfg.trainer.lora.adapter
         launch = lora_launch(setup.launch(), cfg.trainer.lora)
-        report.progress(f"starting a LoRA-enabled {setup.engine} and a router (logs in {Path(setup.args.out) / 'logs-lora'})")
+        report.progress(
+            f"starting a LoRA-enabled {setup.engine} and a router (logs in {Path(setup.args.out) / 'logs-lora'})"
+        )
         with local_servers(launch, setup.model, Path(setup.args.out) / "logs-lora") as servers:
             url = servers.engine_urls[0]
             trainer = make_trainer(cfg)
@@ -425,7 +508,9 @@ def lora_checks(report: Report, setup: Setup) -> None:
                 ok, detail = step_detail(trainer.train_step(groups, 1))
                 report.check("lora_step", ok, f"{detail}; {sum(map(len, groups))} samples under adapter {adapter!r}")
                 pushed = sync.push_adapter(trainer.adapter_tensors(), trainer.adapter_config(), "2")
-                samples = [s for g in rollouts(url, random_prompts(2, prompts), n, 2000, tokens, lora=adapter) for s in g]
+                samples = [
+                    s for g in rollouts(url, random_prompts(2, prompts), n, 2000, tokens, lora=adapter) for s in g
+                ]
                 served = [torch.tensor(s.rollout_logprobs) for s in samples]
                 mine = [t.float().cpu() for t in trainer.logprobs(samples)]
                 base = [t.float().cpu() for t in trainer.logprobs(samples, model=trainer.ref)]  # the adapter off
@@ -434,10 +519,13 @@ def lora_checks(report: Report, setup: Setup) -> None:
                 gap = sum((a - b).abs().sum().item() for a, b in zip(mine, base)) / tokens_n
                 version = served_version(url, lora=adapter)
                 # An engine serving the base instead would show a mismatch of about `gap`: above the bound.
-                report.check("lora_push", version == "2" and mismatch < MISMATCH_MAX < gap,
-                             f"version {version!r} under the adapter (pushed 2); engine vs trainer with the adapter {mismatch:.2e} "
-                             f"(< {MISMATCH_MAX:g}), base vs adapter {gap:.2e} (> {MISMATCH_MAX:g}); pushed by {sync_cfg.transport} "
-                             f"(pause {sync_cfg.pause_mode}) in {pushed['seconds']:.2f} s")  # fmt: skip
+                report.check(
+                    "lora_push",
+                    version == "2" and mismatch < MISMATCH_MAX < gap,
+                    f"version {version!r} under the adapter (pushed 2); engine vs trainer with the adapter {mismatch:.2e} "
+                    f"(< {MISMATCH_MAX:g}), base vs adapter {gap:.2e} (> {MISMATCH_MAX:g}); pushed by {sync_cfg.transport} "
+                    f"(pause {sync_cfg.pause_mode}) in {pushed['seconds']:.2f} s",
+                )
             del trainer
             release()
 
@@ -451,12 +539,26 @@ def rl_checks(report: Report, setup: Setup) -> None:
         steps = setup.args.steps
         prompts, n = (4, 4) if setup.dry_run else (8, 8)
         run_dir = out / f"rl-{int(time.time())}"
-        values = {"model": str(setup.model), "run_dir": str(run_dir), "steps": steps,
-                  "launch": {"engine_kind": launch.engine_kind, "sglang_args": launch.sglang_args, "engine_flag": launch.engine_flag,
-                             "start_timeout": launch.start_timeout},
-                  "rollout": {"rollout_batch_size": prompts, "n_samples_per_prompt": n, "filter_fn": None},  # random weights: rewards rarely vary
-                  "sft": {"steps": 0}, "eval": {"every": 0}, "checkpoint": {"every": 0},
-                  "weight_sync": {"backend": "gloo", "transport": "distributed", "timeout_s": launch.start_timeout}}  # fmt: skip
+        values = {
+            "model": str(setup.model),
+            "run_dir": str(run_dir),
+            "steps": steps,
+            "launch": {
+                "engine_kind": launch.engine_kind,
+                "sglang_args": launch.sglang_args,
+                "engine_flag": launch.engine_flag,
+                "start_timeout": launch.start_timeout,
+            },
+            "rollout": {
+                "rollout_batch_size": prompts,
+                "n_samples_per_prompt": n,
+                "filter_fn": None,
+            },  # random weights: rewards rarely vary
+            "sft": {"steps": 0},
+            "eval": {"every": 0},
+            "checkpoint": {"every": 0},
+            "weight_sync": {"backend": "gloo", "transport": "distributed", "timeout_s": launch.start_timeout},
+        }
         config = out / "rl.yaml"
         OmegaConf.save(OmegaConf.merge(OmegaConf.load(ROOT / "configs" / "quickstart.yaml"), values), config)
         argv = [sys.executable, "-m", "slimish.cli", "train", "--config", str(config)]
@@ -466,23 +568,44 @@ def rl_checks(report: Report, setup: Setup) -> None:
             done = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=setup.args.rl_timeout)
         wall = time.perf_counter() - started
         rows = [r for r in read_metrics(run_dir) if r["step"] >= 1] if (run_dir / "metrics.jsonl").exists() else []
-        timing = ", ".join(f"step {r['step']} rollout {r.get('time/rollout', 0):.1f} s train {r.get('time/train', 0):.1f} s "
-                           f"push {r.get('time/weight_push', 0):.2f} s" for r in rows)  # fmt: skip
-        tail = "" if done.returncode == 0 else "; log tail: " + " | ".join((out / "rl.log").read_text(errors="replace").splitlines()[-3:])
-        report.check("rl_run", done.returncode == 0 and len(rows) == steps,
-                     f"exit {done.returncode}, {len(rows)}/{steps} steps in {wall:.1f} s ({timing}){tail}")  # fmt: skip
+        timing = ", ".join(
+            f"step {r['step']} rollout {r.get('time/rollout', 0):.1f} s train {r.get('time/train', 0):.1f} s "
+            f"push {r.get('time/weight_push', 0):.2f} s"
+            for r in rows
+        )
+        tail = (
+            ""
+            if done.returncode == 0
+            else "; log tail: " + " | ".join((out / "rl.log").read_text(errors="replace").splitlines()[-3:])
+        )
+        report.check(
+            "rl_run",
+            done.returncode == 0 and len(rows) == steps,
+            f"exit {done.returncode}, {len(rows)}/{steps} steps in {wall:.1f} s ({timing}){tail}",
+        )
         trained_file = run_dir / "trained_prompts.jsonl"
         trained = [json.loads(line) for line in trained_file.read_text().splitlines()] if trained_file.exists() else []
-        wrong = [f"step {t['step']}: {t['versions']}" for t in trained if any(v != [t["step"] - 1] for v in t["versions"])]
-        report.check("rl_versions", len(trained) == steps and not wrong,
-                     f"{len(trained)} steps, each trained on samples of the version pushed before it (step k: k-1)"
-                     + (f"; wrong: {'; '.join(wrong[:3])}" if wrong else ""))  # fmt: skip
+        wrong = [
+            f"step {t['step']}: {t['versions']}" for t in trained if any(v != [t["step"] - 1] for v in t["versions"])
+        ]
+        report.check(
+            "rl_versions",
+            len(trained) == steps and not wrong,
+            f"{len(trained)} steps, each trained on samples of the version pushed before it (step k: k-1)"
+            + (f"; wrong: {'; '.join(wrong[:3])}" if wrong else ""),
+        )
         rewards = [(r.get("reward/mean", float("nan")), r.get("reward/std", float("nan"))) for r in rows]
-        report.check("rl_rewards", bool(rows) and all(math.isfinite(m) and math.isfinite(s) for m, s in rewards),
-                     "reward/mean, reward/std per step: " + ", ".join(f"{m:.3f}/{s:.3f}" for m, s in rewards))  # fmt: skip
+        report.check(
+            "rl_rewards",
+            bool(rows) and all(math.isfinite(m) and math.isfinite(s) for m, s in rewards),
+            "reward/mean, reward/std per step: " + ", ".join(f"{m:.3f}/{s:.3f}" for m, s in rewards),
+        )
         mismatches = [r.get("train/mismatch", float("nan")) for r in rows]
-        report.check("rl_mismatch", bool(rows) and all(m < MISMATCH_MAX for m in mismatches),
-                     f"train/mismatch per step (< {MISMATCH_MAX:g}): " + ", ".join(f"{m:.2e}" for m in mismatches))  # fmt: skip
+        report.check(
+            "rl_mismatch",
+            bool(rows) and all(m < MISMATCH_MAX for m in mismatches),
+            f"train/mismatch per step (< {MISMATCH_MAX:g}): " + ", ".join(f"{m:.2e}" for m in mismatches),
+        )
 
 
 # -- entry point ------------------------------------------------------------------------------------
@@ -509,8 +632,11 @@ def run(args: argparse.Namespace) -> int:
     engine_checks(report, setup)
     lora_checks(report, setup)
     rl_checks(report, setup)
-    print(f"{'FAILED: ' + ', '.join(report.failed) if report.failed else 'all checks passed'} "
-          f"({time.perf_counter() - report.started:.1f} s)", flush=True)  # fmt: skip
+    print(
+        f"{'FAILED: ' + ', '.join(report.failed) if report.failed else 'all checks passed'} "
+        f"({time.perf_counter() - report.started:.1f} s)",
+        flush=True,
+    )
     return 1 if report.failed else 0
 
 

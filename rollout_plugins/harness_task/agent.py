@@ -25,17 +25,32 @@ MAX_TURNS = int(os.environ.get("AGENT_MAX_TURNS", "6"))
 MODEL = os.environ.get("AGENT_MODEL", "policy")
 MAX_READ_CHARS = 20_000  # a tool result the model sees; the rest is cut, saying so
 MAX_WRITE_CHARS = 100_000
-SYSTEM = ("You work in a directory of files. Use the read_file and write_file tools to do the task, "
-          "then reply with a one-line summary and no tool call.")  # fmt: skip
+SYSTEM = (
+    "You work in a directory of files. Use the read_file and write_file tools to do the task, "
+    "then reply with a one-line summary and no tool call."
+)
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "read_file", "description": "Read a text file of the working directory.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
-    {"type": "function", "function": {
-        "name": "write_file", "description": "Write (create or replace) a text file of the working directory.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-                       "required": ["path", "content"]}}},
-]  # fmt: skip
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a text file of the working directory.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "write_file",
+            "description": "Write (create or replace) a text file of the working directory.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+                "required": ["path", "content"],
+            },
+        },
+    },
+]
 
 
 def inside(root: Path, path: Any) -> Path:
@@ -50,7 +65,11 @@ def inside(root: Path, path: Any) -> Path:
 
 def read_file(root: Path, path: Any) -> str:
     text = inside(root, path).read_text(encoding="utf-8")
-    return text if len(text) <= MAX_READ_CHARS else text[:MAX_READ_CHARS] + f"\n[cut: {len(text) - MAX_READ_CHARS} more chars]"
+    return (
+        text
+        if len(text) <= MAX_READ_CHARS
+        else text[:MAX_READ_CHARS] + f"\n[cut: {len(text) - MAX_READ_CHARS} more chars]"
+    )
 
 
 def write_file(root: Path, path: Any, content: Any) -> str:
@@ -81,8 +100,10 @@ def run_tool(root: Path, name: str, arguments: str) -> str:
 
 def main() -> int:
     root = Path.cwd().resolve()
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
-                                      {"role": "user", "content": (root / "task.md").read_text(encoding="utf-8")}]  # fmt: skip
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": (root / "task.md").read_text(encoding="utf-8")},
+    ]
     client = openai.OpenAI()
     for turn in range(MAX_TURNS):
         try:

@@ -80,8 +80,10 @@ def load_slime_function(spec: str, kind: str, flag: str) -> Callable[..., Any]:
     """The slime function `spec` (without the `slime:` prefix) names, adapted to slimish's `kind`."""
     shown = PREFIX + spec
     if kind not in ("rollout", "reward", "filter"):
-        raise LoadError(f"{flag} {shown!r}: a `slime:` spec names a slime custom generate, reward (rm) or dynamic-sampling "
-                        f"filter function; {flag} takes a slimish function: drop the `slime:` prefix")  # fmt: skip
+        raise LoadError(
+            f"{flag} {shown!r}: a `slime:` spec names a slime custom generate, reward (rm) or dynamic-sampling "
+            f"filter function; {flag} takes a slimish function: drop the `slime:` prefix"
+        )
     use_slime_namespace()
     fn, name = find_function(spec, flag, shown)
     if kind == "reward" and is_group_rm(fn):
@@ -100,7 +102,11 @@ def is_group_rm(fn: Callable[..., Any]) -> bool:
     """A slime rm over a whole group (`--group-rm`): its second parameter is named `samples`, or
     is annotated as a list."""
     try:
-        params = [p for p in inspect.signature(fn).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        params = [
+            p
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
     except (TypeError, ValueError):
         return False
     if len(params) < 2:
@@ -174,7 +180,11 @@ class _Call:
                 continue
             given = inputs[i] if i < len(inputs) and len(inputs) == len(items) else None
             meta = item["meta_info"]
-            engine_ids = self._engine_ids(given, meta) if isinstance(given, str) else (list(given) if given is not None else None)
+            engine_ids = (
+                self._engine_ids(given, meta)
+                if isinstance(given, str)
+                else (list(given) if given is not None else None)
+            )
             self.replies.append(_parse_reply(item, engine_ids))
 
     def _engine_ids(self, text: str, meta: dict[str, Any]) -> list[int]:
@@ -200,7 +210,9 @@ class _Call:
 def _parse_reply(item: dict[str, Any], input_ids: list[int] | None) -> _Reply:
     meta = item["meta_info"]
     pairs = meta.get("output_token_logprobs") or []
-    output_ids = [int(t) for t in item["output_ids"]] if item.get("output_ids") is not None else [int(p[1]) for p in pairs]
+    output_ids = (
+        [int(t) for t in item["output_ids"]] if item.get("output_ids") is not None else [int(p[1]) for p in pairs]
+    )
     logprobs = [float(p[0]) for p in pairs] if len(pairs) == len(output_ids) else None
     versions = [version_number(meta.get("weight_version", "default"))] * len(output_ids)
     spans = meta.get("weight_versions") or []
@@ -228,10 +240,12 @@ def _warn_retokenized(n: int, held: list[int], ids: list[int]) -> None:
         return
     _warned = True
     at = next((i for i in range(n) if held[i] != ids[i]), n)
-    message = (f"a slime function re-sent text to /generate whose tokenization differs from the ids it held (first at "
-               f"token {at}): the engine conditions on other ids than the sample trains on. Counted per sample in "
-               "metadata['retokenized_mismatch'] (metric rollout/retokenized_mismatch); send `input_ids` to avoid it. "
-               "Warned once per process.")  # fmt: skip
+    message = (
+        f"a slime function re-sent text to /generate whose tokenization differs from the ids it held (first at "
+        f"token {at}): the engine conditions on other ids than the sample trains on. Counted per sample in "
+        "metadata['retokenized_mismatch'] (metric rollout/retokenized_mismatch); send `input_ids` to avoid it. "
+        "Warned once per process."
+    )
     log.warning(message)
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
@@ -239,7 +253,9 @@ def _warn_retokenized(n: int, held: list[int], ids: list[int]) -> None:
 # ---- HTTP, as slime.utils.http_utils ----------------------------------------------------------
 
 
-async def post(url: str, payload: Any = None, max_retries: int = 60, headers: dict[str, str] | None = None, **_: Any) -> Any:
+async def post(
+    url: str, payload: Any = None, max_retries: int = 60, headers: dict[str, str] | None = None, **_: Any
+) -> Any:
     """slime's `post`: POST `payload` as JSON, the reply's JSON (its text when not JSON). Inside a
     slime function run by slimish, a request to the router goes through the run's client with
     the sample's routing key (`X-SMG-Routing-Key`) and the router's API key, `/generate` always
@@ -322,8 +338,13 @@ async def _plain(method: str, url: str, body: Any, headers: dict[str, str] | Non
 
 def _aborted_reply(body: dict[str, Any]) -> dict[str, Any]:
     prompt = body.get("input_ids") or body.get("text") or ""
-    meta = {"id": "", "finish_reason": {"type": "abort", "message": "the rollout step is ending"},
-            "prompt_tokens": len(prompt), "completion_tokens": 0, "output_token_logprobs": []}  # fmt: skip
+    meta = {
+        "id": "",
+        "finish_reason": {"type": "abort", "message": "the rollout step is ending"},
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 0,
+        "output_token_logprobs": [],
+    }
     return {"text": "", "output_ids": [], "meta_info": meta}
 
 
@@ -337,8 +358,10 @@ class SlimeArgs(argparse.Namespace):
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        raise AttributeError(f"slime argument args.{name} is not mapped by slimish; set it as rollout.args.{name}=VALUE "
-                             "(every rollout.args entry becomes an attribute of args)")  # fmt: skip
+        raise AttributeError(
+            f"slime argument args.{name} is not mapped by slimish; set it as rollout.args.{name}=VALUE "
+            "(every rollout.args entry becomes an attribute of args)"
+        )
 
 
 def slime_args(ctx: Any, group_rm: bool = False) -> SlimeArgs:
@@ -408,8 +431,13 @@ def to_slime(ctx: Any, sample: Sample, fresh: bool = False) -> Any:
     else with its response, reward and status (what an rm or a filter reads). Its metadata is
     the slimish sample's own dict for rm and filters (what they write into it stays)."""
     S = _slime_sample_class()
-    out = S(group_index=sample.group_id, index=sample.index, prompt=prompt_text(ctx, sample.prompt), label=sample.label,
-            metadata=copy.deepcopy(sample.metadata) if fresh else sample.metadata)  # fmt: skip
+    out = S(
+        group_index=sample.group_id,
+        index=sample.index,
+        prompt=prompt_text(ctx, sample.prompt),
+        label=sample.label,
+        metadata=copy.deepcopy(sample.metadata) if fresh else sample.metadata,
+    )
     out.session_id = ctx.routing_key
     if fresh:
         return out
@@ -459,13 +487,24 @@ def _rollout_fn(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         outs = out if isinstance(out, list) else [out]
         S = _slime_sample_class()
         if not outs or not all(isinstance(o, S) for o in outs):
-            raise TypeError(f"the slime function {name} returned {type(out).__name__}; expected a slime Sample or a "
-                            "non-empty list of them (slime.utils.types.Sample)")  # fmt: skip
+            raise TypeError(
+                f"the slime function {name} returned {type(out).__name__}; expected a slime Sample or a "
+                "non-empty list of them (slime.utils.types.Sample)"
+            )
         results = []
         for o in outs:
-            target = sample if o is given else Sample(prompt=copy.deepcopy(sample.prompt), label=sample.label, group_id=sample.group_id,
-                                                      index=sample.index, trajectory_id=sample.trajectory_id,
-                                                      metadata=copy.deepcopy(sample.metadata))  # fmt: skip
+            target = (
+                sample
+                if o is given
+                else Sample(
+                    prompt=copy.deepcopy(sample.prompt),
+                    label=sample.label,
+                    group_id=sample.group_id,
+                    index=sample.index,
+                    trajectory_id=sample.trajectory_id,
+                    metadata=copy.deepcopy(sample.metadata),
+                )
+            )
             _copy_back(ctx, o, target, call.replies, name)
             results.append(target)
         counted = next((s for s in results if s is sample), results[0])
@@ -478,8 +517,10 @@ def _rollout_fn(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 def _reward_fn(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     async def reward(ctx: Any, sample: Sample) -> Any:
         if ctx.args.get("group_rm"):
-            raise ValueError(f"rollout.args.group_rm is set but the slime rm {name} takes one sample; name its second "
-                             "parameter `samples` to have it called with the whole group")  # fmt: skip
+            raise ValueError(
+                f"rollout.args.group_rm is set but the slime rm {name} takes one sample; name its second "
+                "parameter `samples` to have it called with the whole group"
+            )
         token = _CALL.set(_Call(ctx))
         try:
             return _reward_value(await fn(slime_args(ctx), to_slime(ctx, sample)))
@@ -499,7 +540,9 @@ def _group_reward_fn(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         if hasattr(rewards, "tolist"):
             rewards = rewards.tolist()
         if not isinstance(rewards, (list, tuple)):
-            raise TypeError(f"the slime group rm {name} returned {type(rewards).__name__}; expected a list with one reward per sample")
+            raise TypeError(
+                f"the slime group rm {name} returned {type(rewards).__name__}; expected a list with one reward per sample"
+            )
         return [_reward_value(r) for r in rewards]
 
     return group_reward(_named(reward, fn, name))
@@ -555,20 +598,28 @@ def _copy_back(ctx: Any, done: Any, target: Sample, replies: list[_Reply], name:
     if length == 0 and any(r.output_ids for r in replies):  # it kept no bookkeeping: the engine's replies
         tokens, length, mask, logprobs = _chain(where, replies)
     if not tokens:
-        tokens = ctx.tokenizer.encode(done.prompt, add_special_tokens=False) if isinstance(done.prompt, str) else ctx.prompt_ids(done.prompt)
+        tokens = (
+            ctx.tokenizer.encode(done.prompt, add_special_tokens=False)
+            if isinstance(done.prompt, str)
+            else ctx.prompt_ids(done.prompt)
+        )
     if not 0 <= length <= len(tokens):
         raise ValueError(f"{where}: response_length {length} outside 0..{len(tokens)} (len(sample.tokens))")
     if mask is None:
         mask = [1] * length  # slime's default: every response token is trained on
     if len(mask) != length or any(m not in (0, 1) for m in mask):
-        raise ValueError(f"{where}: loss_mask must hold one 0/1 per response token ({length}), it has {len(mask)} entries")
+        raise ValueError(
+            f"{where}: loss_mask must hold one 0/1 per response token ({length}), it has {len(mask)} entries"
+        )
     response = tokens[len(tokens) - length :]
     matched_lp, versions = _match(response, mask, replies)
     if logprobs is None:
         missing = sum(1 for m, lp in zip(mask, matched_lp) if m and lp is None)
         if missing:
-            raise ValueError(f"{where}: {missing} response tokens with loss_mask 1 are not output of any /generate reply and it "
-                             "set no rollout_log_probs; keep the engine's output ids, or set sample.rollout_log_probs")  # fmt: skip
+            raise ValueError(
+                f"{where}: {missing} response tokens with loss_mask 1 are not output of any /generate reply and it "
+                "set no rollout_log_probs; keep the engine's output ids, or set sample.rollout_log_probs"
+            )
         logprobs = [lp if m and lp is not None else 0.0 for m, lp in zip(mask, matched_lp)]
     if len(logprobs) != length:
         raise ValueError(f"{where}: rollout_log_probs has {len(logprobs)} entries, response_length is {length}")
@@ -597,14 +648,18 @@ def _chain(where: str, replies: list[_Reply]) -> tuple[list[int], int, list[int]
     what its prompt added since the last (mask 0)."""
     first = next(r for r in replies if r.output_ids or r.input_ids)
     if first.input_ids is None:
-        raise ValueError(f"{where}: kept no tokens and its /generate calls cannot be chained (batch requests); "
-                         "set sample.tokens, response_length and loss_mask")  # fmt: skip
+        raise ValueError(
+            f"{where}: kept no tokens and its /generate calls cannot be chained (batch requests); "
+            "set sample.tokens, response_length and loss_mask"
+        )
     tokens, mask, logprobs = list(first.input_ids), [], []
     prompt_length = len(tokens)
     for r in replies[replies.index(first) :]:
         if r.input_ids is None or r.input_ids[: len(tokens)] != tokens:
-            raise ValueError(f"{where}: kept no tokens and its /generate calls do not extend one another; "
-                             "set sample.tokens, response_length and loss_mask")  # fmt: skip
+            raise ValueError(
+                f"{where}: kept no tokens and its /generate calls do not extend one another; "
+                "set sample.tokens, response_length and loss_mask"
+            )
         env = r.input_ids[len(tokens) :]
         tokens += env + r.output_ids
         mask += [0] * len(env) + [1] * len(r.output_ids)
@@ -655,7 +710,11 @@ def _status(where: str, done: Any, replies: list[_Reply]) -> SampleStatus:
         return SampleStatus(value)
     if not replies:
         raise ValueError(f"{where}: returned a PENDING sample and made no /generate call; set sample.status")
-    return status_of(replies[-1].finish_reason) if replies[-1].finish_reason in ("stop", "length", "abort") else SampleStatus.ABORTED
+    return (
+        status_of(replies[-1].finish_reason)
+        if replies[-1].finish_reason in ("stop", "length", "abort")
+        else SampleStatus.ABORTED
+    )
 
 
 def _is_json(value: Any) -> bool:

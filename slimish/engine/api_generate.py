@@ -33,7 +33,9 @@ def build_generate_router(engine: Engine) -> APIRouter:
         out = [engine.reply(r, len(r.output_ids), True, text_lp) for r in reqs]
         return JSONResponse(out if batch else out[0])
 
-    async def stream_native(progress: AsyncIterator[tuple[list[Any], Any]], batch: bool, text_lp: bool) -> AsyncIterator[str]:
+    async def stream_native(
+        progress: AsyncIterator[tuple[list[Any], Any]], batch: bool, text_lp: bool
+    ) -> AsyncIterator[str]:
         reqs: list[Any] = []
         async with aclosing(progress) as updates:  # a client gone aborts
             async for reqs, up in updates:

@@ -29,7 +29,9 @@ def build_info_router(engine: Engine, cfg: EngineConfig) -> APIRouter:
     _tokenizer_routes(router, engine)
     _profile_routes(router, engine)
     for path, why in UNSERVED.items():  # never a bare 404 for an SGLang route
-        router.add_api_route(path, _unserved(path, why), methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False)
+        router.add_api_route(
+            path, _unserved(path, why), methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False
+        )
     return router
 
 
@@ -46,7 +48,9 @@ def _health_routes(router: APIRouter, engine: Engine) -> None:
             return Response(status_code=503)
         if s.running or s.waiting:
             return Response(status_code=200)
-        item = Item([0], SamplingParams(max_new_tokens=1, temperature=0.0), f"health-{time.monotonic_ns()}", LogprobWish())
+        item = Item(
+            [0], SamplingParams(max_new_tokens=1, temperature=0.0), f"health-{time.monotonic_ns()}", LogprobWish()
+        )
         try:
             await asyncio.wait_for(engine.generate([item]), timeout=20)
         except asyncio.TimeoutError:
@@ -85,17 +89,25 @@ def _info_routes(router: APIRouter, engine: Engine, cfg: EngineConfig) -> None:
         ranks = {"dp_size": 1, "attn_dp_size": 1, "tp_size": 1, "pp_size": 1}
         weight_gb = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 1e9
         state = {  # one per data-parallel rank, as SGLang: what bench_one_batch_server reads
-            **args, **ranks,
+            **args,
+            **ranks,
             "world_size": 1,
             "startup_time": engine.started_at,
             "effective_max_running_requests_per_dp": cfg.max_running_requests,
             "last_gen_throughput": s.last_gen_throughput,
-            "memory_usage": {"weight": round(weight_gb, 3), "kvcache": 0.0, "token_capacity": capacity, "token_capacity_swa": None, "graph": {}},
+            "memory_usage": {
+                "weight": round(weight_gb, 3),
+                "kvcache": 0.0,
+                "token_capacity": capacity,
+                "token_capacity_swa": None,
+                "graph": {},
+            },
             "#running-req": len(s.running),
             "#queue-req": len(s.waiting),
-        }  # fmt: skip
+        }
         return {
-            **args, **ranks,
+            **args,
+            **ranks,
             "model_path": engine.model_path,
             "tokenizer_path": engine.model_path,
             "served_model_name": engine.served_model_name,
@@ -110,7 +122,7 @@ def _info_routes(router: APIRouter, engine: Engine, cfg: EngineConfig) -> None:
             "version": slimish.__version__,
             "frontend": "python",
             "launch_command": "slimish engine",
-        }  # fmt: skip
+        }
 
     @router.get("/metrics")
     async def prometheus() -> Response:
@@ -122,13 +134,23 @@ def _models_routes(router: APIRouter, engine: Engine) -> None:
 
     def card() -> dict[str, Any]:
         name = engine.served_model_name
-        return {"id": name, "object": "model", "created": int(engine.started_at), "owned_by": "sglang",
-                "root": name, "parent": None, "max_model_len": engine.context_length}  # fmt: skip
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(engine.started_at),
+            "owned_by": "sglang",
+            "root": name,
+            "parent": None,
+            "max_model_len": engine.context_length,
+        }
 
     def adapter_cards() -> dict[str, dict[str, Any]]:
         """One card per loaded LoRA adapter, its parent the base model (as SGLang lists them)."""
         loaded = engine.lora.loaded() if engine.lora is not None else {}
-        return {name: {**card(), "id": name, "root": path, "parent": engine.served_model_name} for name, path in loaded.items()}
+        return {
+            name: {**card(), "id": name, "root": path, "parent": engine.served_model_name}
+            for name, path in loaded.items()
+        }
 
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -140,7 +162,12 @@ def _models_routes(router: APIRouter, engine: Engine) -> None:
             return JSONResponse(card())
         if (adapter := adapter_cards().get(model)) is not None:
             return JSONResponse(adapter)
-        error = {"message": f"The model '{model}' does not exist", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+        error = {
+            "message": f"The model '{model}' does not exist",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
         return JSONResponse({"error": error}, status_code=404)
 
 
@@ -152,7 +179,9 @@ def _tokenizer_routes(router: APIRouter, engine: Engine) -> None:
         if req.messages is not None:
             generation = True if req.add_generation_prompt is None else req.add_generation_prompt
             try:
-                tokens: Any = engine.format.template.render(req.messages, req.tools, generation, **(req.chat_template_kwargs or {}))
+                tokens: Any = engine.format.template.render(
+                    req.messages, req.tools, generation, **(req.chat_template_kwargs or {})
+                )
             except TemplateError as exc:
                 raise BadRequest.of(str(exc)) from None
         elif isinstance(req.prompt, str):
@@ -195,7 +224,9 @@ def _profile_routes(router: APIRouter, engine: Engine) -> None:
 
 def _unserved(path: str, why: str) -> Any:
     async def handler() -> JSONResponse:
-        return JSONResponse({"error": {"message": f"{path}: not implemented by the slimish built-in engine{why}"}}, status_code=501)
+        return JSONResponse(
+            {"error": {"message": f"{path}: not implemented by the slimish built-in engine{why}"}}, status_code=501
+        )
 
     return handler
 
@@ -203,20 +234,56 @@ def _unserved(path: str, why: str) -> Any:
 # SGLang 0.5.23's routes (srt/entrypoints/http_server.py) that the built-in engine leaves out.
 UNSERVED = {
     "/update_weights_from_tensor": " (its body is pickled tensors, which this engine never unpickles); push weights by "
-                                   "broadcast (/init_weights_update_group, /update_weights_from_distributed) or from disk (/update_weights_from_disk)",
-    **{path: "" for path in (
-        "/encode", "/classify", "/set_internal_state", "/update_weights_from_ipc", "/weights_checker", "/slow_down",
-        "/init_weights_send_group_for_remote_instance", "/send_weights_to_remote_instance",
-        "/get_remote_instance_transfer_engine_info", "/remote_instance_transfer_engine_info",
-        "/load_lora_adapter_from_tensors",
-        "/open_session", "/close_session", "/configure_logging", "/parse_function_call", "/separate_reasoning",
-        "/set_trace_level", "/freeze_gc", "/pd_role_switch",
-        "/start_expert_distribution_record", "/stop_expert_distribution_record", "/dump_expert_distribution_record",
-        "/add_external_corpus", "/remove_external_corpus", "/list_external_corpora",
-        "/hicache/storage-backend", "/hicache/storage-backend/clear", "/get_hicache_l3_cache_layout",
-        "/v1/embeddings", "/v1/classify", "/v1/score", "/v1/decisions", "/v1/rerank", "/v1/audio/transcriptions",
-        "/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel",
-        "/v1/messages", "/v1/messages/count_tokens", "/v1/loads", "/scale_elastic_ep", "/is_scaling_elastic_ep",
-        "/api/chat", "/api/generate", "/api/tags", "/api/show",
-    )},
-}  # fmt: skip
+    "broadcast (/init_weights_update_group, /update_weights_from_distributed) or from disk (/update_weights_from_disk)",
+    **{
+        path: ""
+        for path in (
+            "/encode",
+            "/classify",
+            "/set_internal_state",
+            "/update_weights_from_ipc",
+            "/weights_checker",
+            "/slow_down",
+            "/init_weights_send_group_for_remote_instance",
+            "/send_weights_to_remote_instance",
+            "/get_remote_instance_transfer_engine_info",
+            "/remote_instance_transfer_engine_info",
+            "/load_lora_adapter_from_tensors",
+            "/open_session",
+            "/close_session",
+            "/configure_logging",
+            "/parse_function_call",
+            "/separate_reasoning",
+            "/set_trace_level",
+            "/freeze_gc",
+            "/pd_role_switch",
+            "/start_expert_distribution_record",
+            "/stop_expert_distribution_record",
+            "/dump_expert_distribution_record",
+            "/add_external_corpus",
+            "/remove_external_corpus",
+            "/list_external_corpora",
+            "/hicache/storage-backend",
+            "/hicache/storage-backend/clear",
+            "/get_hicache_l3_cache_layout",
+            "/v1/embeddings",
+            "/v1/classify",
+            "/v1/score",
+            "/v1/decisions",
+            "/v1/rerank",
+            "/v1/audio/transcriptions",
+            "/v1/responses",
+            "/v1/responses/{response_id}",
+            "/v1/responses/{response_id}/cancel",
+            "/v1/messages",
+            "/v1/messages/count_tokens",
+            "/v1/loads",
+            "/scale_elastic_ep",
+            "/is_scaling_elastic_ep",
+            "/api/chat",
+            "/api/generate",
+            "/api/tags",
+            "/api/show",
+        )
+    },
+}

@@ -21,7 +21,9 @@ def build_lora_router(engine: Engine) -> APIRouter:
 
     def result(error: Exception | None) -> JSONResponse:
         loaded = engine.lora.loaded() if engine.lora is not None else {}
-        body = LoraUpdateResult(success=error is None, error_message=None if error is None else str(error), loaded_adapters=loaded)
+        body = LoraUpdateResult(
+            success=error is None, error_message=None if error is None else str(error), loaded_adapters=loaded
+        )
         return JSONResponse(body.model_dump(), status_code=200 if error is None else 400)
 
     @router.post("/load_lora_adapter")

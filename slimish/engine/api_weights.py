@@ -13,8 +13,19 @@ from fastapi.responses import JSONResponse
 from slimish.engine.engine import Engine, RequestError
 from slimish.engine.http import control, parse
 from slimish.engine.weights import Tensors
-from slimish.protocol import BeginWeightUpdateReq, DestroyWeightsUpdateGroupReq, GetWeightsByNameReq, GetWeightVersionReq, InitWeightsUpdateGroupReq
-from slimish.protocol import MemoryOccupationReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightVersionReq
+from slimish.protocol import (
+    BeginWeightUpdateReq,
+    DestroyWeightsUpdateGroupReq,
+    GetWeightsByNameReq,
+    GetWeightVersionReq,
+    InitWeightsUpdateGroupReq,
+)
+from slimish.protocol import (
+    MemoryOccupationReq,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromDistributedReq,
+    UpdateWeightVersionReq,
+)
 
 
 def build_weights_router(engine: Engine) -> APIRouter:
@@ -54,7 +65,9 @@ def _broadcast_routes(router: APIRouter, engine: Engine) -> None:
                 finally:  # its slot holds what arrived whole; a torn adapter is refused anyway
                     engine.lora.refresh(req.lora_name)
 
-        return await apply_update(engine, req, load, "Succeeded to update parameter online.", fail, lora_name=req.lora_name)
+        return await apply_update(
+            engine, req, load, "Succeeded to update parameter online.", fail, lora_name=req.lora_name
+        )
 
     @router.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> JSONResponse:
@@ -88,9 +101,13 @@ def _update_routes(router: APIRouter, engine: Engine) -> None:
             engine.model_path = req.model_path
 
         return await apply_update(
-            engine, req, load, "Succeeded to update model weights.",
-            "Failed to update weights: {exc}. Rolled back to the previous weights.", num_paused_requests=0,
-        )  # fmt: skip
+            engine,
+            req,
+            load,
+            "Succeeded to update model weights.",
+            "Failed to update weights: {exc}. Rolled back to the previous weights.",
+            num_paused_requests=0,
+        )
 
     @router.post("/begin_weight_update")
     async def begin_weight_update(request: Request) -> JSONResponse:
@@ -115,14 +132,18 @@ def _update_routes(router: APIRouter, engine: Engine) -> None:
             engine.scheduler.weight_version = req.new_version
 
         await engine.run(apply)
-        return JSONResponse({"success": True, "message": f"Weight version updated to {req.new_version}", "new_version": req.new_version})
+        return JSONResponse(
+            {"success": True, "message": f"Weight version updated to {req.new_version}", "new_version": req.new_version}
+        )
 
     @router.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request) -> JSONResponse:
         req = await parse(request, GetWeightsByNameReq, empty_ok=False)
         try:
             target = None if req.lora_name is None else adapter_tensors(engine, req.lora_name)
-            return JSONResponse(await engine.run(lambda: engine.weights.get_weights_by_name(req.name, req.truncate_size, target)))
+            return JSONResponse(
+                await engine.run(lambda: engine.weights.get_weights_by_name(req.name, req.truncate_size, target))
+            )
         except ValueError as exc:
             return control(False, str(exc))
 
@@ -150,8 +171,9 @@ def adapter_tensors(engine: Engine, name: str) -> Tensors:
     return Tensors(adapter.tensors, f"a tensor of lora adapter {name!r}", adapter.torn)
 
 
-async def apply_update(engine: Engine, req: Any, load: Callable[[], None], ok: str, fail: str, lora_name: str | None = None,
-                       **extra: Any) -> JSONResponse:  # fmt: skip
+async def apply_update(
+    engine: Engine, req: Any, load: Callable[[], None], ok: str, fail: str, lora_name: str | None = None, **extra: Any
+) -> JSONResponse:
     """Abort if asked; load while no request runs (SGLang's writer lock) or while paused; version
     the base model, or only the adapter `lora_name`."""
     if req.abort_all_requests:
@@ -179,7 +201,9 @@ async def apply_update(engine: Engine, req: Any, load: Callable[[], None], ok: s
         await engine.run(load_and_version, needs_idle=True)
     except Exception as exc:
         if (torn := torn_error()) is not None:  # paused requests must not resume on it
-            await engine.run(lambda: engine.scheduler.abort(abort_all=lora_name is None, lora=lora_name, message=f"Abort: {torn}"))
+            await engine.run(
+                lambda: engine.scheduler.abort(abort_all=lora_name is None, lora=lora_name, message=f"Abort: {torn}")
+            )
             return control(False, f"{fail.format(exc=exc)} ({torn})", **extra)
         return control(False, fail.format(exc=exc), **extra)
     note = f" Weight version updated to {req.weight_version}." if req.weight_version is not None else ""

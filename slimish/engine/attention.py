@@ -36,7 +36,12 @@ def matmul_decode_attention(
     """HF attention signature: query [B, heads, q, D], key/value [B, kv_heads, W, D]; returns
     [B, q, heads, D]. One query token with a boolean mask takes the matmul path, anything else
     (prefill, soft-capping, a model's own mask) is HF's SDPA."""
-    if query.shape[2] != 1 or attention_mask is None or attention_mask.dtype != torch.bool or kwargs.get("softcap") is not None:
+    if (
+        query.shape[2] != 1
+        or attention_mask is None
+        or attention_mask.dtype != torch.bool
+        or kwargs.get("softcap") is not None
+    ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     b, heads, _, d = query.shape
     kv, width = key.shape[1], key.shape[2]

@@ -120,12 +120,26 @@ class Engine:
         """Expand a `/generate` body into items: batch order, then `n` copies of each prompt."""
         prompts = body.prompts()
         if not prompts:
-            raise RequestError(f"{'text' if body.text is not None else 'input_ids'}: an empty batch has no prompt to generate from")
-        for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "lora_path"):
+            raise RequestError(
+                f"{'text' if body.text is not None else 'input_ids'}: an empty batch has no prompt to generate from"
+            )
+        for name in (
+            "sampling_params",
+            "rid",
+            "return_logprob",
+            "logprob_start_len",
+            "top_logprobs_num",
+            "token_ids_logprob",
+            "lora_path",
+        ):
             value = getattr(body, name)
-            per_item = isinstance(value, list) and (name != "token_ids_logprob" or (bool(value) and isinstance(value[0], list)))
+            per_item = isinstance(value, list) and (
+                name != "token_ids_logprob" or (bool(value) and isinstance(value[0], list))
+            )
             if per_item and len(value) != len(prompts):
-                raise RequestError(f"{name}: got {len(value)} values for {len(prompts)} prompts (one per prompt, or one for all)")
+                raise RequestError(
+                    f"{name}: got {len(value)} values for {len(prompts)} prompts (one per prompt, or one for all)"
+                )
         params = [body.per_item("sampling_params", i) for i in range(len(prompts))]
         if len({p.n for p in params}) > 1:
             raise RequestError("sampling_params.n: every item of a batch must use the same n")
@@ -192,7 +206,9 @@ class Engine:
         except GrammarError as exc:
             raise RequestError(str(exc)) from None
         if cfg.max_prompt_tokens is not None and n_in > cfg.max_prompt_tokens:
-            raise RequestError(f"input_ids: the prompt has {n_in} tokens; this engine accepts at most {cfg.max_prompt_tokens} (--max-prompt-tokens)")
+            raise RequestError(
+                f"input_ids: the prompt has {n_in} tokens; this engine accepts at most {cfg.max_prompt_tokens} (--max-prompt-tokens)"
+            )
         if cfg.max_new_tokens_cap is not None and p.max_new_tokens > cfg.max_new_tokens_cap:
             raise RequestError(
                 f"sampling_params.max_new_tokens: {p.max_new_tokens} is over this engine's cap of {cfg.max_new_tokens_cap} (--max-new-tokens-cap)"
@@ -203,20 +219,29 @@ class Engine:
                 f"exceeds the model's context length ({self.context_length} tokens)"
             )
         if p.sampling_seed is not None and not -(2**63) <= p.sampling_seed <= 2**64 - p.n:
-            raise RequestError(f"sampling_params.sampling_seed: {p.sampling_seed} is outside [-2**63, 2**64 - n] (torch seeds are 64-bit)")
+            raise RequestError(
+                f"sampling_params.sampling_seed: {p.sampling_seed} is outside [-2**63, 2**64 - n] (torch seeds are 64-bit)"
+            )
         for rx in p.stop_regexes():
             try:
                 re.compile(rx)
             except re.error as exc:
-                raise RequestError(f"sampling_params.stop_regex: {rx!r} is not a valid regular expression ({exc})") from None
+                raise RequestError(
+                    f"sampling_params.stop_regex: {rx!r} is not a valid regular expression ({exc})"
+                ) from None
         if w.logprob_start_len > n_in:  # equal is allowed, as SGLang: no input logprobs
-            raise RequestError(f"logprob_start_len: {w.logprob_start_len} is higher than the number of input tokens {n_in}; use a smaller logprob_start_len")
+            raise RequestError(
+                f"logprob_start_len: {w.logprob_start_len} is higher than the number of input tokens {n_in}; use a smaller logprob_start_len"
+            )
         if w.top_logprobs_num < 0:
             raise RequestError("top_logprobs_num: must be >= 0")
         if any(not (k.isascii() and k.lstrip("-").isdigit()) for k in (p.logit_bias or {})):
             raise RequestError("sampling_params.logit_bias: keys must be token ids written as strings")
-        for field, ids in (("token_ids_logprob", w.token_ids_logprob), ("sampling_params.stop_token_ids", p.stop_token_ids),
-                           ("sampling_params.logit_bias", [int(k) for k in p.logit_bias or {}])):  # fmt: skip
+        for field, ids in (
+            ("token_ids_logprob", w.token_ids_logprob),
+            ("sampling_params.stop_token_ids", p.stop_token_ids),
+            ("sampling_params.logit_bias", [int(k) for k in p.logit_bias or {}]),
+        ):
             for t in ids or []:
                 if not 0 <= t < self.vocab_size:
                     raise RequestError(f"{field}: token id {t} is outside the vocabulary [0, {self.vocab_size})")
@@ -275,7 +300,9 @@ class Engine:
             self.scheduler.submit(r)
         return self._progress(reqs, queue, stream)
 
-    async def _progress(self, reqs: list[Request], queue: asyncio.Queue[Update], stream: bool) -> AsyncIterator[tuple[list[Request], Update]]:
+    async def _progress(
+        self, reqs: list[Request], queue: asyncio.Queue[Update], stream: bool
+    ) -> AsyncIterator[tuple[list[Request], Update]]:
         done = 0
         try:
             while done < len(reqs):
@@ -303,7 +330,9 @@ class Engine:
     def adapter(self, name: str, field: str) -> Adapter:
         """The loaded adapter `name`, or a RequestError naming `field`."""
         if self.lora is None:
-            raise RequestError(f"{field}: {name!r} names a LoRA adapter, but LoRA is not enabled on this engine (--enable-lora)")
+            raise RequestError(
+                f"{field}: {name!r} names a LoRA adapter, but LoRA is not enabled on this engine (--enable-lora)"
+            )
         if name in self.unloading:
             raise RequestError(f"{field}: lora adapter {name!r} is being unloaded")
         try:
@@ -325,8 +354,10 @@ class Engine:
         if sep and base == self.served_model_name:
             model = name
         elif model not in self.lora.adapters:
-            raise RequestError(f"model: {model!r} is neither the served model {self.served_model_name!r} "
-                               f"nor a loaded lora adapter (loaded: {sorted(self.lora.adapters)})")  # fmt: skip
+            raise RequestError(
+                f"model: {model!r} is neither the served model {self.served_model_name!r} "
+                f"nor a loaded lora adapter (loaded: {sorted(self.lora.adapters)})"
+            )
         self.check_adapter(model, "model")
         return model
 
@@ -372,7 +403,12 @@ class Engine:
         cut from the text unless `no_stop_trim`; the ids always keep the stop token."""
         ids = req.output_ids[:n]
         reason = req.finish_reason if finished else None
-        if reason and reason["type"] == "stop" and isinstance(reason.get("matched"), int) and not req.params.no_stop_trim:
+        if (
+            reason
+            and reason["type"] == "stop"
+            and isinstance(reason.get("matched"), int)
+            and not req.params.no_stop_trim
+        ):
             ids = ids[:-1]
         text = self.decode(ids, req.params.skip_special_tokens)
         if finished and req.stop_text_at is not None:
@@ -403,15 +439,21 @@ class Engine:
             inputs = req.input_ids[w.logprob_start_len :] if req.input_logprobs is not None else []
             meta["input_token_logprobs"] = [triple(lp, t) for lp, t in zip(req.input_logprobs or [], inputs)]
             if w.top_logprobs_num > 0:
-                meta["input_top_logprobs"] = [None if e is None else [triple(lp, t) for lp, t in e] for e in req.input_top_logprobs or []]
+                meta["input_top_logprobs"] = [
+                    None if e is None else [triple(lp, t) for lp, t in e] for e in req.input_top_logprobs or []
+                ]
             if w.token_ids_logprob:
-                meta["input_token_ids_logprobs"] = [None if e is None else [triple(lp, t) for lp, t in e] for e in req.input_ids_logprobs or []]
+                meta["input_token_ids_logprobs"] = [
+                    None if e is None else [triple(lp, t) for lp, t in e] for e in req.input_ids_logprobs or []
+                ]
             meta["output_token_logprobs"] = [triple(lp, t) for lp, t in zip(req.output_logprobs[:n], ids)]
             meta["output_token_logprobs_length"] = n
             if w.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = [[triple(lp, t) for lp, t in e] for e in req.output_top_logprobs[:n]]
             if w.token_ids_logprob:
-                meta["output_token_ids_logprobs"] = [[triple(lp, t) for lp, t in e] for e in req.output_ids_logprobs[:n]]
+                meta["output_token_ids_logprobs"] = [
+                    [triple(lp, t) for lp, t in e] for e in req.output_ids_logprobs[:n]
+                ]
         return {"text": self.text_of(req, n, finished), "output_ids": ids, "meta_info": meta}
 
 

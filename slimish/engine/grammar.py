@@ -31,7 +31,9 @@ def grammar_field(params: SamplingParams) -> str | None:
     (SGLang refuses that too)."""
     given = [name for name in GRAMMAR_FIELDS if getattr(params, name) is not None]
     if len(given) > 1:
-        raise GrammarError(f"sampling_params.{given[1]}: Only one of json_schema, regex, ebnf, or structural_tag can be set (got {' and '.join(given)}).")
+        raise GrammarError(
+            f"sampling_params.{given[1]}: Only one of json_schema, regex, ebnf, or structural_tag can be set (got {' and '.join(given)})."
+        )
     return given[0] if given else None
 
 
@@ -47,7 +49,9 @@ class Grammars:
         if self._compiler is None:
             import xgrammar
 
-            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.end_ids)
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.end_ids
+            )
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         return self._compiler
 
@@ -69,7 +73,6 @@ class Grammars:
             return self.compiler.compile_structural_tag(_structural_tag(text))
         except Exception as exc:  # xgrammar raises RuntimeError, ValueError or its own errors
             raise GrammarError(f"sampling_params.{field}: Failed to compile {kind} grammar: {_reason(exc)}") from None
-
 
 
 def matcher(compiled: xgrammar.CompiledGrammar | None) -> xgrammar.GrammarMatcher | None:
@@ -95,7 +98,10 @@ def _structural_tag(text: str) -> str:
     tag = json.loads(text)
     if not isinstance(tag, dict) or "structures" not in tag:
         return text
-    items = [xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"]) for s in tag["structures"]]
+    items = [
+        xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+        for s in tag["structures"]
+    ]
     return xgrammar.StructuralTag.from_legacy_structural_tag(items, tag.get("triggers", [])).model_dump_json()
 
 

@@ -33,7 +33,9 @@ def error_message(message: str, status: int = 400, headers: dict[str, str] | Non
 
 
 def control(success: bool, message: str, status: int | None = None, **extra: Any) -> JSONResponse:
-    return JSONResponse({"success": success, "message": message, **extra}, status_code=status or (200 if success else 400))
+    return JSONResponse(
+        {"success": success, "message": message, **extra}, status_code=status or (200 if success else 400)
+    )
 
 
 async def parse(request: Request, model: type[M], empty_ok: bool = True, contract: bool = False) -> M:
@@ -73,7 +75,9 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            response = error_message(f"body: {int(declared)} bytes; this engine accepts at most {self.limit} (--max-body-bytes)", 413)
+            response = error_message(
+                f"body: {int(declared)} bytes; this engine accepts at most {self.limit} (--max-body-bytes)", 413
+            )
             return await response(scope, receive, send)
         size = 0
 

@@ -57,7 +57,9 @@ class AdapterRef:
                 spec = json.loads(entry)
                 return cls(str(spec["lora_name"]), str(spec["lora_path"]), bool(spec.get("pinned", False)))
             except (ValueError, KeyError, TypeError) as exc:
-                raise AdapterError(f'lora_paths: {entry!r} is not JSON {{"lora_name", "lora_path", "pinned"}} ({exc})') from None
+                raise AdapterError(
+                    f'lora_paths: {entry!r} is not JSON {{"lora_name", "lora_path", "pinned"}} ({exc})'
+                ) from None
         name, sep, path = entry.partition("=")
         return cls(name, path) if sep else cls(entry, entry)
 
@@ -75,7 +77,9 @@ class Adapter:
     pinned: bool = False
     version: str = DEFAULT_WEIGHT_VERSION
     torn: dict[str, str] = field(default_factory=dict)
-    uid: int = field(default_factory=itertools.count().__next__)  # this load of it: KV made under another never serves it
+    uid: int = field(
+        default_factory=itertools.count().__next__
+    )  # this load of it: KV made under another never serves it
 
     def modules(self) -> dict[str, tuple[str, str]]:
         """HF module path -> (its lora_A name, its lora_B name)."""
@@ -89,15 +93,19 @@ class Adapter:
         if not self.torn:
             return None
         names = sorted(self.torn)
-        return (f"lora adapter {self.name!r} is not whole: {len(names)} tensors (e.g. {names[0]!r}) {self.torn[names[0]]}; "
-                "push it again (or unload and load it) before generating with it")  # fmt: skip
+        return (
+            f"lora adapter {self.name!r} is not whole: {len(names)} tensors (e.g. {names[0]!r}) {self.torn[names[0]]}; "
+            "push it again (or unload and load it) before generating with it"
+        )
 
 
 def module_of(name: str) -> str:
     """`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` -> `model.layers.0.self_attn.q_proj`."""
     if name.startswith(PEFT_PREFIX) and name.endswith(LORA_SUFFIXES):
         return name[len(PEFT_PREFIX) : -len(LORA_SUFFIXES[0])]
-    raise AdapterError(f"{name!r} is not a PEFT LoRA tensor name (base_model.model.<module>.lora_A.weight or .lora_B.weight)")
+    raise AdapterError(
+        f"{name!r} is not a PEFT LoRA tensor name (base_model.model.<module>.lora_A.weight or .lora_B.weight)"
+    )
 
 
 def read_adapter(ref: AdapterRef, dtype: torch.dtype, device: torch.device) -> Adapter:
@@ -109,13 +117,22 @@ def read_adapter(ref: AdapterRef, dtype: torch.dtype, device: torch.device) -> A
     try:
         cfg = json.loads((root / CONFIG_FILE).read_text())
         rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
-        tensors = {name: t.to(dtype=dtype, device=device).contiguous() for name, t in load_file(root / WEIGHTS_FILE).items()}
+        tensors = {
+            name: t.to(dtype=dtype, device=device).contiguous() for name, t in load_file(root / WEIGHTS_FILE).items()
+        }
     except Exception as exc:  # unreadable JSON, no `r`, a broken safetensors file: name the adapter and the cause
         raise AdapterError(f"{where}: cannot read it ({type(exc).__name__}: {exc})") from None
     if cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{where}: peft_type is {cfg['peft_type']!r}; only LORA is served")
-    unsupported = {"use_dora": False, "fan_in_fan_out": False, "lora_bias": False, "bias": "none", "modules_to_save": None,
-                   "rank_pattern": {}, "alpha_pattern": {}}  # fmt: skip
+    unsupported = {
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "lora_bias": False,
+        "bias": "none",
+        "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
     for key, plain in unsupported.items():
         if cfg.get(key) not in (None, plain):
             raise AdapterError(f"{where}: {key}={cfg[key]!r} is not served by this engine (expected {plain!r})")
@@ -129,7 +146,9 @@ def read_adapter(ref: AdapterRef, dtype: torch.dtype, device: torch.device) -> A
         if a not in tensors or b not in tensors:
             raise AdapterError(f"{where}: {module} has only one of lora_A / lora_B")
         if tensors[a].shape[0] != rank or tensors[b].shape[1] != rank:
-            raise AdapterError(f"{where}: {module} has rank {tensors[a].shape[0]}, but adapter_config.json says r={rank}")
+            raise AdapterError(
+                f"{where}: {module} has rank {tensors[a].shape[0]}, but adapter_config.json says r={rank}"
+            )
     if not pairs:
         raise AdapterError(f"{where}: {WEIGHTS_FILE} holds no LoRA tensors")
     return adapter
@@ -174,16 +193,29 @@ class LoraManager:
         self.max_slots = cfg.max_loras_per_batch
         self.max_loaded = cfg.max_loaded_loras
         initial = [read_adapter(AdapterRef.parse(e), self.dtype, self.device) for e in cfg.lora_paths]
-        linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name.split(".")[-1] != "lm_head"}
+        linears = {
+            name: m
+            for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and name.split(".")[-1] != "lm_head"
+        }
         kinds = sorted({name.split(".")[-1] for name in linears})
-        targets = set(cfg.lora_target_modules) or {module.split(".")[-1] for a in initial for module in a.modules()} or {ALL_TARGETS}
+        targets = (
+            set(cfg.lora_target_modules)
+            or {module.split(".")[-1] for a in initial for module in a.modules()}
+            or {ALL_TARGETS}
+        )
         if unknown := targets - set(kinds) - {ALL_TARGETS}:
-            raise AdapterError(f"lora_target_modules: {sorted(unknown)} are not linear layers of this model; it has {kinds} (or all)")
+            raise AdapterError(
+                f"lora_target_modules: {sorted(unknown)} are not linear layers of this model; it has {kinds} (or all)"
+            )
         self.targets = kinds if ALL_TARGETS in targets else sorted(targets)
         self.rank = cfg.max_lora_rank or max(a.rank for a in initial)  # the config requires one of them
         self._rows = _Rows()
-        self.linears = {name: LoraLinear(m, self.max_slots + 1, self.rank, self._rows)
-                        for name, m in linears.items() if name.split(".")[-1] in self.targets}  # fmt: skip
+        self.linears = {
+            name: LoraLinear(m, self.max_slots + 1, self.rank, self._rows)
+            for name, m in linears.items()
+            if name.split(".")[-1] in self.targets
+        }
         self.adapters: dict[str, Adapter] = {}
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # adapters in slots, least recently used first
         for adapter in initial:
@@ -197,20 +229,28 @@ class LoraManager:
         if adapter.name in self.adapters:
             raise AdapterError(f"{where}: an adapter named {adapter.name!r} is already loaded; unload it first")
         if self.max_loaded is not None and len(self.adapters) >= self.max_loaded:
-            raise AdapterError(f"{where}: {len(self.adapters)} adapters are loaded, the limit is {self.max_loaded} (--max-loaded-loras)")
+            raise AdapterError(
+                f"{where}: {len(self.adapters)} adapters are loaded, the limit is {self.max_loaded} (--max-loaded-loras)"
+            )
         if adapter.rank > self.rank:
             raise AdapterError(f"{where}: rank {adapter.rank} is over this engine's {self.rank} (--max-lora-rank)")
         if adapter.pinned and sum(a.pinned for a in self.adapters.values()) + 1 >= self.max_slots:
-            raise AdapterError(f"{where}: pinned adapters must leave one of the {self.max_slots} slots free (--max-loras-per-batch)")
+            raise AdapterError(
+                f"{where}: pinned adapters must leave one of the {self.max_slots} slots free (--max-loras-per-batch)"
+            )
         for module, (a, b) in adapter.modules().items():
             if module not in self.linears:
-                raise AdapterError(f"{where}: targets {module}, which is not a LoRA target of this engine "
-                                   f"(--lora-target-modules: {self.targets})")  # fmt: skip
+                raise AdapterError(
+                    f"{where}: targets {module}, which is not a LoRA target of this engine "
+                    f"(--lora-target-modules: {self.targets})"
+                )
             lin = self.linears[module]
             expected = ([adapter.rank, lin.a.shape[2]], [lin.b.shape[1], adapter.rank])
             if [list(adapter.tensors[a].shape), list(adapter.tensors[b].shape)] != list(expected):
-                raise AdapterError(f"{where}: {module} has A {list(adapter.tensors[a].shape)} and B {list(adapter.tensors[b].shape)}; "
-                                   f"this model needs {expected[0]} and {expected[1]}")  # fmt: skip
+                raise AdapterError(
+                    f"{where}: {module} has A {list(adapter.tensors[a].shape)} and B {list(adapter.tensors[b].shape)}; "
+                    f"this model needs {expected[0]} and {expected[1]}"
+                )
         self.adapters[adapter.name] = adapter
 
     def remove(self, name: str) -> None:

@@ -28,11 +28,23 @@ class Metrics:
         self.prompt_tokens = Counter("sglang:prompt_tokens", "Prompt tokens processed", streaming, registry=r)
         self.generation_tokens = Counter("sglang:generation_tokens", "Tokens generated", streaming, registry=r)
         self.requests = Counter("sglang:num_requests", "Requests finished", streaming, registry=r)
-        self.aborted = Counter("sglang:num_aborted_requests", "Requests aborted", REQUEST_LABELS, registry=r).labels(**self.labels)
-        self.cached_tokens = Counter("sglang:cached_tokens", "Prompt tokens served from the prefix cache", (*REQUEST_LABELS, "cache_source"), registry=r)
+        self.aborted = Counter("sglang:num_aborted_requests", "Requests aborted", REQUEST_LABELS, registry=r).labels(
+            **self.labels
+        )
+        self.cached_tokens = Counter(
+            "sglang:cached_tokens",
+            "Prompt tokens served from the prefix cache",
+            (*REQUEST_LABELS, "cache_source"),
+            registry=r,
+        )
         self.cached_total = self.cached_tokens.labels(**self.labels, cache_source="total")
-        self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Request latency", streaming, registry=r,
-                             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))  # fmt: skip
+        self.e2e = Histogram(
+            "sglang:e2e_request_latency_seconds",
+            "Request latency",
+            streaming,
+            registry=r,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+        )
         self.running = gauge("sglang:num_running_reqs", "Requests in the running batch")
         self.queued = gauge("sglang:num_queue_reqs", "Requests waiting")
         self.throughput = gauge("sglang:gen_throughput", "Decode tokens/s of the last step")

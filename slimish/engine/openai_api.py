@@ -75,8 +75,16 @@ def build_openai_router(engine: Engine) -> APIRouter:
 # ---- requests -> items ------------------------------------------------------------------------
 
 
-def _items(engine: Engine, body: Any, prompts: list[list[int]], params: SamplingParams, wish: LogprobWish, prefix: str,
-           prompt_field: str, max_field: str) -> list[Item]:  # fmt: skip
+def _items(
+    engine: Engine,
+    body: Any,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    wish: LogprobWish,
+    prefix: str,
+    prompt_field: str,
+    max_field: str,
+) -> list[Item]:
     """n items per prompt, prompt-major; ids like `/generate` (`rid`, or `rid-i` for several)."""
     base = body.rid or f"{prefix}{uuid.uuid4().hex}"
     count = len(prompts) * body.n
@@ -85,8 +93,11 @@ def _items(engine: Engine, body: Any, prompts: list[list[int]], params: Sampling
         lora = engine.adapter_of_model(body.model)
     except RequestError as exc:
         raise field_error(str(exc)) from None
-    items = [Item(ids, params, base if count == 1 else f"{base}-{i * body.n + j}", wish, lora=lora)
-             for i, ids in enumerate(prompts) for j in range(body.n)]  # fmt: skip
+    items = [
+        Item(ids, params, base if count == 1 else f"{base}-{i * body.n + j}", wish, lora=lora)
+        for i, ids in enumerate(prompts)
+        for j in range(body.n)
+    ]
     for item in items:
         try:
             engine.check(item)
@@ -113,8 +124,12 @@ def completion_items(engine: Engine, body: CompletionRequest) -> tuple[list[Item
         raise OpenAIError(f"max_tokens: must be at least 1, got {max_tokens}", "max_tokens")
     want = body.logprobs is not None
     # SGLang: with echo, prompt logprobs are prepended (logprob_start_len 0).
-    wish = LogprobWish(return_logprob=want, logprob_start_len=0 if want and body.echo else -1, top_logprobs_num=body.logprobs or 0)
-    items = _items(engine, body, prompts, sampling_params_of(body, max_tokens, "max_tokens"), wish, "cmpl-", "prompt", "max_tokens")
+    wish = LogprobWish(
+        return_logprob=want, logprob_start_len=0 if want and body.echo else -1, top_logprobs_num=body.logprobs or 0
+    )
+    items = _items(
+        engine, body, prompts, sampling_params_of(body, max_tokens, "max_tokens"), wish, "cmpl-", "prompt", "max_tokens"
+    )
     echoes = [p if isinstance(p, str) else engine.decode(p) for p in raw] if body.echo else [""] * len(raw)
     return items, [echoes[i // body.n] for i in range(len(items))]
 
@@ -126,7 +141,9 @@ def chat_items(engine: Engine, body: ChatCompletionRequest) -> list[Item]:
             if getattr(body, flag):
                 raise OpenAIError(f"{flag}: not supported with streaming; set stream=false to use {flag}=true", flag)
     try:
-        ids = engine.format.template.render(body.messages, active_tools(body), True, **(body.chat_template_kwargs or {}))
+        ids = engine.format.template.render(
+            body.messages, active_tools(body), True, **(body.chat_template_kwargs or {})
+        )
     except TemplateError as exc:
         raise OpenAIError.of(exc) from None
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -134,7 +151,10 @@ def chat_items(engine: Engine, body: ChatCompletionRequest) -> list[Item]:
     if max_tokens is None:  # SGLang: up to the end of the context
         max_tokens = engine.default_max_new_tokens(engine.context_length - len(ids))
         if max_tokens < 1:
-            raise OpenAIError(f"messages: the prompt ({len(ids)} tokens) fills the model's context length ({engine.context_length} tokens)", "messages")
+            raise OpenAIError(
+                f"messages: the prompt ({len(ids)} tokens) fills the model's context length ({engine.context_length} tokens)",
+                "messages",
+            )
     if max_tokens < 1:
         raise OpenAIError(f"{max_field}: must be at least 1, got {max_tokens}", max_field)
     params = sampling_params_of(body, max_tokens, max_field)
@@ -196,7 +216,9 @@ def _chat_logprobs(engine: Engine, req: Sequence, start: int, end: int) -> dict[
     tops = req.output_top_logprobs[start:end] if req.wish.top_logprobs_num > 0 else [None] * (end - start)
     for t, lp, top in zip(req.output_ids[start:end], req.output_logprobs[start:end], tops):
         token = _token(engine, t)
-        alts = [{"token": k, "bytes": list(k.encode()), "logprob": v} for k, v in (_top_dict(engine, top) or {}).items()]
+        alts = [
+            {"token": k, "bytes": list(k.encode()), "logprob": v} for k, v in (_top_dict(engine, top) or {}).items()
+        ]
         content.append({"token": token, "bytes": list(token.encode()), "logprob": lp, "top_logprobs": alts})
     return {"content": content}
 
@@ -218,7 +240,9 @@ def _completion_choice(engine: Engine, body: CompletionRequest, req: Sequence, i
 
 def _chat_choice(engine: Engine, body: ChatCompletionRequest, req: Sequence, index: int) -> dict[str, Any]:
     n = len(req.output_ids)
-    reply = engine.format.reply(engine.text_of(req, n, True), req.input_ids, active_tools(body), body.separate_reasoning)
+    reply = engine.format.reply(
+        engine.text_of(req, n, True), req.input_ids, active_tools(body), body.separate_reasoning
+    )
     reason, matched = finish(*_finish(req), called=bool(reply.tool_calls))
     choice = {
         "index": index,
@@ -240,8 +264,13 @@ def _usage(reqs: list[Sequence], n: int) -> dict[str, Any]:
     """SGLang's count: each prompt once (the first of its n choices), every completion."""
     prompt = sum(len(reqs[i].input_ids) for i in range(0, len(reqs), n))
     completion = sum(len(r.output_ids) for r in reqs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": None, "reasoning_tokens": 0}  # fmt: skip
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": None,
+        "reasoning_tokens": 0,
+    }
 
 
 class _Header:
@@ -250,13 +279,20 @@ class _Header:
     def __init__(self, engine: Engine, kind: str, body: Any, items: list[Item]) -> None:
         # The request's id: the rid of its only item, or the common base of `base-k` item rids.
         rid = items[0].rid if len(items) == 1 else items[0].rid.rsplit("-", 1)[0]
-        self.fields = {"id": rid, "object": kind, "created": int(time.time()), "model": body.model or engine.served_model_name}
+        self.fields = {
+            "id": rid,
+            "object": kind,
+            "created": int(time.time()),
+            "model": body.model or engine.served_model_name,
+        }
 
     def __call__(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {**self.fields, "choices": choices, "usage": None, **extra}
 
 
-def _final(engine: Engine, kind: str, body: Any, items: list[Item], choices: list[dict[str, Any]], reqs: list[Sequence]) -> dict[str, Any]:
+def _final(
+    engine: Engine, kind: str, body: Any, items: list[Item], choices: list[dict[str, Any]], reqs: list[Sequence]
+) -> dict[str, Any]:
     header = _Header(engine, kind, body, items)
     return header(choices, usage=_usage(reqs, body.n), metadata={"weight_version": engine.version_of(reqs[0])})
 
@@ -290,8 +326,9 @@ class _Sent:
         return new
 
 
-async def _completion_stream(engine: Engine, body: CompletionRequest, items: list[Item], echoes: list[str],
-                             progress: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
+async def _completion_stream(
+    engine: Engine, body: CompletionRequest, items: list[Item], echoes: list[str], progress: AsyncIterator[Any]
+) -> AsyncIterator[dict[str, Any]]:
     header, sent = _Header(engine, "text_completion", body, items), _Sent(len(items))
     reqs: list[Sequence] = []
     async with aclosing(progress) as updates:  # a client gone aborts
@@ -302,8 +339,11 @@ async def _completion_stream(engine: Engine, body: CompletionRequest, items: lis
             reason, matched = _finish(req) if up.finished else (None, None)
             choice: dict[str, Any] = {
                 "index": i,
-                "text": (echoes[i] if first else "") + sent.delta(i, text if up.finished else _settled(text, _stop_holds(req))),
-                "logprobs": _completion_logprobs(engine, req, start, up.n, body.echo and first) if body.logprobs is not None else None,
+                "text": (echoes[i] if first else "")
+                + sent.delta(i, text if up.finished else _settled(text, _stop_holds(req))),
+                "logprobs": _completion_logprobs(engine, req, start, up.n, body.echo and first)
+                if body.logprobs is not None
+                else None,
                 "finish_reason": reason,
                 "matched_stop": matched,
             }
@@ -317,7 +357,9 @@ async def _completion_stream(engine: Engine, body: CompletionRequest, items: lis
         yield header([], usage=_usage(reqs, body.n))
 
 
-async def _chat_stream(engine: Engine, body: ChatCompletionRequest, items: list[Item], progress: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
+async def _chat_stream(
+    engine: Engine, body: ChatCompletionRequest, items: list[Item], progress: AsyncIterator[Any]
+) -> AsyncIterator[dict[str, Any]]:
     """SGLang's chunk order per choice: role, deltas (reasoning, content, tool calls, with their
     logprobs), finish. The text is split by the same parsers as a whole reply, as it grows: what
     might still become a marker is held back, so the deltas add up to the non-streamed message."""
@@ -327,8 +369,12 @@ async def _chat_stream(engine: Engine, body: ChatCompletionRequest, items: list[
     called = [False] * len(items)
     reqs: list[Sequence] = []
 
-    def chunk(i: int, delta: dict[str, Any], logprobs: Any = None, reason: str | None = None, matched: Any = None) -> dict[str, Any]:
-        return header([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason, "matched_stop": matched}])
+    def chunk(
+        i: int, delta: dict[str, Any], logprobs: Any = None, reason: str | None = None, matched: Any = None
+    ) -> dict[str, Any]:
+        return header(
+            [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason, "matched_stop": matched}]
+        )
 
     async with aclosing(progress) as updates:
         async for reqs, up in updates:

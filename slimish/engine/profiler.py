@@ -38,7 +38,9 @@ class Profiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available() and "GPU" in (req.activities or ["CPU", "GPU"]):
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.active = torch.profiler.profile(activities=activities, with_stack=bool(req.with_stack), record_shapes=bool(req.record_shapes))
+        self.active = torch.profiler.profile(
+            activities=activities, with_stack=bool(req.with_stack), record_shapes=bool(req.record_shapes)
+        )
         self.active.__enter__()
         self.steps_left = req.num_steps
 

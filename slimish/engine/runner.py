@@ -71,7 +71,9 @@ class _SlabLayer(DynamicLayer):
         self.slab, self.index = slab, index
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         s, q = self.slab, key_states.shape[-2]
         s.keys[self.index][: s.rows, :, s.width : s.width + q] = key_states
         s.values[self.index][: s.rows, :, s.width : s.width + q] = value_states
@@ -92,8 +94,10 @@ class KVSlab:
         cfg = model.config
         probe = DynamicCache(config=cfg)
         if any(type(layer) is not DynamicLayer for layer in probe.layers):
-            raise ValueError(f"{cfg.model_type}: the built-in engine supports full-attention models only (its cache has "
-                             f"{sorted({type(layer).__name__ for layer in probe.layers})})")  # fmt: skip
+            raise ValueError(
+                f"{cfg.model_type}: the built-in engine supports full-attention models only (its cache has "
+                f"{sorted({type(layer).__name__ for layer in probe.layers})})"
+            )
         self.heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.dtype, self.device = model.dtype, model.device
@@ -196,8 +200,14 @@ class Runner:
     `lora`, each row is run with its own adapter (None: the base model); the scheduler has given
     each one a slot. `decode_attention_backend` is how one-token forwards attend (attention.py)."""
 
-    def __init__(self, model: PreTrainedModel, page_size: int, prefix_cache: PrefixCache | None, lora: LoraManager | None = None,
-                 decode_attention_backend: str = EngineConfig.decode_attention_backend) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        page_size: int,
+        prefix_cache: PrefixCache | None,
+        lora: LoraManager | None = None,
+        decode_attention_backend: str = EngineConfig.decode_attention_backend,
+    ) -> None:
         use_decode_attention(model, decode_attention_backend)
         self.model = model
         self.device = model.device
@@ -221,10 +231,15 @@ class Runner:
         """Tokens of this prompt that `prefill` would take from the cache now."""
         if self.prefix_cache is None:
             return 0
-        return len(self.prefix_cache.match(namespace, input_ids, self._hit_limit(len(input_ids), logits_from))) * self.page_size
+        return (
+            len(self.prefix_cache.match(namespace, input_ids, self._hit_limit(len(input_ids), logits_from)))
+            * self.page_size
+        )
 
     @torch.inference_mode()
-    def prefill(self, input_ids: list[int], logits_from: int | None, namespace: Hashable, adapter: str | None = None) -> PrefillOutput:
+    def prefill(
+        self, input_ids: list[int], logits_from: int | None, namespace: Hashable, adapter: str | None = None
+    ) -> PrefillOutput:
         """KV of `input_ids` and the logits of positions `logits_from..` (None: the last only).
 
         Cached whole pages are copied in; the rest runs one page per forward, and the whole
@@ -233,7 +248,9 @@ class Runner:
         slab = KVSlab(self.model)
         slab.reserve(1, n, exact=True)
         slab.rows = 1
-        pages = self.prefix_cache.match(namespace, input_ids, self._hit_limit(n, logits_from)) if self.prefix_cache else []
+        pages = (
+            self.prefix_cache.match(namespace, input_ids, self._hit_limit(n, logits_from)) if self.prefix_cache else []
+        )
         for k, kv in enumerate(pages):
             for i, (keys, values) in enumerate(zip(slab.keys, slab.values)):
                 keys[0, :, k * p : (k + 1) * p] = kv[i, 0]
@@ -248,9 +265,10 @@ class Runner:
                 out = self.model(
                     input_ids=torch.tensor([input_ids[start:end]], device=self.device),
                     position_ids=torch.arange(start, end, device=self.device).unsqueeze(0),
-                    cache=slab.cache, use_cache=True,
+                    cache=slab.cache,
+                    use_cache=True,
                     logits_to_keep=keep if keep else torch.empty(0, dtype=torch.long, device=self.device),
-                )  # fmt: skip
+                )
             slab.advance(end - start)
             logits.append(out.logits[0].float())
         if self.prefix_cache is not None:

@@ -46,7 +46,9 @@ def _adjust_logits(logits: torch.Tensor, rows: list[RowState]) -> None:
             vals = logits[i, ids]
             logits[i, ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
-            counts = torch.bincount(torch.tensor(r.output_ids, device=device), minlength=logits.shape[1])[: logits.shape[1]].float()
+            counts = torch.bincount(torch.tensor(r.output_ids, device=device), minlength=logits.shape[1])[
+                : logits.shape[1]
+            ].float()
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         if p.logit_bias:
             for tok, bias in p.logit_bias.items():

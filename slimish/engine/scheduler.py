@@ -83,7 +83,9 @@ class Request:
             self.generator = torch.Generator().manual_seed(self.params.sampling_seed)
 
     def row_state(self) -> RowState:
-        return RowState(self.params, self.input_ids + self.output_ids, self.output_ids, self.stop_ids, self.generator, self.grammar)
+        return RowState(
+            self.params, self.input_ids + self.output_ids, self.output_ids, self.stop_ids, self.generator, self.grammar
+        )
 
 
 @dataclass
@@ -146,10 +148,20 @@ class Scheduler:
 
     # ---- commands (run on the scheduler thread via `call`) ------------------------------------
 
-    def abort(self, rid: str = "", abort_all: bool = False, rids: set[str] = frozenset(), message: str = "Abort by request.",
-              lora: str | None = None) -> int:  # fmt: skip
+    def abort(
+        self,
+        rid: str = "",
+        abort_all: bool = False,
+        rids: set[str] = frozenset(),
+        message: str = "Abort by request.",
+        lora: str | None = None,
+    ) -> int:
         """Abort by id, all, or every request of the adapter named `lora`."""
-        hit = [r for r in [*self.waiting, *self.running] if abort_all or r.rid == rid or r.rid in rids or (lora and r.lora == lora)]
+        hit = [
+            r
+            for r in [*self.waiting, *self.running]
+            if abort_all or r.rid == rid or r.rid in rids or (lora and r.lora == lora)
+        ]
         for r in hit:
             self._finish(r, {"type": "abort", "message": message, "status_code": None, "err_type": None})
         self._drop_finished()
@@ -200,7 +212,15 @@ class Scheduler:
             except Exception as exc:  # a bug must not kill the server: fail what is running
                 log.error("scheduler step failed:\n%s", traceback.format_exc())
                 for r in [*self.running, *self.waiting, *self._admitting]:
-                    self._finish(r, {"type": "abort", "message": f"engine error: {exc}", "status_code": 500, "err_type": "internal"})
+                    self._finish(
+                        r,
+                        {
+                            "type": "abort",
+                            "message": f"engine error: {exc}",
+                            "status_code": 500,
+                            "err_type": "internal",
+                        },
+                    )
                 self._drop_finished()
             if self.on_step:
                 self.on_step(self)
@@ -309,7 +329,9 @@ class Scheduler:
 
     def _decode(self) -> None:
         t0 = time.monotonic()
-        logits = self.runner.decode(self.batch, [r.output_ids[-1] for r in self.running], [r.lora for r in self.running])
+        logits = self.runner.decode(
+            self.batch, [r.output_ids[-1] for r in self.running], [r.lora for r in self.running]
+        )
         tokens, logprobs = sample(logits, [r.row_state() for r in self.running])
         for i, r in enumerate(self.running):
             self._append(r, tokens[i], logprobs[i])
@@ -377,9 +399,13 @@ class Scheduler:
         positions = range(start, len(ids))
         req.input_logprobs = [None if j == 0 else float(lp[j - 1 - first, ids[j]]) for j in positions]
         if w.top_logprobs_num > 0:
-            req.input_top_logprobs = [None if j == 0 else _top(lp[j - 1 - first], w.top_logprobs_num) for j in positions]
+            req.input_top_logprobs = [
+                None if j == 0 else _top(lp[j - 1 - first], w.top_logprobs_num) for j in positions
+            ]
         if w.token_ids_logprob:
-            req.input_ids_logprobs = [None if j == 0 else _pick(lp[j - 1 - first], w.token_ids_logprob) for j in positions]
+            req.input_ids_logprobs = [
+                None if j == 0 else _pick(lp[j - 1 - first], w.token_ids_logprob) for j in positions
+            ]
 
 
 def _top(logprobs: torch.Tensor, k: int) -> list[tuple[float | None, int]]:

@@ -54,12 +54,24 @@ log = logging.getLogger(__name__)
 
 OPEN_ROUTES = {"/health", "/health_generate", "/ready", "/metrics"}
 ADMIN_ROUTES = {
-    "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
-    "/update_weights_from_disk", "/begin_weight_update", "/end_weight_update", "/update_weight_version",
-    "/pause_generation", "/continue_generation", "/flush_cache", "/abort_request",
-    "/release_memory_occupation", "/resume_memory_occupation", "/start_profile", "/stop_profile",
-    "/load_lora_adapter", "/unload_lora_adapter",
-}  # fmt: skip
+    "/init_weights_update_group",
+    "/update_weights_from_distributed",
+    "/destroy_weights_update_group",
+    "/update_weights_from_disk",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/update_weight_version",
+    "/pause_generation",
+    "/continue_generation",
+    "/flush_cache",
+    "/abort_request",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/start_profile",
+    "/stop_profile",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
+}
 
 
 def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
@@ -105,8 +117,13 @@ def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
     async def body_too_large(_: Request, exc: BodyTooLarge) -> JSONResponse:
         return error_message(f"body: over {cfg.max_body_bytes} bytes, this engine's limit (--max-body-bytes)", 413)
 
-    routers = (build_generate_router(engine), build_weights_router(engine), build_lora_router(engine), build_info_router(engine, cfg),
-               build_openai_router(engine))  # fmt: skip
+    routers = (
+        build_generate_router(engine),
+        build_weights_router(engine),
+        build_lora_router(engine),
+        build_info_router(engine, cfg),
+        build_openai_router(engine),
+    )
     for router in routers:
         app.include_router(router)
     document_bodies(app, REQUEST_BODIES)
@@ -114,16 +131,30 @@ def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
 
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
-    "/generate": GenerateReqInput, "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-    "/abort_request": AbortReq, "/pause_generation": PauseGenerationReq, "/continue_generation": ContinueGenerationReq,
-    "/init_weights_update_group": InitWeightsUpdateGroupReq, "/update_weights_from_distributed": UpdateWeightsFromDistributedReq,
-    "/destroy_weights_update_group": DestroyWeightsUpdateGroupReq, "/update_weights_from_disk": UpdateWeightsFromDiskReq,
-    "/begin_weight_update": BeginWeightUpdateReq, "/update_weight_version": UpdateWeightVersionReq,
-    "/get_weights_by_name": GetWeightsByNameReq, "/release_memory_occupation": MemoryOccupationReq,
-    "/resume_memory_occupation": MemoryOccupationReq, "/tokenize": TokenizeRequest, "/v1/tokenize": TokenizeRequest,
-    "/detokenize": DetokenizeRequest, "/v1/detokenize": DetokenizeRequest, "/start_profile": ProfileReq,
-    "/get_weight_version": GetWeightVersionReq, "/load_lora_adapter": LoadLoraAdapterReq, "/unload_lora_adapter": UnloadLoraAdapterReq,
-}  # fmt: skip
+    "/generate": GenerateReqInput,
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/abort_request": AbortReq,
+    "/pause_generation": PauseGenerationReq,
+    "/continue_generation": ContinueGenerationReq,
+    "/init_weights_update_group": InitWeightsUpdateGroupReq,
+    "/update_weights_from_distributed": UpdateWeightsFromDistributedReq,
+    "/destroy_weights_update_group": DestroyWeightsUpdateGroupReq,
+    "/update_weights_from_disk": UpdateWeightsFromDiskReq,
+    "/begin_weight_update": BeginWeightUpdateReq,
+    "/update_weight_version": UpdateWeightVersionReq,
+    "/get_weights_by_name": GetWeightsByNameReq,
+    "/release_memory_occupation": MemoryOccupationReq,
+    "/resume_memory_occupation": MemoryOccupationReq,
+    "/tokenize": TokenizeRequest,
+    "/v1/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+    "/v1/detokenize": DetokenizeRequest,
+    "/start_profile": ProfileReq,
+    "/get_weight_version": GetWeightVersionReq,
+    "/load_lora_adapter": LoadLoraAdapterReq,
+    "/unload_lora_adapter": UnloadLoraAdapterReq,
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

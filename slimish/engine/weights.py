@@ -56,7 +56,11 @@ class WeightUpdater:
         # Tied weights appear under every name (lm_head.weight and model.embed_tokens.weight),
         # so a push under either name lands in the one shared tensor.
         self.model = Tensors(dict(model.named_parameters(remove_duplicate=False)), "a parameter of this model")
-        self.params, self.canonical, self.torn = self.model.params, self.model.canonical, self.model.torn  # the model's, for short
+        self.params, self.canonical, self.torn = (
+            self.model.params,
+            self.model.canonical,
+            self.model.torn,
+        )  # the model's, for short
         self.device = next(iter(self.params.values())).device  # receive buffers live there too (NCCL needs it)
         self.timeout = timeout
         self.groups: dict[str, ProcessGroup] = {}
@@ -104,15 +108,19 @@ class WeightUpdater:
 
     def await_full_push(self) -> None:
         """Count every parameter as missing until an update writes it (`--await-weights`)."""
-        self.torn.update(dict.fromkeys(self.canonical.values(), "have not been pushed since this engine started (--await-weights)"))
+        self.torn.update(
+            dict.fromkeys(self.canonical.values(), "have not been pushed since this engine started (--await-weights)")
+        )
 
     def torn_error(self) -> str | None:
         """Why generating now would use weights that are not whole, or None."""
         if not self.torn:
             return None
         names = sorted(self.torn)
-        return (f"weights are not whole: {len(names)} parameters (e.g. {names[0]!r}) {self.torn[names[0]]}; "
-                "push them (or update_weights_from_disk) before generating")
+        return (
+            f"weights are not whole: {len(names)} parameters (e.g. {names[0]!r}) {self.torn[names[0]]}; "
+            "push them (or update_weights_from_disk) before generating"
+        )
 
     def update_from_disk(self, model_path: str) -> None:
         """Load every parameter from the `*.safetensors` files of an HF checkpoint directory."""
@@ -140,7 +148,9 @@ class WeightUpdater:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _validate(self, target: Tensors, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[torch.dtype]:
+    def _validate(
+        self, target: Tensors, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+    ) -> list[torch.dtype]:
         resolved, seen = [], set()
         for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes, strict=True)):
             if name not in target.params:
@@ -173,8 +183,14 @@ class WeightUpdater:
         for name, tensor in state.items():
             self._check_shape(self.model, f"model_path {model_path!r}", name, tensor.shape)
 
-    def _recv_each(self, target: Tensors, group: ProcessGroup, names: Sequence[str], dtypes: Sequence[torch.dtype],
-                   shapes: Sequence[Sequence[int]]) -> None:  # fmt: skip
+    def _recv_each(
+        self,
+        target: Tensors,
+        group: ProcessGroup,
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype],
+        shapes: Sequence[Sequence[int]],
+    ) -> None:
         """Receive into the parameters themselves where the dtypes agree, else into kept buffers
         that are copied in once everything arrived."""
         targets, in_place, converted = [], [], []
@@ -202,7 +218,9 @@ class WeightUpdater:
             target.torn.pop(name, None)
         self._load(target, converted)
 
-    def _recv_flattened(self, group: ProcessGroup, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def _recv_flattened(
+        self, group: ProcessGroup, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor]:
         ranges = flattened_layout(names, dtypes, shapes)
         total = ranges[-1][1]
         if self.bucket_buffer.numel() < total:

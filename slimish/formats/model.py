@@ -66,8 +66,13 @@ class ReplyStream:
 class ModelFormat:
     """A model's chat template, end tokens, tool-call parser and reasoning parser."""
 
-    def __init__(self, tokenizer: Any, model_path: str | None = None, tool_call_parser_name: str | None = None,
-                 reasoning_parser_name: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tokenizer: Any,
+        model_path: str | None = None,
+        tool_call_parser_name: str | None = None,
+        reasoning_parser_name: str | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.end_ids = end_token_ids(tokenizer, model_path)
         self._template: ChatTemplate | None = None
@@ -75,7 +80,9 @@ class ModelFormat:
         self.tool_call_parser = _resolve(tool_call_parser_name, detect_tool_call_parser(source) if source else None)
         self.reasoning_parser = _resolve(reasoning_parser_name, detect_reasoning_parser(source) if source else None)
         self.tools: ToolCallParser | None = tool_call_parser(self.tool_call_parser) if self.tool_call_parser else None
-        self.reasoning: ReasoningParser | None = reasoning_parser(self.reasoning_parser) if self.reasoning_parser else None
+        self.reasoning: ReasoningParser | None = (
+            reasoning_parser(self.reasoning_parser) if self.reasoning_parser else None
+        )
         self._chats: dict[str, ChatTokens] = {}
 
     @property

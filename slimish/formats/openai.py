@@ -53,13 +53,21 @@ async def parse_body(request: Request, model: type[M]) -> M:
 
 def field_error(message: str, prompt_field: str = "prompt", max_field: str = "max_tokens") -> OpenAIError:
     """Native field names (the engine's checks, `SamplingParams`) -> the OpenAI body's names."""
-    renames = {"sampling_params.": "", "input_ids": prompt_field, "max_new_tokens": max_field, "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
+    renames = {
+        "sampling_params.": "",
+        "input_ids": prompt_field,
+        "max_new_tokens": max_field,
+        "min_new_tokens": "min_tokens",
+        "sampling_seed": "seed",
+    }
     for native, ours in renames.items():
         message = message.replace(native, ours)
     return OpenAIError(message, message.split(":", 1)[0])
 
 
-def sampling_params_of(body: CompletionRequest | ChatCompletionRequest, max_new_tokens: int, max_field: str) -> SamplingParams:
+def sampling_params_of(
+    body: CompletionRequest | ChatCompletionRequest, max_new_tokens: int, max_field: str
+) -> SamplingParams:
     try:
         return body.sampling_params(max_new_tokens)
     except ValidationError as exc:
@@ -68,7 +76,10 @@ def sampling_params_of(body: CompletionRequest | ChatCompletionRequest, max_new_
 
 def check_tool_choice(body: ChatCompletionRequest) -> None:
     if body.tool_choice not in (None, "auto", "none"):
-        raise OpenAIError("tool_choice: only 'auto' and 'none' are supported (forcing a tool needs constrained decoding)", "tool_choice")
+        raise OpenAIError(
+            "tool_choice: only 'auto' and 'none' are supported (forcing a tool needs constrained decoding)",
+            "tool_choice",
+        )
 
 
 def active_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
@@ -78,7 +89,12 @@ def active_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
 
 def reply_message(reply: Reply) -> dict[str, Any]:
     """The choice's `message`, in SGLang's shape (every field present, null when empty)."""
-    return {"role": "assistant", "content": reply.content, "reasoning_content": reply.reasoning_content, "tool_calls": reply.tool_calls or None}
+    return {
+        "role": "assistant",
+        "content": reply.content,
+        "reasoning_content": reply.reasoning_content,
+        "tool_calls": reply.tool_calls or None,
+    }
 
 
 def finish(reason: str | None, matched: Any, called: bool) -> tuple[str | None, Any]:

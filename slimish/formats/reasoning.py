@@ -155,9 +155,15 @@ class MistralReasoningParser(ReasoningParser):
 
 
 PARSER_CLASSES: tuple[type[ReasoningParser], ...] = (
-    Qwen3ReasoningParser, Qwen3ThinkingReasoningParser, DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser,
-    Glm45ReasoningParser, KimiReasoningParser, KimiK2ReasoningParser, MistralReasoningParser,
-)  # fmt: skip
+    Qwen3ReasoningParser,
+    Qwen3ThinkingReasoningParser,
+    DeepSeekR1ReasoningParser,
+    DeepSeekV3ReasoningParser,
+    Glm45ReasoningParser,
+    KimiReasoningParser,
+    KimiK2ReasoningParser,
+    MistralReasoningParser,
+)
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {name: cls for cls in PARSER_CLASSES for name in cls.names}
 
 

@@ -20,8 +20,14 @@ from typing import Any
 from transformers import GenerationConfig
 
 # The probe conversation that tells which form of tool-call arguments a template renders as JSON.
-_PROBE_TOOL = {"type": "function", "function": {"name": "probe_fn", "description": "probe",
-               "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}  # fmt: skip
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe_fn",
+        "description": "probe",
+        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+    },
+}
 _PROBE_ARGS = {"x": "probe"}
 
 
@@ -56,9 +62,13 @@ def _arguments_as(call: Any, form: str, i: int) -> Any:
         try:
             args = json.loads(args)
         except ValueError:
-            raise TemplateError(f"messages.{i}.tool_calls: function.arguments must be a JSON object", f"messages.{i}.tool_calls") from None
+            raise TemplateError(
+                f"messages.{i}.tool_calls: function.arguments must be a JSON object", f"messages.{i}.tool_calls"
+            ) from None
     if not isinstance(args, dict):
-        raise TemplateError(f"messages.{i}.tool_calls: function.arguments must be a JSON object", f"messages.{i}.tool_calls")
+        raise TemplateError(
+            f"messages.{i}.tool_calls: function.arguments must be a JSON object", f"messages.{i}.tool_calls"
+        )
     if form == "string":  # the caller's own string, as HF would render it; an object is written as JSON
         value = fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(args, ensure_ascii=False)
     else:
@@ -72,10 +82,15 @@ class ChatTemplate:
 
     def __init__(self, tokenizer: Any) -> None:
         if not getattr(tokenizer, "chat_template", None):
-            raise TemplateError("the tokenizer has no chat_template; chat messages cannot be rendered for this model", "model")
+            raise TemplateError(
+                "the tokenizer has no chat_template; chat messages cannot be rendered for this model", "model"
+            )
         self.tokenizer = tokenizer
-        self._own_args = {k for k, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
-                          if p.kind is not inspect.Parameter.VAR_KEYWORD}  # fmt: skip
+        self._own_args = {
+            k
+            for k, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+            if p.kind is not inspect.Parameter.VAR_KEYWORD
+        }
         self.arguments_form = self._arguments_form()
 
     @property
@@ -92,17 +107,26 @@ class ChatTemplate:
             out.append(m)
         return out
 
-    def render(self, messages: list[Any], tools: list[dict] | None = None, add_generation_prompt: bool = True,
-               **kwargs: Any) -> list[int]:  # fmt: skip
+    def render(
+        self, messages: list[Any], tools: list[dict] | None = None, add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
         """The template's ids for `messages`; `kwargs` are template variables (`enable_thinking`...)."""
         for key in kwargs:
             if key in self._own_args:  # would change the call, not the template
-                raise TemplateError(f"chat_template_kwargs.{key}: an argument of apply_chat_template, not a template variable",
-                                    "chat_template_kwargs")  # fmt: skip
+                raise TemplateError(
+                    f"chat_template_kwargs.{key}: an argument of apply_chat_template, not a template variable",
+                    "chat_template_kwargs",
+                )
         normalised = self.messages(messages)
         try:
-            ids = self.tokenizer.apply_chat_template(normalised, tools=tools or None, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True, return_dict=False, **kwargs)  # fmt: skip
+            ids = self.tokenizer.apply_chat_template(
+                normalised,
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+                **kwargs,
+            )
         except TemplateError:
             raise
         except Exception as exc:  # jinja errors and the template's raise_exception: caused by the conversation
@@ -110,7 +134,7 @@ class ChatTemplate:
         return list(ids)
 
     def _arguments_form(self) -> str:
-        """"object" or "string": the form of `arguments` this template writes as JSON, probed on
+        """ "object" or "string": the form of `arguments` this template writes as JSON, probed on
         one call; "object" where both forms render alike or the template has no tool calls."""
         rendered = {form: self._probe(form) for form in ("object", "string")}
         if rendered["object"] is None and rendered["string"] is not None:
@@ -123,8 +147,11 @@ class ChatTemplate:
 
     def _probe(self, form: str) -> str | None:
         call = {"id": "c", "type": "function", "function": {"name": "probe_fn", "arguments": _PROBE_ARGS}}
-        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [_arguments_as(call, form, 1)]},
-                    {"role": "tool", "tool_call_id": "c", "content": "r"}]  # fmt: skip
+        messages = [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "tool_calls": [_arguments_as(call, form, 1)]},
+            {"role": "tool", "tool_call_id": "c", "content": "r"},
+        ]
         try:
             return self.tokenizer.apply_chat_template(messages, tools=[_PROBE_TOOL], tokenize=False)
         except Exception:

@@ -41,7 +41,9 @@ class ChatTokens:
     """A chat template rendered in token space, for one tool list and one set of template kwargs:
     first prompts, the environment's ids between model turns, and a model turn's own ids."""
 
-    def __init__(self, template: ChatTemplate, end_ids: list[int], tools: list[dict] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, template: ChatTemplate, end_ids: list[int], tools: list[dict] | None = None, **kwargs: Any
+    ) -> None:
         self.template, self.tokenizer = template, template.tokenizer
         self.end_ids = set(end_ids)
         self.tools = tools or None
@@ -57,7 +59,9 @@ class ChatTokens:
             if opener not in self._special:
                 raise TemplateError(
                     f"chat template: assistant turns end with token {opener} ({self.tokenizer.convert_ids_to_tokens(opener)!r}), "
-                    "not a special token; a model cannot signal the end of its turn with it", "model")  # fmt: skip
+                    "not a special token; a model cannot signal the end of its turn with it",
+                    "model",
+                )
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         """The template's ids for `messages` (tools and template kwargs as given at construction)."""
@@ -84,8 +88,9 @@ class ChatTokens:
             )
         return suffix[1:] if last_token in self.end_ids or last_token == self.close_id else suffix
 
-    def assistant_ids(self, history: list[dict[str, Any]], message: dict[str, Any],
-                      following: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
+    def assistant_ids(
+        self, history: list[dict[str, Any]], message: dict[str, Any], following: dict[str, Any] | None = None
+    ) -> list[int]:
         """The ids of `message` as the model writes them after the prompt of `history`, up to and
         including the token that ends the turn: the template's close, or, where the next turn's
         opener closes it, the opener of `following` (default: a user turn). A demonstration's
@@ -109,7 +114,9 @@ class ChatTokens:
         base = self.render(history, add_generation_prompt=False)
         common = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
         opener = prompt[len(base) :] if prompt[: len(base)] == base else []
-        starts = [i for i in range(len(full) - len(opener), common - 1, -1) if opener and full[i : i + len(opener)] == opener]
+        starts = [
+            i for i in range(len(full) - len(opener), common - 1, -1) if opener and full[i : i + len(opener)] == opener
+        ]
         return full[starts[0] + len(opener) :] if starts else full[common:]
 
     def _after_assistant(self, new_messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
@@ -122,7 +129,9 @@ class ChatTokens:
         while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
             n += 1
         if n == 0 and (new_messages or add_generation_prompt):
-            raise TemplateError("chat template: nothing follows an assistant turn's content, so its end cannot be found", "model")
+            raise TemplateError(
+                "chat template: nothing follows an assistant turn's content, so its end cannot be found", "model"
+            )
         return a[len(a) - n :]
 
 

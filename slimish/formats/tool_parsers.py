@@ -148,7 +148,9 @@ class ToolCallStream:
         calls = []
         for name, arguments in checked:
             fn = {"name": name, "arguments": arguments}
-            calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "index": self.count, "type": "function", "function": fn})
+            calls.append(
+                {"id": f"call_{uuid.uuid4().hex[:24]}", "index": self.count, "type": "function", "function": fn}
+            )
             self.count += 1
         return calls
 
@@ -416,9 +418,16 @@ class PythonicParser(ToolCallParser):
 
 
 PARSER_CLASSES: tuple[type[ToolCallParser], ...] = (
-    Qwen25Parser, Qwen3CoderParser, Glm45Parser, DeepSeekV3Parser, DeepSeekV31Parser,
-    KimiK2Parser, MistralParser, Llama3Parser, PythonicParser,
-)  # fmt: skip
+    Qwen25Parser,
+    Qwen3CoderParser,
+    Glm45Parser,
+    DeepSeekV3Parser,
+    DeepSeekV31Parser,
+    KimiK2Parser,
+    MistralParser,
+    Llama3Parser,
+    PythonicParser,
+)
 TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {name: cls for cls in PARSER_CLASSES for name in cls.names}
 
 

@@ -21,16 +21,30 @@ def lora_launch(launch: "LaunchConfig", lora: "LoraConfig") -> "LaunchConfig":
     flag the user set already is left as set."""
     if not lora.enabled:
         return launch
-    flags = {"enable_lora": ["true"], "max_lora_rank": [str(lora.rank)], "lora_target_modules": list(lora.target_modules)}
+    flags = {
+        "enable_lora": ["true"],
+        "max_lora_rank": [str(lora.rank)],
+        "lora_target_modules": list(lora.target_modules),
+    }
     given = {pair.split("=", 1)[0].lstrip("-").replace("-", "_") for pair in launch.engine_flag}
-    given_sglang = {arg.split("=", 1)[0].removeprefix("--sglang-").lstrip("-").replace("-", "_") for arg in launch.sglang_args}
+    given_sglang = {
+        arg.split("=", 1)[0].removeprefix("--sglang-").lstrip("-").replace("-", "_") for arg in launch.sglang_args
+    }
     engine_flag = [f"{name}={v}" for name, values in flags.items() if name not in given for v in values]
-    sglang_args = [arg for name, values in flags.items() if name not in given_sglang
-                   for arg in ["--" + name.replace("_", "-"), *(v for v in values if name != "enable_lora")]]  # fmt: skip
-    return dataclasses.replace(launch, engine_flag=[*launch.engine_flag, *engine_flag], sglang_args=[*launch.sglang_args, *sglang_args])
+    sglang_args = [
+        arg
+        for name, values in flags.items()
+        if name not in given_sglang
+        for arg in ["--" + name.replace("_", "-"), *(v for v in values if name != "enable_lora")]
+    ]
+    return dataclasses.replace(
+        launch, engine_flag=[*launch.engine_flag, *engine_flag], sglang_args=[*launch.sglang_args, *sglang_args]
+    )
 
 
-def start_servers(launch: "LaunchConfig", model: str | Path, log_dir: str | Path, first_gpu: int = 0) -> AbstractContextManager[Servers]:
+def start_servers(
+    launch: "LaunchConfig", model: str | Path, log_dir: str | Path, first_gpu: int = 0
+) -> AbstractContextManager[Servers]:
     """The engines and router of a run, by `launch.mode`; Ray is imported only when used. Local
     GPU engines go on this machine's GPUs from `first_gpu` on (slimish/launch/plan.py)."""
     if launch.mode == "ray":
@@ -45,13 +59,22 @@ def teacher_launch_config(launch: "LaunchConfig") -> "LaunchConfig":
     from slimish.config import LaunchConfig
 
     t = launch.teacher
-    return LaunchConfig(router_url=t.router_url, engines=t.engines, engine_kind=t.engine_kind, engine_flag=list(t.engine_flag),
-                        sglang_args=list(t.sglang_args), policy=launch.policy, api_key=launch.api_key,
-                        start_timeout=launch.start_timeout)  # fmt: skip
+    return LaunchConfig(
+        router_url=t.router_url,
+        engines=t.engines,
+        engine_kind=t.engine_kind,
+        engine_flag=list(t.engine_flag),
+        sglang_args=list(t.sglang_args),
+        policy=launch.policy,
+        api_key=launch.api_key,
+        start_timeout=launch.start_timeout,
+    )
 
 
 @contextmanager
-def teacher_servers(launch: "LaunchConfig", log_dir: str | Path, policy_router: str, first_gpu: int = 0) -> Iterator[Servers]:
+def teacher_servers(
+    launch: "LaunchConfig", log_dir: str | Path, policy_router: str, first_gpu: int = 0
+) -> Iterator[Servers]:
     """On-policy distillation's teacher (`launch.teacher`): its own engines and router, started
     on this machine like the policy's local ones (logs in `log_dir`; GPUs from `first_gpu` on),
     or the server at `teacher.router_url`; with `teacher.served_name`, its engines (started, or
@@ -67,7 +90,9 @@ def teacher_servers(launch: "LaunchConfig", log_dir: str | Path, policy_router: 
     elif not t.model:
         urls = list(named_workers(policy_router, t.served_name, launch.api_key))
         if not urls:
-            raise ValueError(f"launch.teacher.served_name: no worker is registered under {t.served_name!r} on {policy_router}")
+            raise ValueError(
+                f"launch.teacher.served_name: no worker is registered under {t.served_name!r} on {policy_router}"
+            )
         yield Servers(policy_router, urls)
     else:
         with engines_only(own, t.model, log_dir, first_gpu) as engines:
@@ -80,5 +105,7 @@ def check_push_targets(policy_urls: list[str], teacher_urls: list[str]) -> None:
     """Weight sync targets the policy's engines only: fail if one of them is also the teacher's."""
     shared = {u.rstrip("/") for u in policy_urls} & {u.rstrip("/") for u in teacher_urls}
     if shared:
-        raise ValueError(f"launch.teacher: engines {sorted(shared)} serve both the policy and the teacher; weight pushes would "
-                         "change the teacher. Give the teacher engines of its own")  # fmt: skip
+        raise ValueError(
+            f"launch.teacher: engines {sorted(shared)} serve both the policy and the teacher; weight pushes would "
+            "change the teacher. Give the teacher engines of its own"
+        )

@@ -23,14 +23,20 @@ if TYPE_CHECKING:
 
 
 def engine_process(
-    model: str | Path, port: int | None = None, log_path: str | Path | None = None, host: str = "127.0.0.1", **flags: object
+    model: str | Path,
+    port: int | None = None,
+    log_path: str | Path | None = None,
+    host: str = "127.0.0.1",
+    **flags: object,
 ) -> ServerProcess:
     """A built-in engine child bound to `host`; `flags` as `engine_argv` writes them."""
     port = port or free_port(host)
     return ServerProcess(engine_argv(model, host, port, flags), port=port, host=connect_host(host), log_path=log_path)
 
 
-def engine_command(launch: "LaunchConfig", model: str | Path, host: str, port: int | str, gpus: tuple[int, ...] = ()) -> tuple[str, list[str]]:
+def engine_command(
+    launch: "LaunchConfig", model: str | Path, host: str, port: int | str, gpus: tuple[int, ...] = ()
+) -> tuple[str, list[str]]:
     """One engine of `launch.engine_kind` (builtin or sglang) as `python -m MODULE ARGV`: the
     module and the arguments. `gpus`: its GPUs on its node (slimish/launch/plan.py
     `engine_gpus`) where the launcher places it; none under Ray, whose bundle sets the GPUs the
@@ -43,8 +49,10 @@ def engine_command(launch: "LaunchConfig", model: str | Path, host: str, port: i
     if gpus and flags.get("device") == "cuda":
         flags["device"] = f"cuda:{gpus[0]}"
     if owned := {"model", "host", "port"} & set(flags):
-        raise ValueError(f"launch.engine_flag: {', '.join(sorted(owned))} set by the launcher (the run's model; "
-                         "127.0.0.1, or the node's address under launch.mode=ray; a free port); remove it")  # fmt: skip
+        raise ValueError(
+            f"launch.engine_flag: {', '.join(sorted(owned))} set by the launcher (the run's model; "
+            "127.0.0.1, or the node's address under launch.mode=ray; a free port); remove it"
+        )
     if launch.api_key:
         flags.setdefault("api_key", launch.api_key)
     return "slimish.cli", engine_argv(model, host, port, flags)
@@ -57,7 +65,10 @@ def engine_argv(model: str | Path, host: str, port: int | str, flags: dict[str, 
     boolean may also be the text of a NAME=VALUE pair (`launch.engine_flag: [enable_lora=true]`)."""
     from slimish.config import EngineConfig
 
-    hints, argv = typing.get_type_hints(EngineConfig), ["engine", "--model", str(model), "--host", host, "--port", str(port)]
+    hints, argv = (
+        typing.get_type_hints(EngineConfig),
+        ["engine", "--model", str(model), "--host", host, "--port", str(port)],
+    )
     for key, value in flags.items():
         flag = key.replace("_", "-")
         if hints.get(key) is bool:
@@ -84,7 +95,11 @@ def engine_flags(pairs: list[str], field: str = "launch.engine_flag") -> dict[st
 
 
 def engine_server(
-    launch: "LaunchConfig", model: str | Path, log_path: str | Path | None, host: str = "127.0.0.1", gpus: tuple[int, ...] = ()
+    launch: "LaunchConfig",
+    model: str | Path,
+    log_path: str | Path | None,
+    host: str = "127.0.0.1",
+    gpus: tuple[int, ...] = (),
 ) -> ServerProcess:
     """`engine_command`'s engine on a free port of `host`, not started."""
     port = free_port(host)
@@ -106,7 +121,17 @@ def await_weights_on_relaunch(engine: ServerProcess) -> None:
 def router_process(launch: "LaunchConfig", worker_urls: list[str], log_dir: Path) -> ServerProcess:
     """The run's router, in front of `worker_urls`, not started."""
     port = free_port()
-    argv = ["router", "--port", str(port), "--policy", launch.policy, "--workers", str(launch.router_workers), "--worker-urls", *worker_urls]
+    argv = [
+        "router",
+        "--port",
+        str(port),
+        "--policy",
+        launch.policy,
+        "--workers",
+        str(launch.router_workers),
+        "--worker-urls",
+        *worker_urls,
+    ]
     if launch.api_key:
         argv += ["--api-key", launch.api_key]
     return ServerProcess(argv, port=port, log_path=log_dir / "router.log")
@@ -140,13 +165,17 @@ class Servers:
 
 
 @contextmanager
-def local_servers(launch: "LaunchConfig", model: str | Path, log_dir: str | Path, first_gpu: int = 0) -> Iterator[Servers]:
+def local_servers(
+    launch: "LaunchConfig", model: str | Path, log_dir: str | Path, first_gpu: int = 0
+) -> Iterator[Servers]:
     """The engines and router a run needs: started here (children, stopped on exit) unless
     `launch.router_url` names existing ones, whose engines are then read from its worker list,
     or `launch.engine_kind` is external (a router is started in front of `launch.engine_urls`).
     GPU engines go on this machine's GPUs from `first_gpu` on (`engine_gpus`)."""
     if launch.router_url:
-        yield Servers(launch.router_url, existing_engine_urls(launch.router_url, launch.api_key, launch.teacher.served_name))
+        yield Servers(
+            launch.router_url, existing_engine_urls(launch.router_url, launch.api_key, launch.teacher.served_name)
+        )
         return
     with engines_only(launch, model, log_dir, first_gpu) as engines:
         urls = [e.url for e in engines] or [u.rstrip("/") for u in launch.engine_urls]
@@ -161,11 +190,16 @@ def local_engines(launch: "LaunchConfig", model: str | Path, log_dir: Path, firs
 
     if launch.engine_kind == "external":
         return []
-    return [engine_server(launch, model, log_dir / f"engine{i}.log", gpus=gpus) for i, gpus in enumerate(engine_gpus(launch, first_gpu))]
+    return [
+        engine_server(launch, model, log_dir / f"engine{i}.log", gpus=gpus)
+        for i, gpus in enumerate(engine_gpus(launch, first_gpu))
+    ]
 
 
 @contextmanager
-def engines_only(launch: "LaunchConfig", model: str | Path, log_dir: str | Path, first_gpu: int = 0) -> Iterator[list[ServerProcess]]:
+def engines_only(
+    launch: "LaunchConfig", model: str | Path, log_dir: str | Path, first_gpu: int = 0
+) -> Iterator[list[ServerProcess]]:
     """`local_engines` started and healthy, stopped when the block ends."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -41,12 +41,18 @@ def registered(router_url: str, urls: list[str], name: str, api_key: str | None,
             for url in urls:
                 r = http.post("/workers", json={"url": url, "model_id": name})
                 if r.status_code != 202:
-                    raise RuntimeError(f"launch.teacher.served_name: {router_url} refused worker {url} as {name!r}: {r.status_code} {r.text}")
+                    raise RuntimeError(
+                        f"launch.teacher.served_name: {router_url} refused worker {url} as {name!r}: {r.status_code} {r.text}"
+                    )
                 ids.append(r.json()["worker_id"])
             deadline = time.monotonic() + timeout
-            while not all(_named(http, name).get(u, {}).get("is_healthy") for u in urls):  # ours only: a stale one may be down
+            while not all(
+                _named(http, name).get(u, {}).get("is_healthy") for u in urls
+            ):  # ours only: a stale one may be down
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"launch.teacher.served_name: {urls} not healthy on {router_url} within {timeout:g} s")
+                    raise TimeoutError(
+                        f"launch.teacher.served_name: {urls} not healthy on {router_url} within {timeout:g} s"
+                    )
                 time.sleep(0.1)  # polling the router's health view, bounded by the deadline
             yield
         finally:

@@ -51,7 +51,9 @@ class Machine:
     assumed: bool = False  # no GPU here: the numbers are the dry run's flags (or their defaults)
 
 
-ASSUMED = Machine(gpus_per_node=8, gpu_memory_gib=80.0, assumed=True)  # a dry run's nodes when it runs on none: 8 x 80 GiB (H100)
+ASSUMED = Machine(
+    gpus_per_node=8, gpu_memory_gib=80.0, assumed=True
+)  # a dry run's nodes when it runs on none: 8 x 80 GiB (H100)
 
 # ---- the model ------------------------------------------------------------------------------
 
@@ -103,7 +105,9 @@ def model_source(model: str, config_path: str | None) -> Path:
     shipped = Path(config_path or ".").parent / "models" / Path(model).name
     if (shipped / "config.json").is_file():
         return shipped
-    raise ValueError(f"model: no config.json in {model} nor in {shipped} (the dry run reads the architecture from one of them)")
+    raise ValueError(
+        f"model: no config.json in {model} nor in {shipped} (the dry run reads the architecture from one of them)"
+    )
 
 
 def load_model(source: Path) -> "BridgeConfig":
@@ -153,21 +157,31 @@ def engines_tp(launch: "LaunchConfig") -> int:
     return sglang_tp(launch.sglang_args) if launch.engine_kind == "sglang" else 1
 
 
-def check_placement(launch: "LaunchConfig", nproc: int, first_gpu: int, gpus_per_node: int, teacher: "LaunchConfig | None" = None) -> None:
+def check_placement(
+    launch: "LaunchConfig", nproc: int, first_gpu: int, gpus_per_node: int, teacher: "LaunchConfig | None" = None
+) -> None:
     """Every trainer rank (`nproc`, on GPUs below `first_gpu`) and local engine on a GPU the node
     has; an engine's GPUs on one node."""
     if first_gpu and nproc > gpus_per_node:
-        raise ValueError(f"trainer.nproc ({nproc}) exceeds the node's {gpus_per_node} GPUs: torchrun starts every rank on rank 0's node")
+        raise ValueError(
+            f"trainer.nproc ({nproc}) exceeds the node's {gpus_per_node} GPUs: torchrun starts every rank on rank 0's node"
+        )
     if launch.mode == "ray" and engines_tp(launch) > gpus_per_node:
-        raise ValueError(f"launch.sglang_args --tp-size {engines_tp(launch)}: one engine's GPUs must be on one node of {gpus_per_node} GPUs")
-    groups = [("launch", launch, first_gpu)] + ([("launch.teacher", teacher, next_gpu(launch, first_gpu))] if teacher else [])
+        raise ValueError(
+            f"launch.sglang_args --tp-size {engines_tp(launch)}: one engine's GPUs must be on one node of {gpus_per_node} GPUs"
+        )
+    groups = [("launch", launch, first_gpu)] + (
+        [("launch.teacher", teacher, next_gpu(launch, first_gpu))] if teacher else []
+    )
     for name, lc, first in groups:
         for i, gpus in enumerate(engine_gpus(lc, first)):
             if gpus and max(gpus) >= gpus_per_node:
-                raise ValueError(f"{name}.engines: engine {i} would use GPU {max(gpus)} but the node has {gpus_per_node} "
-                                 f"(GPUs 0-{gpus_per_node - 1}): {lc.engines} engines x tp {engines_tp(lc)} from GPU {first} "
-                                 f"after trainer.nproc={nproc} trainer GPUs; use fewer engines or GPUs each, or place them "
-                                 "with --base-gpu-id in launch.sglang_args")  # fmt: skip
+                raise ValueError(
+                    f"{name}.engines: engine {i} would use GPU {max(gpus)} but the node has {gpus_per_node} "
+                    f"(GPUs 0-{gpus_per_node - 1}): {lc.engines} engines x tp {engines_tp(lc)} from GPU {first} "
+                    f"after trainer.nproc={nproc} trainer GPUs; use fewer engines or GPUs each, or place them "
+                    "with --base-gpu-id in launch.sglang_args"
+                )
 
 
 # ---- sizes ----------------------------------------------------------------------------------
@@ -178,15 +192,19 @@ def check_sizes(cfg: "RunConfig", m: "BridgeConfig") -> None:
     t = cfg.trainer
     if t.backend == "megatron":
         if t.nproc % (t.tp * t.pp):
-            raise ValueError(f"trainer.nproc ({t.nproc}) must be a multiple of trainer.tp x trainer.pp ({t.tp} x {t.pp}): "
-                             "the data-parallel size is the quotient")  # fmt: skip
+            raise ValueError(
+                f"trainer.nproc ({t.nproc}) must be a multiple of trainer.tp x trainer.pp ({t.tp} x {t.pp}): "
+                "the data-parallel size is the quotient"
+            )
         try:
             m.check_parallel(t.tp, t.pp)
         except ValueError as exc:
             raise ValueError(f"trainer.tp={t.tp}, trainer.pp={t.pp}: {exc}") from None
         if m.num_experts and t.tp > 1:
-            raise ValueError(f"trainer.tp={t.tp} with an MoE model (num_experts={m.num_experts}): Megatron trains MoE at TP > 1 "
-                             "only with sequence parallelism, which megatron_bridge leaves off; split it with trainer.pp")  # fmt: skip
+            raise ValueError(
+                f"trainer.tp={t.tp} with an MoE model (num_experts={m.num_experts}): Megatron trains MoE at TP > 1 "
+                "only with sequence parallelism, which megatron_bridge leaves off; split it with trainer.pp"
+            )
     if cfg.launch.engine_kind == "sglang":
         check_sglang_sizes(cfg.launch.sglang_args, m)
 
@@ -200,8 +218,10 @@ def check_sglang_sizes(args: list[str], m: "BridgeConfig") -> None:
     if m.num_query_groups % tp and tp % m.num_query_groups:
         raise ValueError(f"{where}: num_key_value_heads={m.num_query_groups} must divide it or be divisible by it")
     if ep > 1 and (not m.num_experts or m.num_experts % ep or tp % ep):
-        raise ValueError(f"launch.sglang_args --ep-size {ep}: needs an MoE model whose num_experts ({m.num_experts}) it divides, "
-                         f"and must divide --tp-size ({tp})")  # fmt: skip
+        raise ValueError(
+            f"launch.sglang_args --ep-size {ep}: needs an MoE model whose num_experts ({m.num_experts}) it divides, "
+            f"and must divide --tp-size ({tp})"
+        )
 
 
 def teacher_launch(cfg: "RunConfig") -> "LaunchConfig | None":
@@ -244,8 +264,10 @@ def builtin_engine_config(launch: "LaunchConfig", model: str) -> "EngineConfig":
     from slimish.config import EngineConfig
 
     hints = typing.get_type_hints(EngineConfig)
-    flags = {k: [v] if typing.get_origin(hints.get(k)) is list and not isinstance(v, list) else v
-             for k, v in engine_flags(launch.engine_flag).items()}  # fmt: skip
+    flags = {
+        k: [v] if typing.get_origin(hints.get(k)) is list and not isinstance(v, list) else v
+        for k, v in engine_flags(launch.engine_flag).items()
+    }
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EngineConfig), {"model": model, **flags}))  # type: ignore[return-value]
 
 
@@ -263,8 +285,10 @@ def engine_memory(launch: "LaunchConfig", m: "BridgeConfig", model: str, gpu_gib
             return [("weights", weights)], "KV cache: SGLang sizes it (give --mem-fraction-static for a figure)"
         kv = float(fraction) * gpu_gib - weights
         if kv <= 0:
-            raise ValueError(f"launch.sglang_args --mem-fraction-static {fraction}: {float(fraction) * gpu_gib:.1f} of {gpu_gib:g} GiB "
-                             f"leaves no KV cache beside {weights:.1f} GiB of weights per GPU; raise it or --tp-size")  # fmt: skip
+            raise ValueError(
+                f"launch.sglang_args --mem-fraction-static {fraction}: {float(fraction) * gpu_gib:.1f} of {gpu_gib:g} GiB "
+                f"leaves no KV cache beside {weights:.1f} GiB of weights per GPU; raise it or --tp-size"
+            )
         kv_dtype = flag_value(args, "--kv-cache-dtype") or "auto"
         tokens = kv * GIB / kv_bytes_per_token(m, tp, 1 if kv_dtype.startswith("fp8") else weight)
         return [("weights", weights), ("KV cache", kv)], f"mem_fraction_static {fraction}: {tokens / 1e3:,.0f}k tokens"
@@ -274,7 +298,8 @@ def engine_memory(launch: "LaunchConfig", m: "BridgeConfig", model: str, gpu_gib
     tokens = ec.max_running_requests * context + (0 if ec.disable_radix_cache else ec.radix_cache_max_tokens)
     kv = tokens * kv_bytes_per_token(m, 1, weight) / GIB
     return [("weights", model_params(m) * weight / GIB), ("KV cache", kv)], (
-        f"at most {ec.max_running_requests} x {context} tokens + {0 if ec.disable_radix_cache else ec.radix_cache_max_tokens} cached")
+        f"at most {ec.max_running_requests} x {context} tokens + {0 if ec.disable_radix_cache else ec.radix_cache_max_tokens} cached"
+    )
 
 
 def billions(n: int) -> str:
@@ -310,9 +335,10 @@ def describe(cfg: "RunConfig", m: "BridgeConfig", source: Path, machine: Machine
         f"{m.num_layers} layers, {m.num_attention_heads} attention heads, {m.num_query_groups} KV heads{experts}",
         f"GPUs: {machine.gpus_per_node} per node, {machine.gpu_memory_gib:g} GiB each"
         + (" (assumed, this machine has none: --gpus-per-node, --gpu-memory-gib)" if machine.assumed else ""),
-        f"trainer: {t.backend}, trainer.nproc {t.nproc}{parallel}, {t.compute_dtype('cuda')}" + (", LoRA" if t.lora.enabled else ""),
+        f"trainer: {t.backend}, trainer.nproc {t.nproc}{parallel}, {t.compute_dtype('cuda')}"
+        + (", LoRA" if t.lora.enabled else ""),
         *(f"  trainer rank {r}: node 0 GPU {r}" for r in range(t.nproc)),
-    ]  # fmt: skip
+    ]
     on_gpu: dict[int, list[Use]] = {r: [(f"trainer rank {r}", trainer_memory(cfg, m), "")] for r in range(t.nproc)}
     on_ray: list[Use] = []
     commands = []
@@ -324,9 +350,14 @@ def describe(cfg: "RunConfig", m: "BridgeConfig", source: Path, machine: Machine
         for i, gpus in enumerate(engine_gpus(lc, start)):
             name = f"{who} {i}"
             if lc.mode == "ray":
-                lines.append(f"  {name}: a Ray bundle of {lc.engine_gpus:g} GPUs ({lc.placement_strategy}), on the node Ray picks")
+                lines.append(
+                    f"  {name}: a Ray bundle of {lc.engine_gpus:g} GPUs ({lc.placement_strategy}), on the node Ray picks"
+                )
             else:
-                lines.append(f"  {name}: node 0 " + (f"GPU{'s' * (len(gpus) > 1)} {', '.join(map(str, gpus))}" if gpus else "cpu"))
+                lines.append(
+                    f"  {name}: node 0 "
+                    + (f"GPU{'s' * (len(gpus) > 1)} {', '.join(map(str, gpus))}" if gpus else "cpu")
+                )
             module, argv = engine_command(lc, model, "NODE_IP" if lc.mode == "ray" else "127.0.0.1", "PORT", gpus)
             commands.append(f"  {name}: python -m {module} {shlex.join(argv)}")
             if who == "engine" and (gpus or (lc.mode == "ray" and lc.engine_gpus)):  # the teacher is another model
@@ -356,10 +387,21 @@ def memory_lines(on_gpu: dict[int, list[Use]], on_ray: list[Use], gpu_gib: float
         held = "; ".join(f"{who}: {show(parts)}" + (f" ({note})" if note else "") for who, parts, note in uses)
         lines.append(f"  node 0 GPU {gpu}: {held} = {gib:.1f} of {gpu_gib:g}")
         if gib > gpu_gib:
-            fixes = ["raise trainer.tp / trainer.pp (Megatron) or train a LoRA adapter (trainer.lora)"] if gpu < nproc else []
+            fixes = (
+                ["raise trainer.tp / trainer.pp (Megatron) or train a LoRA adapter (trainer.lora)"]
+                if gpu < nproc
+                else []
+            )
             if len(uses) > 1 or gpu >= nproc:
-                fixes.append("give engines other GPUs or less memory (launch.sglang_args --base-gpu-id, --tp-size, --mem-fraction-static; "
-                             "launch.engine_flag max_running_requests, context_length)")  # fmt: skip
-            raise ValueError(f"node 0 GPU {gpu} would hold {gib:.1f} GiB ({', '.join(who for who, _, _ in uses)}) of its {gpu_gib:g}: "
-                             + "; ".join(fixes))  # fmt: skip
-    return lines + [f"  each GPU of {who}: {show(parts)} ({note}) = {total(parts):.1f} of {gpu_gib:g}" for who, parts, note in on_ray]
+                fixes.append(
+                    "give engines other GPUs or less memory (launch.sglang_args --base-gpu-id, --tp-size, --mem-fraction-static; "
+                    "launch.engine_flag max_running_requests, context_length)"
+                )
+            raise ValueError(
+                f"node 0 GPU {gpu} would hold {gib:.1f} GiB ({', '.join(who for who, _, _ in uses)}) of its {gpu_gib:g}: "
+                + "; ".join(fixes)
+            )
+    return lines + [
+        f"  each GPU of {who}: {show(parts)} ({note}) = {total(parts):.1f} of {gpu_gib:g}"
+        for who, parts, note in on_ray
+    ]

@@ -47,16 +47,21 @@ class ServerProcess:
         the thread that lives as long as the child should: the signal follows the spawning thread."""
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", self.module, *self.argv], env=self.env, stdout=out, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", self.module, *self.argv],
+            env=self.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
             preexec_fn=die_with_parent if sys.platform == "linux" else None,
-        )  # fmt: skip
+        )
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=2.0) as http:  # one client: each bare httpx.get builds an SSL context (~80 ms)
             while time.monotonic() < deadline:
                 if self.proc is not None and self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} on port {self.port} exited with {self.proc.returncode}{self._log_tail()}")
+                    raise RuntimeError(
+                        f"{self.name} on port {self.port} exited with {self.proc.returncode}{self._log_tail()}"
+                    )
                 try:
                     if http.get(self.url + self.health_path).status_code == 200:
                         return
@@ -69,7 +74,9 @@ class ServerProcess:
     def _log_tail(self) -> str:
         """Where to read why: the child's log, named, and its tail."""
         if self.log_path and self.log_path.exists():
-            return f"; read its log, {self.log_path} (tail below):\n" + self.log_path.read_text(errors="replace")[-3000:]
+            return (
+                f"; read its log, {self.log_path} (tail below):\n" + self.log_path.read_text(errors="replace")[-3000:]
+            )
         return ""
 
     def kill(self) -> None:

@@ -91,7 +91,9 @@ class RayServers(Servers):
                 ray.kill(self.actors[i])
                 self.replaced[i] += 1
                 self.actors[i] = self.spawn(i)
-        urls = ray.get([self.actors[i].start.remote(await_weights, timeout) for i in dead], timeout=timeout + CALL_TIMEOUT)
+        urls = ray.get(
+            [self.actors[i].start.remote(await_weights, timeout) for i in dead], timeout=timeout + CALL_TIMEOUT
+        )
         for i, url in zip(dead, urls):
             replace_worker(self.router_url, self.engine_urls[i], url, self.launch.api_key)
             self.engine_urls[i] = url
@@ -146,8 +148,9 @@ def ray_servers(launch: "LaunchConfig", model: str | Path, log_dir: str | Path) 
     owned = connect(launch.ray_address)
     log_dir = Path(log_dir).absolute()
     log_dir.mkdir(parents=True, exist_ok=True)
-    servers = RayServers("", [], launch=launch, model=str(Path(model).absolute()), log_dir=log_dir,
-                         replaced=[0] * launch.engines)  # fmt: skip
+    servers = RayServers(
+        "", [], launch=launch, model=str(Path(model).absolute()), log_dir=log_dir, replaced=[0] * launch.engines
+    )
     router: ServerProcess | None = None
     try:
         bundle = engine_bundle(launch)
@@ -155,8 +158,10 @@ def ray_servers(launch: "LaunchConfig", model: str | Path, log_dir: str | Path) 
         try:
             ray.get(servers.group.ready(), timeout=launch.start_timeout)
         except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"launch: {launch.engines} bundles of {bundle} ({launch.placement_strategy}) not placed within "
-                               f"{launch.start_timeout:.0f}s; `ray status` shows what the cluster has") from None  # fmt: skip
+            raise TimeoutError(
+                f"launch: {launch.engines} bundles of {bundle} ({launch.placement_strategy}) not placed within "
+                f"{launch.start_timeout:.0f}s; `ray status` shows what the cluster has"
+            ) from None
         servers.actors = [servers.spawn(i) for i in range(launch.engines)]
         starts = [actor.start.remote(False, launch.start_timeout) for actor in servers.actors]
         servers.engine_urls = ray.get(starts, timeout=launch.start_timeout + CALL_TIMEOUT)

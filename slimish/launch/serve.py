@@ -44,7 +44,12 @@ def run(args: argparse.Namespace) -> int:
         for e in engines:
             print(f"slimish serve: engine ready at {e.url}", flush=True)
         cfg = config_from_args(RouterConfig, args, worker_urls=[e.url for e in engines])
-        serve_forever(cfg, lambda url: print(f"slimish serve: router at {url} in front of {serve.engines} engine(s); Ctrl-C to stop", flush=True))
+        serve_forever(
+            cfg,
+            lambda url: print(
+                f"slimish serve: router at {url} in front of {serve.engines} engine(s); Ctrl-C to stop", flush=True
+            ),
+        )
     finally:
         for e in engines:
             e.stop()

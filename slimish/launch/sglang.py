@@ -32,7 +32,9 @@ def pass_through(args: list[str]) -> list[str]:
             arg = "--" + arg[len(PREFIX) :]
         flag = arg.split("=", 1)[0]
         if flag in OWNED:
-            raise ValueError(f"launch.sglang_args: {flag} is set by the launcher (from `model` and a free port); remove it")
+            raise ValueError(
+                f"launch.sglang_args: {flag} is set by the launcher (from `model` and a free port); remove it"
+            )
         out.append(arg)
     return out
 

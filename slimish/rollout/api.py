@@ -59,7 +59,12 @@ def trajectory_of(sample: Sample) -> str:
 
 def default_sampling_params(cfg: RolloutConfig) -> dict[str, Any]:
     """The sampling params every generate call starts from (a call's own params override them)."""
-    params: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
+    params: dict[str, Any] = {
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "top_k": cfg.top_k,
+    }
     if cfg.stop:
         params["stop"] = list(cfg.stop)
     return params
@@ -70,7 +75,9 @@ def to_result(out: GenerateResponse) -> GenerateResult:
     meta = out.meta_info
     logprobs = [float(entry[0]) for entry in meta.output_token_logprobs or []]
     if len(logprobs) != len(out.output_ids):
-        raise RuntimeError(f"/generate returned {len(out.output_ids)} output ids but {len(logprobs)} logprobs (request {meta.id})")
+        raise RuntimeError(
+            f"/generate returned {len(out.output_ids)} output ids but {len(logprobs)} logprobs (request {meta.id})"
+        )
     return GenerateResult(
         output_ids=list(out.output_ids),
         logprobs=logprobs,
@@ -107,7 +114,9 @@ class RolloutRuntime:
         # the run's adapter; the teacher's calls go through their own client and never do.
         self.lora = {"lora_path": cfg.trainer.lora.adapter} if cfg.trainer.lora.enabled else {}
 
-    def chat_tokens(self, tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> ChatTokens:
+    def chat_tokens(
+        self, tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None
+    ) -> ChatTokens:
         """The chat template in token space for a tool list; template kwargs over the run's."""
         return self.format.chat(tools, **{**self.cfg.rollout.chat_template_kwargs, **(chat_template_kwargs or {})})
 
@@ -116,15 +125,25 @@ class RolloutRuntime:
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.model)
         teacher = None
         if teacher_url:
-            teacher = Teacher(Client(teacher_url, api_key=cfg.launch.api_key), cfg.rollout.temperature, cfg.launch.teacher.served_name)
+            teacher = Teacher(
+                Client(teacher_url, api_key=cfg.launch.api_key), cfg.rollout.temperature, cfg.launch.teacher.served_name
+            )
         return cls(cfg, Client(router_url, api_key=cfg.launch.api_key), tokenizer, teacher)
 
     async def get_capture(self) -> CaptureServer:
         async with self._capture_lock:
             if self.capture is None:
                 r = self.cfg.rollout
-                capture = CaptureServer(self.client.base_url, self.format, self.cfg.launch.api_key, self.sampling_params,
-                                        r.chat_template_kwargs, r.history, r.realign_tokens, self.lora)  # fmt: skip
+                capture = CaptureServer(
+                    self.client.base_url,
+                    self.format,
+                    self.cfg.launch.api_key,
+                    self.sampling_params,
+                    r.chat_template_kwargs,
+                    r.history,
+                    r.realign_tokens,
+                    self.lora,
+                )
                 await capture.start()
                 self.capture = capture
         return self.capture
@@ -154,8 +173,14 @@ class ChatTurn:
 class RolloutContext:
     """One per call of the rollout function (and of a reward function) on one sample."""
 
-    def __init__(self, runtime: RolloutRuntime, sample: Sample | None, sampling_params: dict[str, Any] | None = None,
-                 abort: asyncio.Event | None = None, routing_key: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runtime: RolloutRuntime,
+        sample: Sample | None,
+        sampling_params: dict[str, Any] | None = None,
+        abort: asyncio.Event | None = None,
+        routing_key: str | None = None,
+    ) -> None:
         self.runtime, self.sample = runtime, sample
         self.client, self.tokenizer, self.config = runtime.client, runtime.tokenizer, runtime.cfg
         self.args: dict[str, Any] = runtime.cfg.rollout.args  # the plugin's own settings (`rollout.args`)
@@ -168,7 +193,9 @@ class RolloutContext:
         self._hand_built = False  # tokens appended by the rollout function itself
         self._resumable = True
         self._siblings: list[RolloutContext] = []
-        self._routing_key = routing_key or (f"{runtime.key}-{sample.group_id}-{sample.index}" if sample is not None else None)
+        self._routing_key = routing_key or (
+            f"{runtime.key}-{sample.group_id}-{sample.index}" if sample is not None else None
+        )
 
     @property
     def routing_key(self) -> str | None:
@@ -181,7 +208,13 @@ class RolloutContext:
         """Whether an aborted sample can be continued by calling the rollout function again: a
         sample built by `generate_sample` alone can; a conversation's state (ctx.chat, a gateway
         session, turns appended by hand, siblings) lives in the function and is gone."""
-        return self._resumable and self._chat is None and self._session is None and not self._hand_built and not self._siblings
+        return (
+            self._resumable
+            and self._chat is None
+            and self._session is None
+            and not self._hand_built
+            and not self._siblings
+        )
 
     @resumable.setter
     def resumable(self, value: bool) -> None:
@@ -200,9 +233,14 @@ class RolloutContext:
         group's baseline; return `[ctx.sample, sibling.sample, ...]` from the rollout function.
         `prompt`: the sibling's own (text or messages), else this sample's."""
         parent = self._need_sample("new_sample")
-        sibling = Sample(prompt=copy.deepcopy(parent.prompt if prompt is None else prompt), label=parent.label,
-                         group_id=parent.group_id, index=parent.index, trajectory_id=trajectory_of(parent),
-                         metadata=copy.deepcopy(parent.metadata))  # fmt: skip
+        sibling = Sample(
+            prompt=copy.deepcopy(parent.prompt if prompt is None else prompt),
+            label=parent.label,
+            group_id=parent.group_id,
+            index=parent.index,
+            trajectory_id=trajectory_of(parent),
+            metadata=copy.deepcopy(parent.metadata),
+        )
         key = f"{self._routing_key}.{len(self._siblings) + 1}"
         ctx = RolloutContext(self.runtime, sibling, self.sampling_params, self._abort, routing_key=key)
         self._siblings.append(ctx)
@@ -216,15 +254,23 @@ class RolloutContext:
         rollout code parses must say what the model emitted."""
         params = {**self.sampling_params, **(sampling_params or {})}
         if self.aborting:
-            return GenerateResult([], [], "", "abort", weight_version=-1, prompt_tokens=len(input_ids))  # nothing was asked
+            return GenerateResult(
+                [], [], "", "abort", weight_version=-1, prompt_tokens=len(input_ids)
+            )  # nothing was asked
         params.setdefault("no_stop_trim", True)  # rollout code parses the text: a matched stop string stays in it
-        out = await self.client.generate(routing_key=self._routing_key, input_ids=list(input_ids), sampling_params=params, return_logprob=True,
-                                         **self.runtime.lora)  # fmt: skip
+        out = await self.client.generate(
+            routing_key=self._routing_key,
+            input_ids=list(input_ids),
+            sampling_params=params,
+            return_logprob=True,
+            **self.runtime.lora,
+        )
         assert isinstance(out, GenerateResponse)
         return to_result(out)
 
-    async def generate_sample(self, sampling_params: dict[str, Any] | None = None,
-                              chat_template_kwargs: dict[str, Any] | None = None) -> Sample:  # fmt: skip
+    async def generate_sample(
+        self, sampling_params: dict[str, Any] | None = None, chat_template_kwargs: dict[str, Any] | None = None
+    ) -> Sample:
         """One model turn on `ctx.sample`: renders its prompt the first time (chat template for
         messages), continues a partial sample within what is left of `max_new_tokens`, appends
         the tokens and sets the status from the finish reason."""
@@ -239,12 +285,19 @@ class RolloutContext:
         self._record(await self.generate(sample.tokens, {**params, "max_new_tokens": budget}))
         return sample
 
-    def prompt_ids(self, prompt: str | list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def prompt_ids(
+        self, prompt: str | list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
         """Chat messages through the chat template (with the generation prompt); text as is."""
         return self.runtime.format.prompt_ids(prompt, self.runtime.chat_tokens(None, chat_template_kwargs))
 
-    async def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None, sampling_params: dict[str, Any] | None = None,
-                   chat_template_kwargs: dict[str, Any] | None = None) -> ChatTurn:  # fmt: skip
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict] | None = None,
+        sampling_params: dict[str, Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> ChatTurn:
         """One assistant turn of a conversation, recorded token-exactly into `ctx.sample`.
 
         The first call renders `messages` as the prompt. Each later call must pass the previous
@@ -260,13 +313,17 @@ class RolloutContext:
         chat = self.runtime.chat_tokens(tools, chat_template_kwargs)
         if self._chat is None:
             if sample.tokens:
-                raise ValueError(f"ctx.chat: sample {sample.group_id}/{sample.index} already has tokens; "
-                                 "start the conversation with ctx.chat on a fresh sample")  # fmt: skip
+                raise ValueError(
+                    f"ctx.chat: sample {sample.group_id}/{sample.index} already has tokens; "
+                    "start the conversation with ctx.chat on a fresh sample"
+                )
             self._chat = chat
             sample.set_prompt(chat.prompt_ids(messages))
         else:
             if chat is not self._chat:
-                raise ValueError("ctx.chat: `tools` or `chat_template_kwargs` changed between turns of one conversation; pass the same every turn")
+                raise ValueError(
+                    "ctx.chat: `tools` or `chat_template_kwargs` changed between turns of one conversation; pass the same every turn"
+                )
             known = len(self._messages)
             if len(messages) <= known or not all(same_message(a, b) for a, b in zip(messages, self._messages)):
                 raise ValueError(
@@ -285,7 +342,15 @@ class RolloutContext:
         reply = fmt.reply(result.text, prompt, tools)
         self._messages = [*messages, reply.message()]
         self._last_token = result.output_ids[-1] if result.output_ids else None
-        return ChatTurn(result.text, reply.content, reply.reasoning_content, reply.tool_calls, result.finish_reason, reply.message(), result)
+        return ChatTurn(
+            result.text,
+            reply.content,
+            reply.reasoning_content,
+            reply.tool_calls,
+            result.finish_reason,
+            reply.message(),
+            result,
+        )
 
     # ---- recording --------------------------------------------------------------------------
 
@@ -332,15 +397,19 @@ class RolloutContext:
         capture = await self.runtime.get_capture()
         if self._session is None:
             self._session = f"{sample.group_id}-{sample.index}-{uuid.uuid4().hex[:12]}"
-            capture.session_sampling[self._session] = dict(self.sampling_params)  # what this call samples with (eval: its temperature)
+            capture.session_sampling[self._session] = dict(
+                self.sampling_params
+            )  # what this call samples with (eval: its temperature)
         return capture, self._session
 
     def captured_samples(self) -> list[Sample]:
         """The exact-token samples of this context's gateway session (one per leaf of its tree)."""
         sample = self._need_sample("captured_samples")
         if self._session is None or self.runtime.capture is None:
-            raise ValueError("ctx.captured_samples: no gateway session; call `await ctx.openai_base_url()` (or "
-                             "anthropic_base_url, agent_env) and use it first")  # fmt: skip
+            raise ValueError(
+                "ctx.captured_samples: no gateway session; call `await ctx.openai_base_url()` (or "
+                "anthropic_base_url, agent_env) and use it first"
+            )
         return self.runtime.capture.pop_samples(self._session, sample)
 
     def release(self) -> None:
@@ -355,4 +424,3 @@ class RolloutContext:
         if self.sample is None:
             raise ValueError(f"ctx.{what}: this context scores a whole group and has no sample of its own")
         return self.sample
-

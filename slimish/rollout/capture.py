@@ -60,9 +60,17 @@ class _UvicornServer(uvicorn.Server):
 class CaptureServer:
     """Serves every protocol under `{url}/sessions/{id}` and, for key-addressed sessions, at `{url}`."""
 
-    def __init__(self, router_url: str, fmt: ModelFormat, api_key: str | None = None, default_sampling: dict | None = None,
-                 chat_template_kwargs: dict | None = None, history: str = "exact", realign_tokens: int = 8,
-                 lora: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        router_url: str,
+        fmt: ModelFormat,
+        api_key: str | None = None,
+        default_sampling: dict | None = None,
+        chat_template_kwargs: dict | None = None,
+        history: str = "exact",
+        realign_tokens: int = 8,
+        lora: dict[str, str] | None = None,
+    ) -> None:
         """`api_key` is the router's; agents may send any key (it names their session when the
         URL does not). `default_sampling` (native names) and `chat_template_kwargs` apply to
         every call; what a request sets explicitly overrides them. `history` is
@@ -76,7 +84,9 @@ class CaptureServer:
         self.history, self.realign_tokens = history, realign_tokens
         self.lora = dict(lora or {})
         self.sessions: dict[str, TrajectoryTree] = {}
-        self.session_sampling: dict[str, dict[str, Any]] = {}  # per-session defaults (ctx's: eval lowers the temperature)
+        self.session_sampling: dict[
+            str, dict[str, Any]
+        ] = {}  # per-session defaults (ctx's: eval lowers the temperature)
         self.url = ""
         self._server: _UvicornServer | None = None
         self._task: asyncio.Task | None = None
@@ -127,22 +137,39 @@ class CaptureServer:
         params = {**self.default_sampling, **self.session_sampling.get(session_id, {}), **req.sampling}
         if self.format.parses(req.tools, req.separate_reasoning):
             params["skip_special_tokens"] = False
-        out = await self.client.generate(input_ids=at.prompt_ids, sampling_params=params, return_logprob=True,
-                                         top_logprobs_num=req.top_logprobs, **self.lora)  # fmt: skip
+        out = await self.client.generate(
+            input_ids=at.prompt_ids,
+            sampling_params=params,
+            return_logprob=True,
+            top_logprobs_num=req.top_logprobs,
+            **self.lora,
+        )
         assert isinstance(out, GenerateResponse)
         meta = out.meta_info
         reason = meta.finish_reason.type if meta.finish_reason else "abort"
         reply = self.format.reply(out.text, at.prompt_ids, req.tools, req.separate_reasoning)
         ids = list(out.output_ids)
-        tree.add(at, messages, reply.message(), render_key, ids, [e[0] for e in meta.output_token_logprobs or []],
-                 meta.output_versions(len(ids)), reason)  # fmt: skip
+        tree.add(
+            at,
+            messages,
+            reply.message(),
+            render_key,
+            ids,
+            [e[0] for e in meta.output_token_logprobs or []],
+            meta.output_versions(len(ids)),
+            reason,
+        )
         matched = meta.finish_reason.matched if meta.finish_reason else None
         return TurnResult(meta.id, reply, reason, matched, at.prompt_ids, ids, meta.weight_version, meta)
 
     def count_tokens(self, req: TurnRequest) -> int:
         """The prompt a new conversation of `req` would have (Anthropic's `count_tokens`)."""
         kwargs = {**self.chat_template_kwargs, **req.chat_template_kwargs}
-        return len(self.format.chat(req.tools, **kwargs).prompt_ids([normalize_message(m, i) for i, m in enumerate(req.messages)]))
+        return len(
+            self.format.chat(req.tools, **kwargs).prompt_ids(
+                [normalize_message(m, i) for i, m in enumerate(req.messages)]
+            )
+        )
 
     # ---- samples ----------------------------------------------------------------------------
 
@@ -153,7 +180,9 @@ class CaptureServer:
         tree = self.sessions.pop(session_id, None)
         if tree is None:
             return []
-        return tree.samples(template, {"session": session_id, "segments": len(tree.roots), "realignments": tree.realignments})
+        return tree.samples(
+            template, {"session": session_id, "segments": len(tree.roots), "realignments": tree.realignments}
+        )
 
     # ---- HTTP -------------------------------------------------------------------------------
 

@@ -33,12 +33,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--filter-fn", help="rollout.filter_fn")
     parser.add_argument("--steps", type=int, help="rollout steps (default: the config's steps)")
     parser.add_argument("--out", required=True, help="JSONL file, one sample per line")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, dotted keys (rollout.n_samples_per_prompt=4)")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="config overrides, dotted keys (rollout.n_samples_per_prompt=4)",
+    )
     document_run_config(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    named = {"rollout.rollout_fn": args.rollout_fn, "rollout.reward_fn": args.reward_fn, "rollout.filter_fn": args.filter_fn}
+    named = {
+        "rollout.rollout_fn": args.rollout_fn,
+        "rollout.reward_fn": args.reward_fn,
+        "rollout.filter_fn": args.filter_fn,
+    }
     cfg = load_run_config(args.config, args.overrides, **named)
     try:
         fns = load_functions(cfg.rollout)
@@ -46,7 +55,10 @@ def run(args: argparse.Namespace) -> int:
     except (LoadError, ValueError) as exc:
         raise SystemExit(str(exc)) from None
     steps = cfg.steps if args.steps is None else args.steps
-    from slimish.rollout.manager import RolloutFailing, RolloutStalled  # torch and transformers: only once the checks passed
+    from slimish.rollout.manager import (
+        RolloutFailing,
+        RolloutStalled,
+    )  # torch and transformers: only once the checks passed
 
     with start_servers(cfg.launch, cfg.model, Path(cfg.run_dir) / "logs") as servers:
         try:
@@ -94,9 +106,13 @@ def _write(out: IO[str], group: list[Sample]) -> None:
 
 
 def _summary(step: int, stats: dict[str, Any]) -> str:
-    counts = ", ".join(f"{k} {stats[k]}" for k in ("completed", "truncated", "aborted", "failed", "filtered") if stats[k])
-    line = (f"step {step + 1}: {stats['groups_kept']} groups kept, {counts or 'no samples'}; reward {stats['reward_mean']:.3f}, "
-            f"response {stats['response_length_mean']:.1f} tokens, {stats['samples_per_s']:.1f} samples/s")  # fmt: skip
+    counts = ", ".join(
+        f"{k} {stats[k]}" for k in ("completed", "truncated", "aborted", "failed", "filtered") if stats[k]
+    )
+    line = (
+        f"step {step + 1}: {stats['groups_kept']} groups kept, {counts or 'no samples'}; reward {stats['reward_mean']:.3f}, "
+        f"response {stats['response_length_mean']:.1f} tokens, {stats['samples_per_s']:.1f} samples/s"
+    )
     if stats["filter_reasons"]:
         line += f"\n  filtered: {stats['filter_reasons']}"
     for error in stats["errors"][:3]:

@@ -61,8 +61,10 @@ def _call(source: str, cfg: DataConfig, split: str, flag: str, where: str) -> li
 
     out = load_function(source, "data", flag)(cfg, split)
     if isinstance(out, (str, bytes, Mapping)) or not isinstance(out, Iterable):
-        raise ValueError(f"{where}: returned a {type(out).__name__}; it must return (or yield) rows, an iterable of dicts "
-                         "as a JSONL file's lines hold")  # fmt: skip
+        raise ValueError(
+            f"{where}: returned a {type(out).__name__}; it must return (or yield) rows, an iterable of dicts "
+            "as a JSONL file's lines hold"
+        )
     rows = list(out)
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
@@ -70,15 +72,19 @@ def _call(source: str, cfg: DataConfig, split: str, flag: str, where: str) -> li
         try:
             json.dumps(row)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"{where}: row {i} is not a JSON value (rows are saved and logged as JSON): {exc}") from None
+            raise ValueError(
+                f"{where}: row {i} is not a JSON value (rows are saved and logged as JSON): {exc}"
+            ) from None
     return rows
 
 
 def _read(source: str, split: str) -> list[dict[str, Any]]:
     path = Path(source).expanduser()
     if not path.exists():
-        raise ValueError(f"data source {source}: no such file or directory (expected a .jsonl / .parquet file, a local `datasets` directory, "
-                         "task:NAME, or module:function)")
+        raise ValueError(
+            f"data source {source}: no such file or directory (expected a .jsonl / .parquet file, a local `datasets` directory, "
+            "task:NAME, or module:function)"
+        )
     if path.is_dir():
         return _read_datasets_dir(path, split)
     if path.suffix == ".jsonl":
@@ -94,7 +100,9 @@ def _read(source: str, split: str) -> list[dict[str, Any]]:
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    raise ValueError(f"data source {source}: unknown file type {path.suffix!r}; use .jsonl, .parquet, a `datasets` directory or task:NAME")
+    raise ValueError(
+        f"data source {source}: unknown file type {path.suffix!r}; use .jsonl, .parquet, a `datasets` directory or task:NAME"
+    )
 
 
 def _read_datasets_dir(path: Path, split: str) -> list[dict[str, Any]]:
@@ -114,14 +122,18 @@ def _read_datasets_dir(path: Path, split: str) -> list[dict[str, Any]]:
     return ds.to_list()
 
 
-def _row(raw: dict[str, Any], i: int, where: str, prompt_key: str, label_key: str | None, cfg: DataConfig) -> dict[str, Any]:
+def _row(
+    raw: dict[str, Any], i: int, where: str, prompt_key: str, label_key: str | None, cfg: DataConfig
+) -> dict[str, Any]:
     """One row normalised; `where` names its source in messages."""
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: row {i} is a {type(raw).__name__}, expected an object")
     if prompt_key not in raw:
         raise ValueError(f"{where}: row {i} has no {prompt_key!r} (keys: {', '.join(raw)}); set data.prompt_key")
     if label_key is not None and label_key not in raw:
-        raise ValueError(f"{where}: row {i} has no {label_key!r} (keys: {', '.join(raw)}); set data.label_key (null for none)")
+        raise ValueError(
+            f"{where}: row {i} has no {label_key!r} (keys: {', '.join(raw)}); set data.label_key (null for none)"
+        )
     prompt = _prompt(raw[prompt_key], f"{where}: row {i} {prompt_key!r}", cfg)
     metadata = {k: v for k, v in raw.items() if k not in (prompt_key, label_key)}
     metadata["row_id"] = i
@@ -135,7 +147,9 @@ def _prompt(value: Any, where: str, cfg: DataConfig) -> str | list[dict[str, Any
     if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m for m in value):
         messages = [dict(m) for m in value]
         return messages if messages[0]["role"] == "system" else [*system, *messages]
-    raise ValueError(f"{where}: expected text or a non-empty list of chat messages with roles, got {type(value).__name__}")
+    raise ValueError(
+        f"{where}: expected text or a non-empty list of chat messages with roles, got {type(value).__name__}"
+    )
 
 
 class PromptData:
@@ -172,7 +186,9 @@ class PromptData:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["size"] != len(self.rows):
-            raise ValueError(f"data cursor was saved for {state['size']} rows but the source now has {len(self.rows)}; "
-                             "resume with the same data.source and data.task_size")  # fmt: skip
+            raise ValueError(
+                f"data cursor was saved for {state['size']} rows but the source now has {len(self.rows)}; "
+                "resume with the same data.source and data.task_size"
+            )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._epoch_order(self.epoch)

@@ -48,14 +48,16 @@ def eval_sets(cfg: RunConfig, rollout_fn: Callable[..., Any], reward_fn: Callabl
         where = f"eval.datasets[{i}]"
         params = {"temperature": e.temperature if d.temperature is None else d.temperature}
         params.update({k: v for k, v in (("top_p", d.top_p), ("max_new_tokens", d.max_new_tokens)) if v is not None})
-        sets.append(EvalSet(
-            d.name,
-            load_rows(d.source, cfg.data, "test", flag=f"{where}.source")[: d.n_prompts or e.n_prompts],
-            load_function(d.rollout_fn, "rollout", f"{where}.rollout_fn") if d.rollout_fn else rollout_fn,
-            load_function(d.reward_fn, "reward", f"{where}.reward_fn") if d.reward_fn else reward_fn,
-            d.n_samples_per_prompt or e.n_samples_per_prompt,
-            params,
-        ))  # fmt: skip
+        sets.append(
+            EvalSet(
+                d.name,
+                load_rows(d.source, cfg.data, "test", flag=f"{where}.source")[: d.n_prompts or e.n_prompts],
+                load_function(d.rollout_fn, "rollout", f"{where}.rollout_fn") if d.rollout_fn else rollout_fn,
+                load_function(d.reward_fn, "reward", f"{where}.reward_fn") if d.reward_fn else reward_fn,
+                d.n_samples_per_prompt or e.n_samples_per_prompt,
+                params,
+            )
+        )
     return sets
 
 

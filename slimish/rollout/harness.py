@@ -56,7 +56,9 @@ class HarnessLimits:
     def check(self) -> None:
         """Bad limits are the caller's bug: raised at the call, not found later as a strange run."""
         if not self.wall_s > 0 or not self.kill_grace_s >= 0:
-            raise ValueError(f"HarnessLimits: wall_s must be > 0 and kill_grace_s >= 0, got {self.wall_s}, {self.kill_grace_s}")
+            raise ValueError(
+                f"HarnessLimits: wall_s must be > 0 and kill_grace_s >= 0, got {self.wall_s}, {self.kill_grace_s}"
+            )
         for name in ("cpu_s", "memory_mb"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
@@ -107,12 +109,22 @@ def gateway_env(base_url: str, session_key: str) -> dict[str, str]:
     if not base_url or not session_key:
         raise ValueError(f"gateway_env: base_url and session_key must be non-empty, got {base_url!r}, {session_key!r}")
     root = base_url.rstrip("/")
-    return {"OPENAI_BASE_URL": f"{root}/v1", "OPENAI_API_KEY": session_key, "ANTHROPIC_BASE_URL": root,
-            "ANTHROPIC_API_KEY": session_key, "ANTHROPIC_AUTH_TOKEN": session_key}  # fmt: skip
+    return {
+        "OPENAI_BASE_URL": f"{root}/v1",
+        "OPENAI_API_KEY": session_key,
+        "ANTHROPIC_BASE_URL": root,
+        "ANTHROPIC_API_KEY": session_key,
+        "ANTHROPIC_AUTH_TOKEN": session_key,
+    }
 
 
-async def run_harness(argv: list[str], env: dict[str, str], limits: HarnessLimits, files: dict[str, str] | None = None,
-                      workdir: Path | None = None) -> HarnessRun:  # fmt: skip
+async def run_harness(
+    argv: list[str],
+    env: dict[str, str],
+    limits: HarnessLimits,
+    files: dict[str, str] | None = None,
+    workdir: Path | None = None,
+) -> HarnessRun:
     """Run an unmodified program to the end, or to the end of its wall budget.
 
     It runs in a fresh temporary working directory seeded with `files` (relative path -> text),
@@ -184,13 +196,23 @@ def _limiter(limits: HarnessLimits) -> Callable[[], None]:
     return apply
 
 
-async def _run(argv: list[str], env: dict[str, str], limits: HarnessLimits, root: Path, files: dict[str, str]) -> HarnessRun:
+async def _run(
+    argv: list[str], env: dict[str, str], limits: HarnessLimits, root: Path, files: dict[str, str]
+) -> HarnessRun:
     start = time.monotonic()
     try:
         _seed(root, files)
         transport, out = await asyncio.get_running_loop().subprocess_exec(
-            lambda: _Output(limits.output_bytes), *argv, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_limiter(limits))  # fmt: skip
+            lambda: _Output(limits.output_bytes),
+            *argv,
+            cwd=root,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=_limiter(limits),
+        )
     except (OSError, subprocess.SubprocessError) as exc:  # no such program, not executable, a full disk...
         return HarnessRun(argv, None, False, time.monotonic() - start, root, "", "", f"failed to start: {exc}")
     pid = transport.get_pid()
@@ -205,8 +227,18 @@ async def _run(argv: list[str], env: dict[str, str], limits: HarnessLimits, root
         transport.close()
     returncode = transport.get_returncode()
     code = None if timed_out or returncode is None or returncode < 0 else returncode
-    return HarnessRun(argv, code, timed_out, seconds, root, out.text(1), out.text(2), _infra_error(returncode, timed_out, limits),
-                      out.dropped[1], out.dropped[2])  # fmt: skip
+    return HarnessRun(
+        argv,
+        code,
+        timed_out,
+        seconds,
+        root,
+        out.text(1),
+        out.text(2),
+        _infra_error(returncode, timed_out, limits),
+        out.dropped[1],
+        out.dropped[2],
+    )
 
 
 async def _wait(out: _Output, pid: int, limits: HarnessLimits) -> bool:

@@ -109,12 +109,24 @@ def find_function(spec: str, flag: str, shown: str | None = None) -> tuple[Calla
     shown = shown or spec
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name.isidentifier():
-        raise LoadError(f"{flag} {shown!r}: expected `module:function` (e.g. rollout_plugins.math:rollout) or `path/to/file.py:function`")
-    module = _import_file(flag, shown, where) if where.endswith(".py") or "/" in where or os.sep in where else _import_module(flag, shown, where)
+        raise LoadError(
+            f"{flag} {shown!r}: expected `module:function` (e.g. rollout_plugins.math:rollout) or `path/to/file.py:function`"
+        )
+    module = (
+        _import_file(flag, shown, where)
+        if where.endswith(".py") or "/" in where or os.sep in where
+        else _import_module(flag, shown, where)
+    )
     fn = getattr(module, name, None)
     if fn is None:
-        defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_") and v.__module__ == module.__name__)
-        raise LoadError(f"{flag} {shown!r}: {where} has no function {name!r}; it defines: {', '.join(defined) or 'no public functions'}")
+        defined = sorted(
+            k
+            for k, v in vars(module).items()
+            if inspect.isfunction(v) and not k.startswith("_") and v.__module__ == module.__name__
+        )
+        raise LoadError(
+            f"{flag} {shown!r}: {where} has no function {name!r}; it defines: {', '.join(defined) or 'no public functions'}"
+        )
     if not callable(fn):
         raise LoadError(f"{flag} {shown!r}: {name} is a {type(fn).__name__}, not a function")
     return fn, name
@@ -123,15 +135,23 @@ def find_function(spec: str, flag: str, shown: str | None = None) -> tuple[Calla
 def load_functions(cfg: RolloutConfig) -> tuple[Callable[..., Any], *tuple[Callable[..., Any] | None, ...]]:
     """The rollout function and the optional ones `cfg` names, in `RolloutManager`'s order:
     rollout, reward, filter, sample hook, reward post-process (None where not set)."""
-    optional = (("reward_fn", "reward"), ("filter_fn", "filter"), ("sample_hook", "sample_hook"), ("reward_post_fn", "reward_post"))
-    return load_function(cfg.rollout_fn, "rollout"), *(load_function(getattr(cfg, key), kind) if getattr(cfg, key) else None
-                                                        for key, kind in optional)  # fmt: skip
+    optional = (
+        ("reward_fn", "reward"),
+        ("filter_fn", "filter"),
+        ("sample_hook", "sample_hook"),
+        ("reward_post_fn", "reward_post"),
+    )
+    return load_function(cfg.rollout_fn, "rollout"), *(
+        load_function(getattr(cfg, key), kind) if getattr(cfg, key) else None for key, kind in optional
+    )
 
 
 def check_shape(flag: str, spec: str, name: str, fn: Callable[..., Any], kind: Kind) -> tuple[str, ...] | None:
     """Which of the kind's parameter lists `fn` takes (None when it cannot be inspected)."""
     want = f"{'async ' if kind.must_be_async else ''}def {name}({', '.join(kind.shapes[0])})"
-    if kind.must_be_async and not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))):
+    if kind.must_be_async and not (
+        inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    ):
         raise LoadError(f"{flag} {spec!r}: {name} must be an async function (it is called with await); write `{want}`")
     try:
         signature = inspect.signature(fn)
@@ -143,7 +163,9 @@ def check_shape(flag: str, spec: str, name: str, fn: Callable[..., Any], kind: K
             return params
         except TypeError:
             continue
-    raise LoadError(f"{flag} {spec!r}: {name}{signature} cannot be called with ({', '.join(kind.shapes[0])}); write `{want}`") from None
+    raise LoadError(
+        f"{flag} {spec!r}: {name}{signature} cannot be called with ({', '.join(kind.shapes[0])}); write `{want}`"
+    ) from None
 
 
 def _with_ctx(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -171,7 +193,9 @@ def _import_module(flag: str, spec: str, where: str) -> ModuleType:
 def _import_file(flag: str, spec: str, where: str) -> ModuleType:
     path = Path(where).expanduser().resolve()
     if not path.is_file():
-        raise LoadError(f"{flag} {spec!r}: no file {where} (looked for {path}); paths are relative to the current directory {os.getcwd()}")
+        raise LoadError(
+            f"{flag} {spec!r}: no file {where} (looked for {path}); paths are relative to the current directory {os.getcwd()}"
+        )
     if path.suffix != ".py":
         raise LoadError(f"{flag} {spec!r}: {where} is not a .py file")
     # One module per file path, registered so that dataclasses and pickling inside it work.

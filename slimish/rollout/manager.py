@@ -54,10 +54,24 @@ from slimish.types import Sample, SampleStatus, trajectories
 
 FINISHED = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
 COUNTERS = (
-    "prompts_taken", "groups_kept", "groups_filtered", "groups_failed", "requeued",
-    "completed", "truncated", "aborted", "failed", "filtered", "partial_resumed", "partial_stale",
-    "infra_failed", "forks", "realignments", "groups_refilled", "retokenized_mismatch",
-)  # fmt: skip
+    "prompts_taken",
+    "groups_kept",
+    "groups_filtered",
+    "groups_failed",
+    "requeued",
+    "completed",
+    "truncated",
+    "aborted",
+    "failed",
+    "filtered",
+    "partial_resumed",
+    "partial_stale",
+    "infra_failed",
+    "forks",
+    "realignments",
+    "groups_refilled",
+    "retokenized_mismatch",
+)
 ABORT_RETRY_S = 1.0  # while leftovers are still running, the abort is re-sent this often (late arrivals)
 
 log = logging.getLogger(__name__)
@@ -85,10 +99,18 @@ GroupCallback = Callable[[list[Sample], "str | None"], None]
 
 
 class RolloutManager:
-    def __init__(self, runtime: RolloutRuntime, data: PromptData, buffer: Buffer, rollout_fn: Callable[..., Any],
-                 reward_fn: Callable[..., Any] | None = None, filter_fn: Callable[..., Any] | None = None,
-                 sample_hook: Callable[..., Any] | None = None, reward_post: Callable[..., Any] | None = None,
-                 on_group: GroupCallback | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runtime: RolloutRuntime,
+        data: PromptData,
+        buffer: Buffer,
+        rollout_fn: Callable[..., Any],
+        reward_fn: Callable[..., Any] | None = None,
+        filter_fn: Callable[..., Any] | None = None,
+        sample_hook: Callable[..., Any] | None = None,
+        reward_post: Callable[..., Any] | None = None,
+        on_group: GroupCallback | None = None,
+    ) -> None:
         self.runtime, self.data, self.buffer = runtime, data, buffer
         self.cfg = runtime.cfg.rollout
         self.rollout_fn, self.reward_fn, self.filter_fn = rollout_fn, reward_fn, filter_fn
@@ -110,7 +132,9 @@ class RolloutManager:
         self._mark()
 
     @classmethod
-    def from_config(cls, runtime: RolloutRuntime, data: PromptData, buffer: Buffer, on_group: GroupCallback | None = None) -> "RolloutManager":
+    def from_config(
+        cls, runtime: RolloutRuntime, data: PromptData, buffer: Buffer, on_group: GroupCallback | None = None
+    ) -> "RolloutManager":
         return cls(runtime, data, buffer, *load_functions(runtime.cfg.rollout), on_group=on_group)
 
     # ---- a training step --------------------------------------------------------------------
@@ -239,10 +263,16 @@ class RolloutManager:
         self._mark()
         return batch, stats
 
-    def _batch_metrics(self, groups: list[list[Sample]], stats: dict[str, Any], version: int, waited: float) -> dict[str, float]:
+    def _batch_metrics(
+        self, groups: list[list[Sample]], stats: dict[str, Any], version: int, waited: float
+    ) -> dict[str, float]:
         if stats["errors"]:  # the counts are in the metrics; the reasons are said here
-            log.warning("rollout: %d groups failed, %d samples failed on infrastructure (retried) since the last batch; first errors: %s",
-                        stats["groups_failed"], stats["infra_failed"], "; ".join(stats["errors"][:3]))  # fmt: skip
+            log.warning(
+                "rollout: %d groups failed, %d samples failed on infrastructure (retried) since the last batch; first errors: %s",
+                stats["groups_failed"],
+                stats["infra_failed"],
+                "; ".join(stats["errors"][:3]),
+            )
         metrics = {f"rollout/{k}": float(v) for k, v in stats.items() if isinstance(v, (int, float)) and k != "seconds"}
         for reason, count in stats["filter_reasons"].items():
             metrics[f"rollout/filtered/{reason}"] = float(count)
@@ -260,7 +290,9 @@ class RolloutManager:
         given futures among them that are done."""
         self._changed.clear()
         given = [w for w in waitables if isinstance(w, asyncio.Future)]
-        mine = [asyncio.ensure_future(w) for w in (self._changed.wait(), *waitables) if not isinstance(w, asyncio.Future)]
+        mine = [
+            asyncio.ensure_future(w) for w in (self._changed.wait(), *waitables) if not isinstance(w, asyncio.Future)
+        ]
         done, _ = await asyncio.wait([*given, *mine], return_when=asyncio.FIRST_COMPLETED)
         for f in mine:
             f.cancel()
@@ -351,8 +383,13 @@ class RolloutManager:
 
     def _new_sample(self, prompt: _Prompt, index: int) -> Sample:
         row = prompt.row
-        return Sample(prompt=copy.deepcopy(row["prompt"]), label=row["label"], group_id=prompt.group_id, index=index,
-                      metadata=copy.deepcopy(row["metadata"]))  # fmt: skip
+        return Sample(
+            prompt=copy.deepcopy(row["prompt"]),
+            label=row["label"],
+            group_id=prompt.group_id,
+            index=index,
+            metadata=copy.deepcopy(row["metadata"]),
+        )
 
     def _without_infra_failed(self, group: list[Sample]) -> list[Sample]:
         """The group without the trajectories whose environment failed (`infra_failed`): they say
@@ -361,13 +398,20 @@ class RolloutManager:
         if not broken:
             return group
         self.counters["infra_failed"] += len(broken)
-        self._step["errors"].extend(f"{s.group_id}/{s.index} infra: {s.error}" for s in group if s.status == SampleStatus.INFRA_FAILED)
+        self._step["errors"].extend(
+            f"{s.group_id}/{s.index} infra: {s.error}" for s in group if s.status == SampleStatus.INFRA_FAILED
+        )
         if self.on_group is not None:  # kept in the record, marked
             self.on_group([s for s in group if s.trajectory_id in broken], "infra_failed")
         return [s for s in group if s.trajectory_id not in broken]
 
-    async def _run_sample(self, sample: Sample, abort: asyncio.Event | None, sampling_params: dict[str, Any] | None = None,
-                          rollout_fn: Callable[..., Any] | None = None) -> tuple[list[Sample], bool]:  # fmt: skip
+    async def _run_sample(
+        self,
+        sample: Sample,
+        abort: asyncio.Event | None,
+        sampling_params: dict[str, Any] | None = None,
+        rollout_fn: Callable[..., Any] | None = None,
+    ) -> tuple[list[Sample], bool]:
         """The rollout function (the run's, or an eval set's) on one sample: (the samples it
         returned, whether they can be resumed)."""
         rollout_fn = rollout_fn or self.rollout_fn
@@ -383,13 +427,17 @@ class RolloutManager:
                 out = await rollout_fn(ctx, sample)
                 returned = [out] if isinstance(out, Sample) else out
                 if not isinstance(returned, list) or not returned or not all(isinstance(s, Sample) for s in returned):
-                    raise TypeError(f"the rollout fn returned {_describe_value(out)}; expected a Sample or a non-empty list of Samples")
+                    raise TypeError(
+                        f"the rollout fn returned {_describe_value(out)}; expected a Sample or a non-empty list of Samples"
+                    )
                 trajectory = trajectory_of(sample)
                 for s in returned:
                     s.trajectory_id = s.trajectory_id or trajectory  # what one call returned
                     if s.status == SampleStatus.PENDING:
-                        raise ValueError(f"sample {s.group_id}/{s.index} came back pending: append model tokens with "
-                                         "ctx.generate_sample / ctx.chat / ctx.append_model (they set the status)")  # fmt: skip
+                        raise ValueError(
+                            f"sample {s.group_id}/{s.index} came back pending: append model tokens with "
+                            "ctx.generate_sample / ctx.chat / ctx.append_model (they set the status)"
+                        )
                     s.response = self.runtime.tokenizer.decode(s.response_ids)
                     if self.sample_hook is not None and s.status in FINISHED:
                         phase = "sample hook"
@@ -455,8 +503,10 @@ class RolloutManager:
         limit = self.cfg.max_consecutive_failures
         if limit and count >= limit:
             assert failed is not None
-            raise RolloutFailing(f"{count} groups in a row failed the same way (rollout.max_consecutive_failures={limit}): "
-                                 f"{failed.error}. Fix it (at {failed.metadata.get('error_at', 'unknown place')}) and resume with --resume auto")  # fmt: skip
+            raise RolloutFailing(
+                f"{count} groups in a row failed the same way (rollout.max_consecutive_failures={limit}): "
+                f"{failed.error}. Fix it (at {failed.metadata.get('error_at', 'unknown place')}) and resume with --resume auto"
+            )
 
     async def _score(self, group: list[Sample], reward_fn: Callable[..., Any] | None) -> None:
         """Rewards for a finished group, one per trajectory: a reward fn scores each trajectory's
@@ -475,7 +525,9 @@ class RolloutManager:
             try:
                 rewards = await reward_fn(RolloutContext(self.runtime, None), group)
                 if not isinstance(rewards, list) or len(rewards) != len(group):
-                    raise TypeError(f"the group reward fn returned {_describe_value(rewards)}; expected a list of {len(group)} rewards")
+                    raise TypeError(
+                        f"the group reward fn returned {_describe_value(rewards)}; expected a list of {len(group)} rewards"
+                    )
                 for s, r in zip(group, rewards):
                     s.reward = _reward(r)
             except Exception as exc:
@@ -520,7 +572,9 @@ class RolloutManager:
             return
         limit = cfg.overlong_max_tokens or cfg.max_new_tokens
         for samples in trajectories(group).values():
-            penalty = overlong_penalty(sum(sum(s.loss_mask) for s in samples), limit, cfg.overlong_buffer, cfg.overlong_penalty)
+            penalty = overlong_penalty(
+                sum(sum(s.loss_mask) for s in samples), limit, cfg.overlong_buffer, cfg.overlong_penalty
+            )
             for s in samples:
                 s.metadata["overlong_penalty"] = penalty
                 if isinstance(s.reward, dict):
@@ -551,7 +605,9 @@ class RolloutManager:
             if inspect.isawaitable(rewards):
                 rewards = await rewards
             if not isinstance(rewards, list) or len(rewards) != len(group):
-                raise TypeError(f"the reward post-process returned {_describe_value(rewards)}; expected a list of {len(group)} rewards")
+                raise TypeError(
+                    f"the reward post-process returned {_describe_value(rewards)}; expected a list of {len(group)} rewards"
+                )
             for s, r in zip(group, rewards):
                 s.metadata["raw_reward"] = s.reward
                 s.reward = _reward(r)
@@ -567,7 +623,9 @@ class RolloutManager:
         if inspect.isawaitable(reason):
             reason = await reason
         if reason is not None and not isinstance(reason, str):
-            raise TypeError(f"the filter fn returned {_describe_value(reason)}; expected None (keep) or a str (the reason to drop)")
+            raise TypeError(
+                f"the filter fn returned {_describe_value(reason)}; expected None (keep) or a str (the reason to drop)"
+            )
         return reason
 
     # ---- evaluation -------------------------------------------------------------------------
@@ -641,7 +699,10 @@ class RolloutManager:
             "buffer": self.buffer.state_dict(),
             "next_group_id": self.next_group_id,
             # Groups in flight (async mode) are saved as requeued prompts: a resume runs them again.
-            "requeued": [{"group_id": p.group_id, "row": p.row, "partial": [s.to_dict() for s in p.partial.values()]} for p in self.requeued]
+            "requeued": [
+                {"group_id": p.group_id, "row": p.row, "partial": [s.to_dict() for s in p.partial.values()]}
+                for p in self.requeued
+            ]
             + [{"group_id": p.group_id, "row": p.row, "partial": []} for p in self._inflight.values()],
             "counters": dict(self.counters),
             "filter_reasons": dict(self.filter_reasons),

@@ -14,6 +14,7 @@ from slimish.types import Sample
 
 __all__ = ["extract_boxed", "final_turn_text", "group_reward", "is_group_reward", "math_reward", "overlong_penalty"]
 
+
 def group_reward(fn: Callable[..., Awaitable[list[Any]]]) -> Callable[..., Awaitable[list[Any]]]:
     """Marks `async def fn(ctx, samples) -> list[float | dict]` as a reward over a whole finished
     group (one reward per sample, in order), e.g. a pairwise judge or a group-relative score."""

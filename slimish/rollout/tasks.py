@@ -71,7 +71,9 @@ class Task:
             if split_of(prompt) == split and prompt not in rows:
                 rows[prompt], misses = label, 0
             elif (misses := misses + 1) > 1000 + 10 * n:
-                raise ValueError(f"task {self.name!r}: could not draw {n} distinct {split!r} problems (got {len(rows)})")
+                raise ValueError(
+                    f"task {self.name!r}: could not draw {n} distinct {split!r} problems (got {len(rows)})"
+                )
         return [{"prompt": p, "label": label, "task": self.name} for p, label in rows.items()]
 
     def score(self, response_text: str, label: str) -> float:

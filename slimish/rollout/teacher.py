@@ -25,24 +25,34 @@ class TeacherChanged(RuntimeError):
     """The teacher's weight version moved during the run: something pushed weights into it."""
 
 
-async def teacher_logprobs(client: Client, tokens: list[int], prompt_length: int, temperature: float,
-                           model: str | None = None) -> tuple[list[float], str]:  # fmt: skip
+async def teacher_logprobs(
+    client: Client, tokens: list[int], prompt_length: int, temperature: float, model: str | None = None
+) -> tuple[list[float], str]:
     """The teacher's log-probs of `tokens[prompt_length:]`, one per token, and its weight version
     as the server reports it (a fresh engine's is "default": any push changes it). `model`: the
     name the teacher is served under on a shared router (None: the server serves only it)."""
     if prompt_length < 1:
         raise ValueError(f"teacher scoring needs at least one prompt token, got prompt_length {prompt_length}")
     start = prompt_length - 1
-    reply = await client.generate(input_ids=list(tokens), return_logprob=True, logprob_start_len=start, model=model,
-                                  sampling_params={"max_new_tokens": 0, "temperature": temperature})  # fmt: skip
+    reply = await client.generate(
+        input_ids=list(tokens),
+        return_logprob=True,
+        logprob_start_len=start,
+        model=model,
+        sampling_params={"max_new_tokens": 0, "temperature": temperature},
+    )
     assert not isinstance(reply, list)  # one prompt, n = 1
     entries = reply.meta_info.input_token_logprobs or []
     if len(entries) != len(tokens) - start:
-        raise ValueError(f"teacher {client.base_url}: {len(entries)} input_token_logprobs for logprob_start_len {start} of "
-                         f"{len(tokens)} tokens; expected {len(tokens) - start}")  # fmt: skip
+        raise ValueError(
+            f"teacher {client.base_url}: {len(entries)} input_token_logprobs for logprob_start_len {start} of "
+            f"{len(tokens)} tokens; expected {len(tokens) - start}"
+        )
     response = entries[1:]
     if [e[1] for e in response] != list(tokens[prompt_length:]):
-        raise ValueError(f"teacher {client.base_url}: input_token_logprobs name other token ids than the sample's response")
+        raise ValueError(
+            f"teacher {client.base_url}: input_token_logprobs name other token ids than the sample's response"
+        )
     if any(e[0] is None for e in response):
         raise ValueError(f"teacher {client.base_url}: a response token has no logprob (null)")
     return [float(e[0]) for e in response], reply.meta_info.weight_version
@@ -58,12 +68,16 @@ class Teacher:
 
     async def score(self, sample: Sample) -> None:
         """Set `sample.teacher_logprobs` (aligned with `rollout_logprobs`)."""
-        logprobs, version = await teacher_logprobs(self.client, sample.tokens, sample.prompt_length, self.temperature, self.model)
+        logprobs, version = await teacher_logprobs(
+            self.client, sample.tokens, sample.prompt_length, self.temperature, self.model
+        )
         if self.version is None:
             self.version = version
         elif version != self.version:
-            raise TeacherChanged(f"teacher {self.client.base_url}: weight version {self.version} became {version}: weights were "
-                                 "pushed into the teacher; launch.teacher must not be one of the policy's engines")  # fmt: skip
+            raise TeacherChanged(
+                f"teacher {self.client.base_url}: weight version {self.version} became {version}: weights were "
+                "pushed into the teacher; launch.teacher must not be one of the policy's engines"
+            )
         sample.teacher_logprobs = logprobs
 
     async def close(self) -> None:

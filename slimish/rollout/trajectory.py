@@ -108,8 +108,10 @@ class TrajectoryTree:
                     self.realignments += 1
                     keep = same - len(turn.prompt_ids)
                     return Placement(turn, keep, rendered[same:], rendered, "realign")
-                reasons.append(f"reply {self.turns.index(turn)} came back changed ({dropped} of its ids differ, "
-                               f"at most {self.realign_tokens} realign)")  # fmt: skip
+                reasons.append(
+                    f"reply {self.turns.index(turn)} came back changed ({dropped} of its ids differ, "
+                    f"at most {self.realign_tokens} realign)"
+                )
         rendered = rendered if rendered is not None else chat.prompt_ids(messages)
         if not self.turns:
             return Placement(None, 0, rendered, rendered, "start")
@@ -117,10 +119,31 @@ class TrajectoryTree:
         log.debug("capture: fork (new segment %d): %s", len(self.roots), reason)
         return Placement(None, 0, rendered, rendered, "fork", reason)
 
-    def add(self, at: Placement, messages: list[dict[str, Any]], reply: dict[str, Any], render_key: str,
-            completion_ids: list[int], logprobs: list[float], versions: list[int], finish_reason: str) -> Turn:  # fmt: skip
-        turn = Turn(at.parent, at.keep, at.env_ids, at.prompt_ids, messages, reply, render_key, at.how,
-                    completion_ids, logprobs, versions, finish_reason)  # fmt: skip
+    def add(
+        self,
+        at: Placement,
+        messages: list[dict[str, Any]],
+        reply: dict[str, Any],
+        render_key: str,
+        completion_ids: list[int],
+        logprobs: list[float],
+        versions: list[int],
+        finish_reason: str,
+    ) -> Turn:
+        turn = Turn(
+            at.parent,
+            at.keep,
+            at.env_ids,
+            at.prompt_ids,
+            messages,
+            reply,
+            render_key,
+            at.how,
+            completion_ids,
+            logprobs,
+            versions,
+            finish_reason,
+        )
         if at.parent is not None:
             at.parent.children.append(turn)
         self.turns.append(turn)
@@ -138,16 +161,31 @@ class TrajectoryTree:
                 path.append(path[-1].parent)  # type: ignore[arg-type]
             path.reverse()
             root = path[0]
-            s = Sample(prompt=template.prompt, label=template.label, group_id=template.group_id, index=template.index,
-                       metadata={**template.metadata, "capture": {**meta, "segment": self.roots.index(root), "branch": b,
-                                                                  "turns": len(path), "how": [t.how for t in path]}})  # fmt: skip
+            s = Sample(
+                prompt=template.prompt,
+                label=template.label,
+                group_id=template.group_id,
+                index=template.index,
+                metadata={
+                    **template.metadata,
+                    "capture": {
+                        **meta,
+                        "segment": self.roots.index(root),
+                        "branch": b,
+                        "turns": len(path),
+                        "how": [t.how for t in path],
+                    },
+                },
+            )
             s.set_prompt(root.prompt_ids)
             for turn, child in zip(path, [*path[1:], None]):
                 keep = child.keep if child is not None else len(turn.completion_ids)
                 i = id(turn)
                 done = min(trained.get(i, 0), keep)
                 s.append_env(turn.completion_ids[:done])
-                s.append_model(turn.completion_ids[done:keep], turn.logprobs[done:keep], turn.versions[done:keep] or None)
+                s.append_model(
+                    turn.completion_ids[done:keep], turn.logprobs[done:keep], turn.versions[done:keep] or None
+                )
                 trained[i] = max(trained.get(i, 0), keep)
                 if child is not None:
                     s.append_env(child.env_ids)

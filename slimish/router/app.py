@@ -27,7 +27,14 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slimish.config import RouterConfig, add_config_arguments, config_from_args
-from slimish.protocol import ROUTING_KEY_HEADER, AddWorkerReq, ChatCompletionRequest, CompletionRequest, GenerateReqInput, describe_validation_error
+from slimish.protocol import (
+    ROUTING_KEY_HEADER,
+    AddWorkerReq,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateReqInput,
+    describe_validation_error,
+)
 from slimish.router.gate import apply_cap, check_key, check_prompt_length, parse_object, prompt_of, read_body
 from slimish.router.lora import adapters_of, lora_routes
 from slimish.router.metrics import RouterMetrics
@@ -46,12 +53,34 @@ SERVING_GET = ("/v1/models", "/model_info", "/get_model_info", "/server_info", "
 # Every engine admin route: fanned out to all workers (one result each), or sent to one with
 # `?worker=<id or URL>` and its reply passed back as it came. Methods as the engine serves them.
 ENGINE_ADMIN = {
-    **dict.fromkeys(("/pause_generation", "/continue_generation", "/abort_request", "/init_weights_update_group",
-                     "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weights_from_disk",
-                     "/begin_weight_update", "/end_weight_update", "/update_weight_version"), ("POST",)),
-    **dict.fromkeys(("/flush_cache", "/get_weights_by_name", "/get_weight_version", "/release_memory_occupation",
-                     "/resume_memory_occupation", "/start_profile", "/stop_profile"), ("GET", "POST")),
-}  # fmt: skip
+    **dict.fromkeys(
+        (
+            "/pause_generation",
+            "/continue_generation",
+            "/abort_request",
+            "/init_weights_update_group",
+            "/update_weights_from_distributed",
+            "/destroy_weights_update_group",
+            "/update_weights_from_disk",
+            "/begin_weight_update",
+            "/end_weight_update",
+            "/update_weight_version",
+        ),
+        ("POST",),
+    ),
+    **dict.fromkeys(
+        (
+            "/flush_cache",
+            "/get_weights_by_name",
+            "/get_weight_version",
+            "/release_memory_occupation",
+            "/resume_memory_occupation",
+            "/start_profile",
+            "/stop_profile",
+        ),
+        ("GET", "POST"),
+    ),
+}
 
 
 def create_app(cfg: RouterConfig, follower: Follower | None = None) -> "Router":
@@ -83,7 +112,14 @@ def create_app(cfg: RouterConfig, follower: Follower | None = None) -> "Router":
             await proxy.close()
 
     app = FastAPI(title="slimish router", lifespan=lifespan, docs_url=None, redoc_url=None)
-    document_bodies(app, {"/generate": GenerateReqInput, "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
+    document_bodies(
+        app,
+        {
+            "/generate": GenerateReqInput,
+            "/v1/completions": CompletionRequest,
+            "/v1/chat/completions": ChatCompletionRequest,
+        },
+    )
 
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, exc: RouterError) -> Response:
@@ -111,8 +147,9 @@ def create_app(cfg: RouterConfig, follower: Follower | None = None) -> "Router":
     return Router(app, _serving_routes(cfg, proxy, policy, metrics, workers), cfg, metrics, workers, refresh)
 
 
-def _serving_routes(cfg: RouterConfig, proxy: Proxy, policy: Any, metrics: RouterMetrics,
-                    workers: WorkerRegistry) -> dict[str, tuple[HotRoute, tuple[str, ...]]]:  # fmt: skip
+def _serving_routes(
+    cfg: RouterConfig, proxy: Proxy, policy: Any, metrics: RouterMetrics, workers: WorkerRegistry
+) -> dict[str, tuple[HotRoute, tuple[str, ...]]]:
     """The hot paths: each forwarded to a worker chosen by the policy."""
 
     def serve_post(route: str) -> HotRoute:
@@ -131,8 +168,13 @@ def _serving_routes(cfg: RouterConfig, proxy: Proxy, policy: Any, metrics: Route
                 if routing_key is not None:
                     headers[ROUTING_KEY_HEADER] = routing_key
                 model = payload.get("model") if isinstance(payload.get("model"), str) else None
-                info = RouteInfo(prompt_of(route, payload) if policy.needs_prompt else None, routing_key,
-                                 adapters_of(route, payload, workers.all()), route, model)  # fmt: skip
+                info = RouteInfo(
+                    prompt_of(route, payload) if policy.needs_prompt else None,
+                    routing_key,
+                    adapters_of(route, payload, workers.all()),
+                    route,
+                    model,
+                )
                 stream = payload.get("stream") is True
                 await proxy.forward(out, route, started, request.method, body, headers, info, stream)
             except RouterError as exc:
@@ -173,7 +215,9 @@ def _lookup(workers: WorkerRegistry, worker_id: str) -> Worker:
     return worker
 
 
-def _registry_routes(app: FastAPI, cfg: RouterConfig, workers: WorkerRegistry, admin: Callable[[Request], None]) -> None:
+def _registry_routes(
+    app: FastAPI, cfg: RouterConfig, workers: WorkerRegistry, admin: Callable[[Request], None]
+) -> None:
     """The worker registry: sglang-router 0.3.x's shapes, and the legacy ones slime uses."""
 
     def register(url: Any, model_id: str | None = None) -> Worker:
@@ -216,7 +260,12 @@ def _registry_routes(app: FastAPI, cfg: RouterConfig, workers: WorkerRegistry, a
         admin(request)
         worker = _lookup(workers, worker_id)
         workers.remove(worker)
-        return {"status": "accepted", "worker_id": worker.id, "url": worker.url, "message": f"Worker {worker.url} removed"}
+        return {
+            "status": "accepted",
+            "worker_id": worker.id,
+            "url": worker.url,
+            "message": f"Worker {worker.url} removed",
+        }
 
     @app.post("/add_worker")
     async def legacy_add(request: Request, url: str) -> PlainTextResponse:
@@ -239,7 +288,9 @@ def _registry_routes(app: FastAPI, cfg: RouterConfig, workers: WorkerRegistry, a
         return {"urls": [w.url for w in workers.all()]}
 
 
-def _engine_admin_routes(app: FastAPI, cfg: RouterConfig, workers: WorkerRegistry, proxy: Proxy, admin: Callable[[Request], None]) -> None:
+def _engine_admin_routes(
+    app: FastAPI, cfg: RouterConfig, workers: WorkerRegistry, proxy: Proxy, admin: Callable[[Request], None]
+) -> None:
     """Every engine admin route: fanned out (to the unnamed workers, or with `?model=NAME` to
     those registered under NAME), or to the one worker `?worker=` names, named or not."""
 
@@ -299,9 +350,23 @@ class Router:
     limit is exact (per process with `--workers N`). `refresh`, in a follower, first takes the
     parent's registry if it changed."""
 
-    def __init__(self, app: FastAPI, routes: dict[str, tuple[HotRoute, tuple[str, ...]]], cfg: RouterConfig, metrics: RouterMetrics,
-                 workers: WorkerRegistry, refresh: Callable[[], None] | None = None) -> None:  # fmt: skip
-        self.app, self.routes, self.cfg, self.metrics, self.workers, self.refresh = app, routes, cfg, metrics, workers, refresh
+    def __init__(
+        self,
+        app: FastAPI,
+        routes: dict[str, tuple[HotRoute, tuple[str, ...]]],
+        cfg: RouterConfig,
+        metrics: RouterMetrics,
+        workers: WorkerRegistry,
+        refresh: Callable[[], None] | None = None,
+    ) -> None:
+        self.app, self.routes, self.cfg, self.metrics, self.workers, self.refresh = (
+            app,
+            routes,
+            cfg,
+            metrics,
+            workers,
+            refresh,
+        )
         self.lifespan = app.router.lifespan_context(app)  # kept: `app` may be wrapped (scaleout.py)
         self.active = 0
 
@@ -312,8 +377,10 @@ class Router:
             return await wire.asgi(self.app, request, out)
         if self.active >= self.cfg.max_concurrent_requests:
             self.metrics.observe(request.path, 429, 0.0)
-            message = (f"the router is full: {self.active} requests in flight, the limit is "
-                       f"{self.cfg.max_concurrent_requests} (--max-concurrent-requests); retry after {self.cfg.retry_after_s} s")  # fmt: skip
+            message = (
+                f"the router is full: {self.active} requests in flight, the limit is "
+                f"{self.cfg.max_concurrent_requests} (--max-concurrent-requests); retry after {self.cfg.retry_after_s} s"
+            )
             return RouterError(429, message, str(self.cfg.retry_after_s)).write(out)
         self.active += 1
         try:

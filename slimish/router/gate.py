@@ -33,7 +33,9 @@ def check_key(request: Request | wire.Request, key: str | None, flag: str) -> No
 async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RouterError(413, f"request body is {declared} bytes; the router accepts at most {limit} (--max-body-bytes)")
+        raise RouterError(
+            413, f"request body is {declared} bytes; the router accepts at most {limit} (--max-body-bytes)"
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -65,7 +67,9 @@ def apply_cap(route: str, payload: dict[str, Any], cap: int) -> bool:
         items = params if isinstance(params, list) else [params]
         changed = False
         for i, item in enumerate(items):
-            where = f"sampling_params[{i}].max_new_tokens" if isinstance(params, list) else "sampling_params.max_new_tokens"
+            where = (
+                f"sampling_params[{i}].max_new_tokens" if isinstance(params, list) else "sampling_params.max_new_tokens"
+            )
             if isinstance(item, dict):
                 changed |= _cap_field(item, "max_new_tokens", GENERATE_DEFAULT_MAX_NEW_TOKENS, cap, where)
         return changed
@@ -103,7 +107,9 @@ def check_prompt_length(route: str, payload: dict[str, Any], cap: int) -> None:
     for i, ids in enumerate(prompt if is_batch else [prompt]):
         if isinstance(ids, list) and len(ids) > cap:
             where = f"{field}[{i}]" if is_batch else field
-            raise RouterError(400, f"{where} has {len(ids)} tokens; this router accepts at most {cap} (--max-prompt-tokens)")
+            raise RouterError(
+                400, f"{where} has {len(ids)} tokens; this router accepts at most {cap} (--max-prompt-tokens)"
+            )
 
 
 def prompt_of(route: str, payload: dict[str, Any]) -> str | list[int] | None:

@@ -53,7 +53,9 @@ def learn(worker: Worker, reply: Any) -> None:
         worker.adapters = set(reply["loaded_adapters"])
 
 
-def lora_routes(app: FastAPI, cfg: RouterConfig, workers: WorkerRegistry, proxy: Proxy, admin: Callable[[Request], None]) -> None:
+def lora_routes(
+    app: FastAPI, cfg: RouterConfig, workers: WorkerRegistry, proxy: Proxy, admin: Callable[[Request], None]
+) -> None:
     """`/load_lora_adapter` and `/unload_lora_adapter`, to every worker: success only if all
     succeeded, each worker's reply kept under `workers`."""
 
@@ -74,7 +76,12 @@ def lora_routes(app: FastAPI, cfg: RouterConfig, workers: WorkerRegistry, proxy:
                 loaded.update(reply["body"].get("loaded_adapters") or {})
             if not reply["success"]:
                 errors.append(f"{reply['url']}: {_error_of(reply)}")
-        answer = LoraUpdateResult(success=not errors, error_message="; ".join(errors) or None, loaded_adapters=loaded, workers=result["workers"])
+        answer = LoraUpdateResult(
+            success=not errors,
+            error_message="; ".join(errors) or None,
+            loaded_adapters=loaded,
+            workers=result["workers"],
+        )
         unreachable = any("status_code" not in r for r in result["workers"])
         return JSONResponse(answer.model_dump(), status_code=200 if not errors else 502 if unreachable else 400)
 

@@ -30,7 +30,9 @@ class RouterMetrics:
     def __init__(self, workers: WorkerRegistry) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("slimish_router_requests", "Requests answered, by route and status", ["route", "status"], registry=r)
+        self.requests = Counter(
+            "slimish_router_requests", "Requests answered, by route and status", ["route", "status"], registry=r
+        )
         self.latency = Histogram(
             "slimish_router_request_duration_seconds",
             "Time from request to the last byte of the reply",
@@ -38,9 +40,15 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.upstream = Counter("slimish_router_upstream_requests", "Requests sent to each worker", ["worker"], registry=r)
-        self.retries = Counter("slimish_router_retries", "Requests retried after this worker failed", ["worker"], registry=r)
-        self.errors = Counter("slimish_router_upstream_errors", "Upstream failures by worker and cause", ["worker", "cause"], registry=r)
+        self.upstream = Counter(
+            "slimish_router_upstream_requests", "Requests sent to each worker", ["worker"], registry=r
+        )
+        self.retries = Counter(
+            "slimish_router_retries", "Requests retried after this worker failed", ["worker"], registry=r
+        )
+        self.errors = Counter(
+            "slimish_router_upstream_errors", "Upstream failures by worker and cause", ["worker", "cause"], registry=r
+        )
         r.register(_WorkerGauges(workers))
         self._children: dict[tuple, tuple] = {}  # labels() looked up once: it is on the hot path
 

@@ -36,7 +36,9 @@ class RouterError(Exception):
         self.status, self.message, self.retry_after = status, message, retry_after
 
     def response(self) -> Response:
-        return error_response(self.status, self.message, {"retry-after": self.retry_after} if self.retry_after else None)
+        return error_response(
+            self.status, self.message, {"retry-after": self.retry_after} if self.retry_after else None
+        )
 
     def write(self, out: Connection) -> None:
         out.error(self.status, self.message, [("retry-after", self.retry_after)] if self.retry_after else ())
@@ -54,10 +56,15 @@ def holders(healthy: list[Worker], everyone: list[Worker], adapters: frozenset[s
     for name in sorted(adapters):
         held_by = [w.url for w in everyone if name in w.adapters]
         if not held_by:
-            raise RouterError(400, f"lora adapter {name!r} is not loaded on any worker; load it with POST /load_lora_adapter")
+            raise RouterError(
+                400, f"lora adapter {name!r} is not loaded on any worker; load it with POST /load_lora_adapter"
+            )
         if not any(name in w.adapters for w in healthy):
             raise RouterError(503, f"lora adapter {name!r} is held only by unhealthy workers ({', '.join(held_by)})")
-    raise RouterError(400, f"no healthy worker holds all of the lora adapters {sorted(adapters)}; a batch must name adapters one worker holds")
+    raise RouterError(
+        400,
+        f"no healthy worker holds all of the lora adapters {sorted(adapters)}; a batch must name adapters one worker holds",
+    )
 
 
 def model_ids(everyone: list[Worker]) -> set[str]:
@@ -81,13 +88,23 @@ def serving(healthy: list[Worker], everyone: list[Worker], route: str, model: st
             down = ", ".join(w.url for w in everyone if w.model_id == model)
             raise RouterError(503, f"model {model!r}: every worker registered under it is unhealthy ({down})")
         return named
-    if route == "/generate" and model is not None and model not in {w.metadata.get("served_model_name") for w in everyone}:
-        raise RouterError(404, f"model {model!r} is served by no worker; model ids registered with POST /workers: "
-                               f"{', '.join(sorted(ids)) or 'none'} (omit model for the unnamed workers)")  # fmt: skip
+    if (
+        route == "/generate"
+        and model is not None
+        and model not in {w.metadata.get("served_model_name") for w in everyone}
+    ):
+        raise RouterError(
+            404,
+            f"model {model!r} is served by no worker; model ids registered with POST /workers: "
+            f"{', '.join(sorted(ids)) or 'none'} (omit model for the unnamed workers)",
+        )
     unnamed = [w for w in healthy if w.model_id is None]
     if not unnamed:
-        raise RouterError(503, f"no healthy unnamed worker; the named ones ({', '.join(sorted(ids))}) serve only requests "
-                               "whose model names them")  # fmt: skip
+        raise RouterError(
+            503,
+            f"no healthy unnamed worker; the named ones ({', '.join(sorted(ids))}) serve only requests "
+            "whose model names them",
+        )
     return unnamed
 
 
@@ -97,11 +114,17 @@ def admin_targets(everyone: list[Worker], model: str | None) -> list[Worker]:
     if model is None:
         unnamed = [w for w in everyone if w.model_id is None]
         if everyone and not unnamed:
-            raise RouterError(503, f"no unnamed worker to send this to; the named ones take it with ?model= one of {sorted(model_ids(everyone))}")
+            raise RouterError(
+                503,
+                f"no unnamed worker to send this to; the named ones take it with ?model= one of {sorted(model_ids(everyone))}",
+            )
         return unnamed
     named = [w for w in everyone if w.model_id == model]
     if not named:
-        raise RouterError(404, f"model: no worker is registered under {model!r}; model ids: {', '.join(sorted(model_ids(everyone))) or 'none'}")
+        raise RouterError(
+            404,
+            f"model: no worker is registered under {model!r}; model ids: {', '.join(sorted(model_ids(everyone))) or 'none'}",
+        )
     return named
 
 
@@ -147,16 +170,23 @@ class Proxy:
     def _no_worker_message(self) -> str:
         everyone = self.workers.all()
         if not everyone:
-            return "no workers registered; add one with POST /workers {\"url\": ...}"
+            return 'no workers registered; add one with POST /workers {"url": ...}'
         causes = "; ".join(f"{w.url}: {w.last_error}" for w in everyone)
         return f"no healthy worker among {len(everyone)} registered ({causes})"
 
     # ---- one request, one worker (with retries) ------------------------------------------------
 
     async def forward(
-        self, out: Connection, route: str, started: float, method: str, body: bytes | None, headers: dict[str, str],
-        info: RouteInfo = RouteInfo(), stream: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        out: Connection,
+        route: str,
+        started: float,
+        method: str,
+        body: bytes | None,
+        headers: dict[str, str],
+        info: RouteInfo = RouteInfo(),
+        stream: bool = False,
+    ) -> None:
         """The worker's reply, written to `out`; RouterError, with nothing written, when no
         worker could give one."""
         tried: list[Worker] = []
@@ -176,9 +206,16 @@ class Proxy:
         raise RouterError(502, gave_up)
 
     async def _attempt(
-        self, out: Connection, route: str, started: float, worker: Worker, method: str, body: bytes | None,
-        headers: dict[str, str], stream: bool,
-    ) -> None:  # fmt: skip
+        self,
+        out: Connection,
+        route: str,
+        started: float,
+        worker: Worker,
+        method: str,
+        body: bytes | None,
+        headers: dict[str, str],
+        stream: bool,
+    ) -> None:
         self.metrics.sent(worker.url)
         worker.inflight += 1
         reply: Reply | None = None
@@ -189,7 +226,11 @@ class Proxy:
                 detail = (await reply.read())[:500].decode(errors="replace")
                 self.metrics.errors.labels(worker.url, f"status_{reply.status}").inc()
                 raise _Retry(f"worker {worker.url} replied {reply.status}: {detail}", reply.headers.get("retry-after"))
-            said = [("content-type", reply.headers.get("content-type", "application/json")), (WORKER_HEADER, worker.url), *self.reply_headers]
+            said = [
+                ("content-type", reply.headers.get("content-type", "application/json")),
+                (WORKER_HEADER, worker.url),
+                *self.reply_headers,
+            ]
             if stream and reply.content_type == "text/event-stream":
                 return await self._relay(out, route, started, worker, reply, said)
             data = await reply.read()
@@ -200,7 +241,9 @@ class Proxy:
             raise _Retry(f"worker {worker.url} broke the connection before replying: {exc}") from exc
         except asyncio.TimeoutError as exc:
             self.metrics.errors.labels(worker.url, "timeout").inc()
-            raise RouterError(504, f"worker {worker.url} did not answer {route} within {timeout:g} s (--request-timeout)") from exc
+            raise RouterError(
+                504, f"worker {worker.url} did not answer {route} within {timeout:g} s (--request-timeout)"
+            ) from exc
         finally:
             worker.inflight -= 1
             if reply is not None:
@@ -208,7 +251,9 @@ class Proxy:
         self.metrics.observe(route, reply.status, time.perf_counter() - started)
         out.reply(reply.status, data, said)
 
-    async def _relay(self, out: Connection, route: str, started: float, worker: Worker, reply: Reply, headers: list[tuple[str, str]]) -> None:
+    async def _relay(
+        self, out: Connection, route: str, started: float, worker: Worker, reply: Reply, headers: list[tuple[str, str]]
+    ) -> None:
         """An upstream SSE stream passed through chunk by chunk; a worker failing mid-stream ends
         it with an error event naming the worker."""
         out.start(reply.status, headers)
@@ -230,7 +275,9 @@ class Proxy:
 
     # ---- fan-out -----------------------------------------------------------------------------
 
-    async def fan_out(self, method: str, path_and_query: str, body: bytes | None, model: str | None = None) -> tuple[int, dict[str, Any]]:
+    async def fan_out(
+        self, method: str, path_and_query: str, body: bytes | None, model: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
         """Send a control request to every unnamed worker at once (those registered under `model`
         when given); one result per worker."""
         workers = admin_targets(self.workers.all(), model)
@@ -239,7 +286,9 @@ class Proxy:
         results = await asyncio.gather(*(self.control(w, method, path_and_query, body) for w in workers))
         failed = [r["url"] for r in results if not r["success"]]
         path = path_and_query.split("?")[0]
-        message = f"{path} failed on {', '.join(failed)}" if failed else f"{path} succeeded on all {len(results)} workers"
+        message = (
+            f"{path} failed on {', '.join(failed)}" if failed else f"{path} succeeded on all {len(results)} workers"
+        )
         return (502 if failed else 200), {"success": not failed, "message": message, "workers": results}
 
     async def control(self, worker: Worker, method: str, path: str, body: bytes | None) -> dict[str, Any]:
@@ -251,7 +300,9 @@ class Proxy:
                 method, worker.url + path, data=body, headers={"content-type": "application/json"}
             ) as resp:
                 raw = await resp.read()
-                result.update(status_code=resp.status, success=200 <= resp.status < 300, body=_decode(raw, resp.content_type))
+                result.update(
+                    status_code=resp.status, success=200 <= resp.status < 300, body=_decode(raw, resp.content_type)
+                )
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self.metrics.errors.labels(worker.url, "control").inc()
             result.update(success=False, error=describe_exc(exc, self.cfg.request_timeout))

@@ -67,7 +67,12 @@ async def _supervise(cfg: RouterConfig, state: Path) -> int:
     if serving.done():  # the startup health checks are in before ready, as in one process
         return 1
     children = [
-        ctx.Process(target=_child, args=(cfg, i, parent_url, str(state), version, os.getpid()), name=f"slimish-router-{i}", daemon=True)
+        ctx.Process(
+            target=_child,
+            args=(cfg, i, parent_url, str(state), version, os.getpid()),
+            name=f"slimish-router-{i}",
+            daemon=True,
+        )
         for i in range(cfg.workers)
     ]
     for child in children:

@@ -105,12 +105,19 @@ class Follower:
             assert proxy.session is not None, "proxy not started"
             try:
                 async with proxy.session.request(
-                    request.method, self.parent_url + path + (f"?{query}" if query else ""), data=body or None, headers=headers
+                    request.method,
+                    self.parent_url + path + (f"?{query}" if query else ""),
+                    data=body or None,
+                    headers=headers,
                 ) as resp:
                     data = await resp.read()
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 cause = describe_exc(exc, cfg.request_timeout)
-                raise RouterError(502, f"{request.method} {request.url.path}: the router's parent process did not answer: {cause}") from exc
-            return Response(data, resp.status, headers={k: v for k, v in resp.headers.items() if k.lower() in FROM_PARENT})
+                raise RouterError(
+                    502, f"{request.method} {request.url.path}: the router's parent process did not answer: {cause}"
+                ) from exc
+            return Response(
+                data, resp.status, headers={k: v for k, v in resp.headers.items() if k.lower() in FROM_PARENT}
+            )
 
         app.router.add_route("/{path:path}", to_parent, methods=METHODS)

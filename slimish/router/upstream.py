@@ -57,7 +57,9 @@ class Reply(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.pool.forget(self)
         if not self.complete:
-            self._fail(Disconnected("the worker closed the connection" if exc is None else f"{type(exc).__name__}: {exc}"))
+            self._fail(
+                Disconnected("the worker closed the connection" if exc is None else f"{type(exc).__name__}: {exc}")
+            )
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
@@ -203,7 +205,9 @@ class Upstream:
         self.connect_timeout, self.keepalive_timeout = connect_timeout, keepalive_timeout
         self._pools: dict[str, _Pool] = {}
 
-    async def send(self, url: str, method: str, path: str, body: bytes | None, headers: dict[str, str], timeout: float) -> Reply:
+    async def send(
+        self, url: str, method: str, path: str, body: bytes | None, headers: dict[str, str], timeout: float
+    ) -> Reply:
         """Send a request to the worker at `url`; the reply once its status and headers are in
         (read its body with `read` or `chunks`, then `release` it). Raises ConnectFailed,
         Disconnected, or asyncio.TimeoutError when the headers, or `read`'s whole body, are not in
@@ -212,7 +216,10 @@ class Upstream:
         if pool is None:
             pool = self._pools[url] = _Pool(url, asyncio.get_running_loop(), self.keepalive_timeout)
         payload = body or b""
-        head = [b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n" % (method.encode(), path.encode(), pool.host_header, len(payload))]
+        head = [
+            b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n"
+            % (method.encode(), path.encode(), pool.host_header, len(payload))
+        ]
         head += [f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items()]
         message = b"".join(head) + b"\r\n" + payload
         conn = pool.take()

@@ -119,14 +119,19 @@ class Connection(asyncio.Protocol):
         self._size = 0  # from here on, the body's
         declared = self._headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.server.max_body:
-            return self._refuse(413, f"request body is {declared} bytes; the router accepts at most {self.server.max_body} (--max-body-bytes)")
+            return self._refuse(
+                413,
+                f"request body is {declared} bytes; the router accepts at most {self.server.max_body} (--max-body-bytes)",
+            )
         if self._headers.get("expect", "").lower() == "100-continue":
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # type: ignore[union-attr]
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
         if self._size > self.server.max_body:
-            return self._refuse(413, f"request body exceeds {self.server.max_body} bytes, the router's limit (--max-body-bytes)")
+            return self._refuse(
+                413, f"request body exceeds {self.server.max_body} bytes, the router's limit (--max-body-bytes)"
+            )
         if not self._refused:
             self._body.append(body)
 
@@ -137,9 +142,14 @@ class Connection(asyncio.Protocol):
         raw, _, query = self._url.partition(b"?")
         peer = self.transport.get_extra_info("peername")  # type: ignore[union-attr]
         request = Request(
-            self.parser.get_method().decode("latin-1"), unquote(raw.decode("latin-1")), raw, query, self._headers,
-            b"".join(self._body), peer[:2] if isinstance(peer, tuple) else None,
-        )  # fmt: skip
+            self.parser.get_method().decode("latin-1"),
+            unquote(raw.decode("latin-1")),
+            raw,
+            query,
+            self._headers,
+            b"".join(self._body),
+            peer[:2] if isinstance(peer, tuple) else None,
+        )
         self._pending.append((request, self.parser.should_keep_alive()))
         if len(self._pending) >= PIPELINE:
             self._paused = True
@@ -201,7 +211,9 @@ class Connection(asyncio.Protocol):
         self._state = "done"
         if self.transport is None or self.transport.is_closing():
             return
-        self.transport.write(self._head(status, headers, b"content-length: %d\r\n" % len(body)) + (b"" if self._head_only else body))
+        self.transport.write(
+            self._head(status, headers, b"content-length: %d\r\n" % len(body)) + (b"" if self._head_only else body)
+        )
 
     def error(self, status: int, message: str, headers: Iterable[tuple[str, str]] = ()) -> None:
         """An error reply, as the router and SGLang's OpenAI routes answer one."""
@@ -253,9 +265,15 @@ class _Server:
 
 
 async def serve(
-    handler: Handler, sockets: list[socket.socket], *, max_body: int, lifespan: AsyncContextManager | None = None,
-    ready: Callable[[], None] | None = None, stop: asyncio.Event | None = None, signals: bool = False,
-) -> None:  # fmt: skip
+    handler: Handler,
+    sockets: list[socket.socket],
+    *,
+    max_body: int,
+    lifespan: AsyncContextManager | None = None,
+    ready: Callable[[], None] | None = None,
+    stop: asyncio.Event | None = None,
+    signals: bool = False,
+) -> None:
     """Serve on `sockets` (bound, not listening) until `stop` is set, or SIGTERM / SIGINT when
     `signals`. `lifespan` is entered before the first request is taken and left after the last
     reply; `ready` is called in between."""
@@ -313,11 +331,20 @@ async def asgi(app: Callable, request: Request, out: Connection) -> None:
     """`request` through an ASGI app, its reply collected and written whole (admin routes: small
     bodies, no streams)."""
     scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-        "method": request.method, "scheme": "http", "path": request.path, "raw_path": request.raw_path,
-        "query_string": request.query, "root_path": "", "client": request.client, "server": None, "state": {},
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": request.method,
+        "scheme": "http",
+        "path": request.path,
+        "raw_path": request.raw_path,
+        "query_string": request.query,
+        "root_path": "",
+        "client": request.client,
+        "server": None,
+        "state": {},
         "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in request.headers.items()],
-    }  # fmt: skip
+    }
     given = False
 
     async def receive() -> dict[str, Any]:
@@ -343,5 +370,9 @@ async def asgi(app: Callable, request: Request, out: Connection) -> None:
         if not start:
             raise  # the connection answers it with a 500
         log.exception("%s %s failed after its reply started", request.method, request.path)
-    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in start.get("headers", ()) if k.lower() != b"content-length"]
+    headers = [
+        (k.decode("latin-1"), v.decode("latin-1"))
+        for k, v in start.get("headers", ())
+        if k.lower() != b"content-length"
+    ]
     out.reply(start["status"], b"".join(body), headers)

@@ -112,15 +112,30 @@ class WorkerRegistry:
 
     def snapshot(self) -> list[dict[str, Any]]:
         """What another router process needs to route like this one (`--workers N`), as JSON."""
-        return [{"id": w.id, "url": w.url, "model_id": w.model_id, "healthy": w.healthy, "last_error": w.last_error,
-                 "metadata": w.metadata, "adapters": sorted(w.adapters)} for w in self._workers.values()]  # fmt: skip
+        return [
+            {
+                "id": w.id,
+                "url": w.url,
+                "model_id": w.model_id,
+                "healthy": w.healthy,
+                "last_error": w.last_error,
+                "metadata": w.metadata,
+                "adapters": sorted(w.adapters),
+            }
+            for w in self._workers.values()
+        ]
 
     def restore(self, entries: list[dict[str, Any]]) -> None:
         """Become `snapshot()`'s registry, keeping the in-flight counts of workers still in it."""
         old, self._workers = self._workers, {}
         for e in entries:
             worker = old.get(e["id"]) or Worker(e["url"], id=e["id"], model_id=e["model_id"])
-            worker.healthy, worker.last_error, worker.metadata, worker.adapters = e["healthy"], e["last_error"], e["metadata"], set(e["adapters"])
+            worker.healthy, worker.last_error, worker.metadata, worker.adapters = (
+                e["healthy"],
+                e["last_error"],
+                e["metadata"],
+                set(e["adapters"]),
+            )
             self._workers[worker.id] = worker
 
     def mark_failed(self, worker: Worker, cause: str) -> None:
@@ -150,8 +165,12 @@ class WorkerRegistry:
                 log.info("worker %s is healthy", worker.url)
                 if not worker.metadata:
                     worker.metadata = await self._get_json(worker, "/server_info")
-                models = (await self._get_json(worker, "/v1/models")).get("data")  # back from a restart, it may hold none
-                worker.adapters = {m.get("id") for m in models or [] if isinstance(m, dict) and m.get("parent") is not None}
+                models = (await self._get_json(worker, "/v1/models")).get(
+                    "data"
+                )  # back from a restart, it may hold none
+                worker.adapters = {
+                    m.get("id") for m in models or [] if isinstance(m, dict) and m.get("parent") is not None
+                }
             worker.healthy, worker.failures = True, 0
             return True
         worker.failures += 1
@@ -201,4 +220,3 @@ def describe_exc(exc: BaseException, timeout: float) -> str:
     if isinstance(exc, (ConnectFailed, Disconnected)):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
-

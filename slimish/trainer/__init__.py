@@ -14,8 +14,10 @@ def make_trainer(cfg: RunConfig) -> Trainer:
     """The torch or the Megatron-Core trainer; Megatron is imported only when chosen (~12 s)."""
     if cfg.trainer.backend == "megatron":
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-            raise RuntimeError("trainer.backend=megatron needs megatron-core, which is not installed "
-                               "(pip install -e '.[dev]', or megatron-core==0.16.1 on Python 3.11)")  # fmt: skip
+            raise RuntimeError(
+                "trainer.backend=megatron needs megatron-core, which is not installed "
+                "(pip install -e '.[dev]', or megatron-core==0.16.1 on Python 3.11)"
+            )
         from slimish.trainer.megatron_backend import MegatronTrainer
 
         return MegatronTrainer(cfg)

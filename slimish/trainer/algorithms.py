@@ -39,7 +39,9 @@ PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 def group_rewards(rewards: Tensor, group_size: int | None = None) -> Tensor:
     """`[N]` + group size, or `[G, K]`, as `[G, K]`; rejects shapes and values no estimator can use."""
     if not torch.is_tensor(rewards) or not rewards.is_floating_point():
-        raise TypeError(f"rewards: expected a floating-point tensor, got {type(rewards).__name__} {getattr(rewards, 'dtype', '')}")
+        raise TypeError(
+            f"rewards: expected a floating-point tensor, got {type(rewards).__name__} {getattr(rewards, 'dtype', '')}"
+        )
     if rewards.numel() == 0:
         raise ValueError("rewards: empty")
     if not torch.isfinite(rewards).all():
@@ -49,7 +51,9 @@ def group_rewards(rewards: Tensor, group_size: int | None = None) -> Tensor:
             raise ValueError(f"group_size: {group_size} disagrees with rewards of shape {tuple(rewards.shape)}")
         return rewards
     if rewards.dim() != 1 or group_size is None:
-        raise ValueError(f"rewards: expected [n_groups, group_size], or [N] with group_size; got shape {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards: expected [n_groups, group_size], or [N] with group_size; got shape {tuple(rewards.shape)}"
+        )
     if group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"group_size: {group_size} does not divide the {rewards.numel()} rewards into whole groups")
     return rewards.view(-1, group_size)
@@ -118,8 +122,9 @@ def ragged_advantages(name: str, rewards: list[Tensor], eps: float = 1e-6) -> li
     return [compute_advantages(name, r.view(1, -1), eps=eps).view(-1) for r in rewards]
 
 
-def trajectory_advantages(name: str | AdvantageFn, rewards: Tensor, trajectory: Tensor, group: Tensor, weights: Tensor,
-                          eps: float = 1e-6) -> Tensor:  # fmt: skip
+def trajectory_advantages(
+    name: str | AdvantageFn, rewards: Tensor, trajectory: Tensor, group: Tensor, weights: Tensor, eps: float = 1e-6
+) -> Tensor:
     """One advantage per sample `[N]`, computed over trajectories so that each counts once in its
     group's baseline whatever its number of samples (a conversation split into segments, fan-out
     siblings). `trajectory` `[N]` maps samples to trajectories 0..T-1; `group` `[T]` maps
@@ -149,10 +154,14 @@ def custom_advantages(fn: AdvantageFn, rewards: Tensor, group: Tensor) -> Tensor
     out = fn(rewards.clone(), group.clone())  # clones: a function that edits its inputs in place changes nothing
     where = f"algorithm.advantage {getattr(fn, '__qualname__', fn)!r}"
     if not torch.is_tensor(out):
-        raise ValueError(f"{where}: returned a {type(out).__name__}; it must return a tensor of one advantage per trajectory, shape {tuple(rewards.shape)}")
+        raise ValueError(
+            f"{where}: returned a {type(out).__name__}; it must return a tensor of one advantage per trajectory, shape {tuple(rewards.shape)}"
+        )
     if tuple(out.shape) != tuple(rewards.shape):
-        raise ValueError(f"{where}: returned shape {tuple(out.shape)}; it must return one advantage per trajectory, shape {tuple(rewards.shape)} "
-                         f"(the shape of `rewards`)")  # fmt: skip
+        raise ValueError(
+            f"{where}: returned shape {tuple(out.shape)}; it must return one advantage per trajectory, shape {tuple(rewards.shape)} "
+            f"(the shape of `rewards`)"
+        )
     if not out.is_floating_point():
         raise ValueError(f"{where}: returned dtype {out.dtype}; it must return a floating-point tensor")
     if not torch.isfinite(out).all():
@@ -198,7 +207,9 @@ def compute_advantages(name: str, rewards: Tensor, group_size: int | None = None
 # Per-token `[B, T]` over response tokens, as the losses below.
 
 
-def gae_advantages(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+def gae_advantages(
+    token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation: per-token advantages and returns (advantage + value),
     0 where `mask` is 0. delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next.
 
@@ -231,8 +242,14 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-6) -> Tensor:
     return torch.zeros_like(x).masked_scatter(m, out)
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None,
-               normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip: float | None,
+    normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped value loss: 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2) per
     token, summed over mask-1 tokens / `normalizer` (default: their count; pass the global
     batch's under accumulation). The clip keeps one batch from dragging a value far from what
@@ -287,8 +304,9 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
     return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 
-def _head_chunk(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float,
-                entropy: bool | None) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+def _head_chunk(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float, entropy: bool | None
+) -> tuple[Tensor, Tensor | None]:
     """One chunk of `chunked_logprobs`: LM head, then the very functions of the full path."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
     logprobs = logprobs_from_logits(logits, labels, temperature)
@@ -299,8 +317,15 @@ def _head_chunk(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Ten
     return logprobs, ent
 
 
-def chunked_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float = 1.0, chunk_tokens: int = 1024,
-                     entropy: bool | None = False, bias: Tensor | None = None) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+def chunked_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+    entropy: bool | None = False,
+    bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """`logprobs_from_logits` (and, unless `entropy` is False, `entropy_from_logits`) of the
     logits `hidden @ weight.T + bias`, `chunk_tokens` rows at a time: hidden states `[N, H]`
     (only the positions that are scored), LM head `weight` `[V, H]`, `labels` `[N]` -> `[N]`.
@@ -311,10 +336,19 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature
     matmul rounding. `entropy`: with gradient (True), measured without (None), or not (False)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens: must be >= 1, got {chunk_tokens}")
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
     logprobs, ents = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
-        args = (hidden[start : start + chunk_tokens], weight, bias, labels[start : start + chunk_tokens], temperature, entropy)
+        args = (
+            hidden[start : start + chunk_tokens],
+            weight,
+            bias,
+            labels[start : start + chunk_tokens],
+            temperature,
+            entropy,
+        )
         if grad:
             lp, ent = torch.utils.checkpoint.checkpoint(_head_chunk, *args, use_reentrant=False)
         else:
@@ -336,7 +370,9 @@ def sft_loss(logprobs: Tensor, mask: Tensor, normalizer: float | Tensor | None =
 # --- Loss reduction -----------------------------------------------------------------------------
 
 
-def loss_normalizer(mode: str, n_tokens: int, n_samples: int, max_response_len: int | None = None, n_trajectories: int | None = None) -> float:
+def loss_normalizer(
+    mode: str, n_tokens: int, n_samples: int, max_response_len: int | None = None, n_trajectories: int | None = None
+) -> float:
     """The denominator of `reduce_loss` for a whole global batch:
     `token`: its trained tokens (each token weighs the same: DAPO's token-level loss);
     `sample`: its samples (each sample weighs the same: GRPO's original mean of per-sample means);
@@ -350,15 +386,22 @@ def loss_normalizer(mode: str, n_tokens: int, n_samples: int, max_response_len: 
         n = n_samples if n_trajectories is None else n_trajectories
     elif mode == "dr_grpo":
         if max_response_len is None or max_response_len < 1:
-            raise ValueError(f"max_response_len: loss_reduction 'dr_grpo' needs a positive length, got {max_response_len}")
+            raise ValueError(
+                f"max_response_len: loss_reduction 'dr_grpo' needs a positive length, got {max_response_len}"
+            )
         n = n_samples * max_response_len
     else:
         raise ValueError(f"loss_reduction: expected one of {', '.join(LOSS_REDUCTIONS)}, got {mode!r}")
     return float(max(n, 1))
 
 
-def reduce_loss(values: Tensor, mask: Tensor, mode: str, normalizer: float | Tensor | None = None,
-                trajectory_tokens: Tensor | None = None) -> Tensor:  # fmt: skip
+def reduce_loss(
+    values: Tensor,
+    mask: Tensor,
+    mode: str,
+    normalizer: float | Tensor | None = None,
+    trajectory_tokens: Tensor | None = None,
+) -> Tensor:
     """Per-token values `[B, T]` to this batch's share of the loss.
 
     `token` / `dr_grpo`: sum over trained tokens / normalizer. `sample`: sum over samples of the
@@ -372,7 +415,9 @@ def reduce_loss(values: Tensor, mask: Tensor, mode: str, normalizer: float | Ten
         total = (values * mask).sum()
         default = mask.shape[0] * mask.shape[-1] if mode == "dr_grpo" else mask.sum()
     elif mode in ("sample", "trajectory"):
-        per_sample = mask.sum(-1) if mode == "sample" or trajectory_tokens is None else trajectory_tokens.to(values.dtype)
+        per_sample = (
+            mask.sum(-1) if mode == "sample" or trajectory_tokens is None else trajectory_tokens.to(values.dtype)
+        )
         total = ((values * mask).sum(-1) / per_sample.clamp(min=1)).sum()
         default = mask.shape[0]
     else:
@@ -445,7 +490,9 @@ def ppo_clip_loss(
     return loss, stats
 
 
-def custom_policy_loss(fn: PolicyLossFn, spec: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
+def custom_policy_loss(
+    fn: PolicyLossFn, spec: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor
+) -> Tensor:
     """A user's per-token policy loss `[B, T]`, called with every input `[B, T]`: `advantages`
     broadcast over each sample's tokens when given per sample, `mask` as floats (1 = trained),
     and, where the mask is 0 (environment tokens, padding), `logprobs` equal to `old_logprobs`, so
@@ -457,14 +504,20 @@ def custom_policy_loss(fn: PolicyLossFn, spec: str, logprobs: Tensor, old_logpro
     out = fn(torch.where(keep, logprobs, old_logprobs), old_logprobs, adv.expand_as(logprobs), mask.to(logprobs.dtype))
     where = f"algorithm.loss {spec!r}"
     if not torch.is_tensor(out):
-        raise ValueError(f"{where}: returned a {type(out).__name__}; it must return the per-token loss, a tensor of shape {tuple(logprobs.shape)} [B, T]")
+        raise ValueError(
+            f"{where}: returned a {type(out).__name__}; it must return the per-token loss, a tensor of shape {tuple(logprobs.shape)} [B, T]"
+        )
     if tuple(out.shape) != tuple(logprobs.shape):
-        raise ValueError(f"{where}: returned shape {tuple(out.shape)}; it must return the per-token loss of shape {tuple(logprobs.shape)} "
-                         "[B, T], the shape of `logprobs` (not a reduced loss: the trainer reduces it)")  # fmt: skip
+        raise ValueError(
+            f"{where}: returned shape {tuple(out.shape)}; it must return the per-token loss of shape {tuple(logprobs.shape)} "
+            "[B, T], the shape of `logprobs` (not a reduced loss: the trainer reduces it)"
+        )
     if not out.is_floating_point():
         raise ValueError(f"{where}: returned dtype {out.dtype}; it must return a floating-point tensor")
     if logprobs.requires_grad and not out.requires_grad:
-        raise ValueError(f"{where}: its loss does not depend on `logprobs` (no gradient would reach the policy); do not detach it")
+        raise ValueError(
+            f"{where}: its loss does not depend on `logprobs` (no gradient would reach the policy); do not detach it"
+        )
     return torch.where(keep, out.to(logprobs.dtype), 0.0)
 
 
@@ -546,8 +599,14 @@ def token_advantages(advantages: Tensor, like: Tensor) -> Tensor:
     sample's tokens, `[B, T]` as given; any other shape is refused."""
     if advantages.dim() == like.dim() - 1:
         advantages = advantages.unsqueeze(-1)
-    if advantages.dim() != like.dim() or advantages.shape[0] != like.shape[0] or advantages.shape[-1] not in (1, like.shape[-1]):
-        raise ValueError(f"advantages: expected [B] or [B, T] for logprobs of shape {tuple(like.shape)}, got {tuple(advantages.shape)}")
+    if (
+        advantages.dim() != like.dim()
+        or advantages.shape[0] != like.shape[0]
+        or advantages.shape[-1] not in (1, like.shape[-1])
+    ):
+        raise ValueError(
+            f"advantages: expected [B] or [B, T] for logprobs of shape {tuple(like.shape)}, got {tuple(advantages.shape)}"
+        )
     return advantages.expand_as(like)
 
 
@@ -588,8 +647,10 @@ def rl_loss(
     advantages = token_advantages(advantages, logprobs)
     if ":" in cfg.loss:
         if policy_loss_fn is None:
-            raise ValueError(f"algorithm.loss {cfg.loss!r}: pass the loaded function as policy_loss_fn "
-                             "(slimish.rollout.loader.load_function(spec, 'policy_loss'))")  # fmt: skip
+            raise ValueError(
+                f"algorithm.loss {cfg.loss!r}: pass the loaded function as policy_loss_fn "
+                "(slimish.rollout.loader.load_function(spec, 'policy_loss'))"
+            )
         ratio = importance_ratio(logprobs, old_logprobs, mask, "token")
         per_token = custom_policy_loss(policy_loss_fn, cfg.loss, logprobs, old_logprobs, advantages, mask)
         token_stats = {k: torch.zeros_like(ratio) for k in ("clip_low", "clip_high", "dual_clip")}

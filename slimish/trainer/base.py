@@ -32,15 +32,45 @@ from torch.nn.utils.rnn import pad_sequence
 from slimish.buffer import group_version
 from slimish.config import RunConfig
 from slimish.rollout.loader import load_function
-from slimish.trainer.algorithms import (credit_weights, explained_variance, gae_advantages, kl_penalty, loss_normalizer, masked_whiten,
-                                        opd_advantages, rl_loss, sequence_kl, sft_loss, teacher_log_ratio, trajectory_advantages,
-                                        value_loss)  # fmt: skip
+from slimish.trainer.algorithms import (
+    credit_weights,
+    explained_variance,
+    gae_advantages,
+    kl_penalty,
+    loss_normalizer,
+    masked_whiten,
+    opd_advantages,
+    rl_loss,
+    sequence_kl,
+    sft_loss,
+    teacher_log_ratio,
+    trajectory_advantages,
+    value_loss,
+)
 from slimish.types import Sample
 
 # Additive statistics summed over micro-batches, updates and ranks (rl_loss's, plus ours).
-STAT_KEYS = ("loss/policy", "loss/kl", "loss/entropy", "tokens", "clip_low", "clip_high", "dual_clip",
-             "ratio", "tis", "kl", "entropy", "mismatch", "mismatch_tokens", "mismatch_fresh", "mismatch_fresh_tokens",
-             "teacher_kl", "loss/value", "value_clip", "loss/ptx")  # fmt: skip
+STAT_KEYS = (
+    "loss/policy",
+    "loss/kl",
+    "loss/entropy",
+    "tokens",
+    "clip_low",
+    "clip_high",
+    "dual_clip",
+    "ratio",
+    "tis",
+    "kl",
+    "entropy",
+    "mismatch",
+    "mismatch_tokens",
+    "mismatch_fresh",
+    "mismatch_fresh_tokens",
+    "teacher_kl",
+    "loss/value",
+    "value_clip",
+    "loss/ptx",
+)
 
 # (sample indices, response logprobs [B, R], entropies [B, R] or None) -> (loss share, stats)
 LossFn = Callable[[list[int], Tensor, Tensor | None], tuple[Tensor, dict[str, Tensor]]]
@@ -54,8 +84,12 @@ def mismatch(logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, fresh: li
     and over the `fresh` ones (1.0: made by the weights the step starts from)."""
     per_row, tokens = ((logprobs - rollout_logprobs).abs() * mask).sum(-1), mask.sum(-1)
     is_fresh = torch.tensor(fresh, dtype=per_row.dtype, device=per_row.device)
-    return {"mismatch": per_row.sum(), "mismatch_tokens": tokens.sum(),
-            "mismatch_fresh": (per_row * is_fresh).sum(), "mismatch_fresh_tokens": (tokens * is_fresh).sum()}  # fmt: skip
+    return {
+        "mismatch": per_row.sum(),
+        "mismatch_tokens": tokens.sum(),
+        "mismatch_fresh": (per_row * is_fresh).sum(),
+        "mismatch_fresh_tokens": (tokens * is_fresh).sum(),
+    }
 
 
 def lr_factor(schedule: str, warmup: int, total: int, step: int) -> float:
@@ -106,7 +140,9 @@ def check_samples(samples: list[Sample]) -> None:
     for s in samples:
         s.check()
         if s.prompt_length < 1:
-            raise ValueError(f"sample {s.group_id}/{s.index}: needs at least one prompt token, got tokens of length {len(s.tokens)}")
+            raise ValueError(
+                f"sample {s.group_id}/{s.index}: needs at least one prompt token, got tokens of length {len(s.tokens)}"
+            )
 
 
 def response_index(batch: list[Sample], first: int) -> Tensor:
@@ -177,7 +213,9 @@ class Trainer(ABC):
         cores = max(1, (os.cpu_count() or 1) // local_ranks) if engines_idle else torch.get_num_threads()
         self.cpu_threads = cfg.trainer.cpu_threads or cores
         credit = cfg.algorithm.segment_credit
-        self.credit_fn = load_function(credit, "credit") if ":" in credit else None  # checked now, not at the first step
+        self.credit_fn = (
+            load_function(credit, "credit") if ":" in credit else None
+        )  # checked now, not at the first step
         advantage, loss = cfg.algorithm.advantage, cfg.algorithm.loss
         self.advantage_fn = load_function(advantage, "advantage") if ":" in advantage else None
         self.policy_loss_fn = load_function(loss, "policy_loss") if ":" in loss else None
@@ -207,24 +245,43 @@ class Trainer(ABC):
         started = time.perf_counter()
         done, per_step = self._updates_done(), self.cfg.trainer.updates_per_step
         if done != (step - 1) * per_step:
-            raise ValueError(f"train_step(step={step}): the trainer has taken {done} optimiser steps, expected "
-                             f"{(step - 1) * per_step}; load its state_dict when resuming")  # fmt: skip
+            raise ValueError(
+                f"train_step(step={step}): the trainer has taken {done} optimiser steps, expected "
+                f"{(step - 1) * per_step}; load its state_dict when resuming"
+            )
         if not groups or not all(groups):
-            raise ValueError(f"train_step: groups must be non-empty lists of samples, got sizes {[len(g) for g in groups]}")
+            raise ValueError(
+                f"train_step: groups must be non-empty lists of samples, got sizes {[len(g) for g in groups]}"
+            )
         if (demos is not None) != (self.cfg.algorithm.ptx_coef > 0):
-            raise ValueError(f"train_step: demos are trained on when and only when algorithm.ptx_coef > 0 "
-                             f"(it is {self.cfg.algorithm.ptx_coef}, demos {'given' if demos is not None else 'not given'})")  # fmt: skip
+            raise ValueError(
+                f"train_step: demos are trained on when and only when algorithm.ptx_coef > 0 "
+                f"(it is {self.cfg.algorithm.ptx_coef}, demos {'given' if demos is not None else 'not given'})"
+            )
         batch = self._prepare(groups, step)
         batch.demos = demos or []
         grad_norms, lrs = self._update(batch)
-        totals = dict(zip(STAT_KEYS, self._all_reduce(torch.tensor([batch.stats[k] for k in STAT_KEYS], dtype=torch.float64,
-                                                                    device=self.device)).tolist()))  # fmt: skip
-        metrics = self._metrics(totals, batch.samples, batch.raw_rewards, grad_norms, time.perf_counter() - started, batch.ref is not None)
+        totals = dict(
+            zip(
+                STAT_KEYS,
+                self._all_reduce(
+                    torch.tensor([batch.stats[k] for k in STAT_KEYS], dtype=torch.float64, device=self.device)
+                ).tolist(),
+            )
+        )
+        metrics = self._metrics(
+            totals, batch.samples, batch.raw_rewards, grad_norms, time.perf_counter() - started, batch.ref is not None
+        )
         metrics["train/lr"] = lrs[-1]
         if batch.values is not None:
             updates = max(len(batch.minis), 1)
-            metrics.update(batch.critic_metrics, **{"critic/value_loss": totals["loss/value"] / updates,
-                                                    "critic/clip_frac": totals["value_clip"] / max(totals["tokens"], 1.0)})  # fmt: skip
+            metrics.update(
+                batch.critic_metrics,
+                **{
+                    "critic/value_loss": totals["loss/value"] / updates,
+                    "critic/clip_frac": totals["value_clip"] / max(totals["tokens"], 1.0),
+                },
+            )
         return metrics
 
     def _prepare(self, groups: list[list[Sample]], step: int) -> "_Batch":
@@ -247,8 +304,12 @@ class Trainer(ABC):
         if algo.recompute_old_logprobs:
             recomputed = dict(zip(mine, self.logprobs([samples[i] for i in mine])))
             rows = [samples[i] for i in mine]
-            measured = mismatch(self._pad([recomputed[i] for i in mine]), self._pad([self._rollout_logprobs(s) for s in rows]),
-                                self._pad([self._mask(s) for s in rows]), [fresh[i] for i in mine])  # fmt: skip
+            measured = mismatch(
+                self._pad([recomputed[i] for i in mine]),
+                self._pad([self._rollout_logprobs(s) for s in rows]),
+                self._pad([self._mask(s) for s in rows]),
+                [fresh[i] for i in mine],
+            )
             for key, value in measured.items():
                 stats[key] += float(value)
             old = recomputed
@@ -271,17 +332,32 @@ class Trainer(ABC):
                     kl[i] = sequence_kl(old[i], ref[i], self._mask(samples[i], trained=False), algo.kl_estimator)
                 rewards = rewards - algo.kl_coef * self._all_reduce(kl.to(self.device)).cpu()
             trajectory, group = trajectory_index(groups)
-            advantages = trajectory_advantages(self.advantage_fn or algo.advantage, rewards, torch.tensor(trajectory), torch.tensor(group),
-                                               torch.tensor(self._credit(samples, trajectory)), algo.advantage_eps)  # fmt: skip
+            advantages = trajectory_advantages(
+                self.advantage_fn or algo.advantage,
+                rewards,
+                torch.tensor(trajectory),
+                torch.tensor(group),
+                torch.tensor(self._credit(samples, trajectory)),
+                algo.advantage_eps,
+            )
         teacher = None
         if algo.opd.coef > 0:
             teacher = {i: self._teacher_logprobs(samples[i]) for i in mine}
             if not algo.opd.task_reward:  # pure distillation: the teacher's signal alone
                 advantages = torch.zeros_like(advantages)
-        return _Batch(samples, minis, shares, trajectory, fresh, old, ref, teacher, advantages, raw_rewards, stats, **critic)
+        return _Batch(
+            samples, minis, shares, trajectory, fresh, old, ref, teacher, advantages, raw_rewards, stats, **critic
+        )
 
-    def _gae(self, samples: list[Sample], mine: list[int], old: dict[int, Tensor], ref: dict[int, Tensor] | None,
-             rewards: Tensor, step: int) -> tuple[Tensor, dict[str, Any]]:  # fmt: skip
+    def _gae(
+        self,
+        samples: list[Sample],
+        mine: list[int],
+        old: dict[int, Tensor],
+        ref: dict[int, Tensor] | None,
+        rewards: Tensor,
+        step: int,
+    ) -> tuple[Tensor, dict[str, Any]]:
         """PPO with a critic: the critic's values of every sample (each rank computes its own
         and an all-reduce gathers them), the outcome reward on each sample's last trained token
         (minus kl_coef x per-token KL with kl_in_reward), GAE, and advantages whitened over the
@@ -306,10 +382,17 @@ class Trainer(ABC):
         advantages, returns = gae_advantages(token_rewards, values, mask, algo.gamma, algo.lam)
         advantages = masked_whiten(advantages, mask, algo.advantage_eps)
         n = mask.sum().clamp(min=1)
-        metrics = {"critic/values": float((values * mask).sum() / n), "critic/returns": float((returns * mask).sum() / n),
-                                "critic/explained_variance": explained_variance(values, returns, mask)}  # fmt: skip
-        return advantages.cpu(), {"values": values.cpu(), "returns": returns.cpu(), "critic_only": step <= self.cfg.critic.warmup_steps,
-                                  "critic_metrics": metrics}  # fmt: skip
+        metrics = {
+            "critic/values": float((values * mask).sum() / n),
+            "critic/returns": float((returns * mask).sum() / n),
+            "critic/explained_variance": explained_variance(values, returns, mask),
+        }
+        return advantages.cpu(), {
+            "values": values.cpu(),
+            "returns": returns.cpu(),
+            "critic_only": step <= self.cfg.critic.warmup_steps,
+            "critic_metrics": metrics,
+        }
 
     def _update(self, b: "_Batch") -> tuple[list[float], list[float]]:
         """The optimiser steps, one per minibatch; the grad norms and learning rates they used.
@@ -330,8 +413,13 @@ class Trainer(ABC):
             if not n_tokens or b.critic_only:  # nothing to learn from: no step (Adam would still apply momentum)
                 self._scheduler_step()
                 continue
-            normalizer = loss_normalizer(algo.loss_reduction, n_tokens=n_tokens, n_samples=len(mini), max_response_len=self.cfg.rollout.max_new_tokens,
-                                         n_trajectories=len({trajectory[i] for i in mini}))  # fmt: skip
+            normalizer = loss_normalizer(
+                algo.loss_reduction,
+                n_tokens=n_tokens,
+                n_samples=len(mini),
+                max_response_len=self.cfg.rollout.max_new_tokens,
+                n_trajectories=len({trajectory[i] for i in mini}),
+            )
             pooled: dict[int, int] = {}  # a trajectory's trained tokens in this update, for the trajectory reduction
             for i in mini:
                 pooled[trajectory[i]] = pooled.get(trajectory[i], 0) + sum(samples[i].train_mask)
@@ -350,12 +438,18 @@ class Trainer(ABC):
                     log_ratio = teacher_log_ratio(old, self._pad([b.teacher[i] for i in idx]), mask)
                     advantages = opd_advantages(advantages, log_ratio, algo.opd.coef)
                 loss, st = rl_loss(
-                    algo, logprobs, old, advantages, mask,
-                    normalizer, ref_logprobs=self._pad([b.ref[i] for i in idx]) if b.ref is not None else None,
-                    rollout_logprobs=rollout, entropy=entropy,
+                    algo,
+                    logprobs,
+                    old,
+                    advantages,
+                    mask,
+                    normalizer,
+                    ref_logprobs=self._pad([b.ref[i] for i in idx]) if b.ref is not None else None,
+                    rollout_logprobs=rollout,
+                    entropy=entropy,
                     trajectory_tokens=torch.tensor([pooled[trajectory[i]] for i in idx], device=self.device),
                     policy_loss_fn=self.policy_loss_fn,
-                )  # fmt: skip
+                )
                 if measure:
                     st.update(mismatch(logprobs.detach(), rollout, mask, [b.fresh[i] for i in idx]))
                 if b.teacher is not None:
@@ -381,8 +475,14 @@ class Trainer(ABC):
         def loss_fn(idx: list[int], values: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
             mask = self._pad([self._mask(b.samples[i]) for i in idx])
             width = values.shape[1]
-            return value_loss(values, b.values[idx, :width].to(self.device), b.returns[idx, :width].to(self.device), mask,
-                              self.cfg.critic.value_clip, float(n_tokens))  # fmt: skip
+            return value_loss(
+                values,
+                b.values[idx, :width].to(self.device),
+                b.returns[idx, :width].to(self.device),
+                mask,
+                self.cfg.critic.value_clip,
+                float(n_tokens),
+            )
 
         for key, value in self._accumulate_values([b.samples[i] for i in share], share, loss_fn).items():
             b.stats[key] += value
@@ -399,13 +499,22 @@ class Trainer(ABC):
         for idx in members.values():
             shares = self.credit_fn([samples[i] for i in idx])
             if len(shares) != len(idx):
-                raise ValueError(f"algorithm.segment_credit {self.cfg.algorithm.segment_credit}: returned {len(shares)} shares for a trajectory of {len(idx)} samples")
+                raise ValueError(
+                    f"algorithm.segment_credit {self.cfg.algorithm.segment_credit}: returned {len(shares)} shares for a trajectory of {len(idx)} samples"
+                )
             for i, share in zip(idx, shares):
                 weights[i] = float(share)
         return weights
 
-    def _metrics(self, t: dict[str, float], samples: list[Sample], rewards: Tensor, grad_norms: list[float],
-                 seconds: float, with_ref: bool) -> dict[str, float]:  # fmt: skip
+    def _metrics(
+        self,
+        t: dict[str, float],
+        samples: list[Sample],
+        rewards: Tensor,
+        grad_norms: list[float],
+        seconds: float,
+        with_ref: bool,
+    ) -> dict[str, float]:
         updates = max(len(grad_norms), 1)
         tokens = max(t["tokens"], 1.0)
         out = {
@@ -458,8 +567,9 @@ class Trainer(ABC):
             raise ValueError("sft_step: the batch has no loss-mask-1 token to train on")
         stats = self._nll(samples, 1.0)
         grad_norm = self._optimizer_step(self.sft_optimizer)
-        loss, tokens = self._all_reduce(torch.tensor([stats.get("nll", 0.0), stats.get("tokens", 0.0)],
-                                                     dtype=torch.float64, device=self.device)).tolist()  # fmt: skip
+        loss, tokens = self._all_reduce(
+            torch.tensor([stats.get("nll", 0.0), stats.get("tokens", 0.0)], dtype=torch.float64, device=self.device)
+        ).tolist()
         return {"sft/loss": loss, "sft/grad_norm": grad_norm, "sft/tokens": tokens}
 
     def _nll(self, samples: list[Sample], coef: float) -> dict[str, float]:
@@ -481,8 +591,10 @@ class Trainer(ABC):
     def _micro_groups(self, batch: list[Sample]) -> list[list[int]]:
         """`batch` positions in micro-batches, samples without response tokens left out."""
         budget = self.cfg.trainer.micro_batch_tokens
-        groups = [[k for k in mb if batch[k].response_length > 0]
-                  for mb in micro_batches([len(s.tokens) for s in batch], budget)]  # fmt: skip
+        groups = [
+            [k for k in mb if batch[k].response_length > 0]
+            for mb in micro_batches([len(s.tokens) for s in batch], budget)
+        ]
         return [g for g in groups if g]
 
     def _input_ids(self, batch: list[Sample]) -> Tensor:
@@ -497,8 +609,10 @@ class Trainer(ABC):
 
     def _teacher_logprobs(self, s: Sample) -> Tensor:
         if s.teacher_logprobs is None:
-            raise ValueError(f"sample {s.group_id}/{s.index}: no teacher_logprobs; algorithm.opd.coef > 0 needs every trained sample "
-                             "scored by the teacher (launch.teacher), which the rollout manager does")  # fmt: skip
+            raise ValueError(
+                f"sample {s.group_id}/{s.index}: no teacher_logprobs; algorithm.opd.coef > 0 needs every trained sample "
+                "scored by the teacher (launch.teacher), which the rollout manager does"
+            )
         return torch.tensor(s.teacher_logprobs, dtype=torch.float32, device=self.device)
 
     def _mask(self, s: Sample, trained: bool = True) -> Tensor:
@@ -517,7 +631,9 @@ class Trainer(ABC):
         rollout temperature, as the engine reports them."""
 
     @abstractmethod
-    def _accumulate(self, batch: list[Sample], idx: list[int], loss_fn: LossFn, entropy: bool | None) -> dict[str, float]:
+    def _accumulate(
+        self, batch: list[Sample], idx: list[int], loss_fn: LossFn, entropy: bool | None
+    ) -> dict[str, float]:
         """Backward of this rank's share `batch` (`idx`: the samples' batch indices, which
         `loss_fn` takes) in `_micro_groups`; the summed stats. Afterwards every rank holds the
         gradient of the whole batch's loss: each data-parallel rank must take part, even with
@@ -527,7 +643,12 @@ class Trainer(ABC):
         """Per-sample critic values `[R]` of the states before each response token (no gradient)."""
         raise NotImplementedError(f"algorithm.advantage=gae: {type(self).__name__} has no critic")
 
-    def _accumulate_values(self, batch: list[Sample], idx: list[int], loss_fn: Callable[[list[int], Tensor], tuple[Tensor, dict[str, Tensor]]]) -> dict[str, float]:
+    def _accumulate_values(
+        self,
+        batch: list[Sample],
+        idx: list[int],
+        loss_fn: Callable[[list[int], Tensor], tuple[Tensor, dict[str, Tensor]]],
+    ) -> dict[str, float]:
         """`_accumulate` for the critic: `loss_fn` takes the batch indices and values `[B, R]`."""
         raise NotImplementedError(f"algorithm.advantage=gae: {type(self).__name__} has no critic")
 

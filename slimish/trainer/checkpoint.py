@@ -87,7 +87,9 @@ def resolve(run_dir: str | Path, resume: str | None) -> Path | None:
         return latest(run_dir)
     path = Path(resume)
     if not (path / STATE).is_file():
-        raise ValueError(f"checkpoint.resume: {resume!r} is not a checkpoint directory (no {STATE}); use 'auto' or a step_* directory")
+        raise ValueError(
+            f"checkpoint.resume: {resume!r} is not a checkpoint directory (no {STATE}); use 'auto' or a step_* directory"
+        )
     return path
 
 

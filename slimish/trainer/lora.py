@@ -28,8 +28,13 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 
 def add_adapter(model: torch.nn.Module, lora: LoraConfig) -> PeftModel:
     """`model` under a fresh adapter (B = 0: the policy starts as the base); its base frozen."""
-    config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules),
-                            task_type="CAUSAL_LM")  # fmt: skip
+    config = PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, config).eval()  # new dropout layers start in train mode
 
 
@@ -76,8 +81,10 @@ def load_adapter_tensors(model: PeftModel, tensors: dict[str, Tensor]) -> None:
     expected = set(get_peft_model_state_dict(model))
     if set(tensors) != expected:
         missing, extra = sorted(expected - set(tensors))[:3], sorted(set(tensors) - expected)[:3]
-        raise ValueError(f"trainer.lora: the checkpoint's adapter does not fit this run's (missing {missing}, unexpected {extra}); "
-                         "rank and target_modules must be those of the run that saved it")  # fmt: skip
+        raise ValueError(
+            f"trainer.lora: the checkpoint's adapter does not fit this run's (missing {missing}, unexpected {extra}); "
+            "rank and target_modules must be those of the run that saved it"
+        )
     set_peft_model_state_dict(model, tensors)
 
 
@@ -91,6 +98,10 @@ def write_adapter_dir(path: str | Path, config: dict[str, Any], tensors: dict[st
     """A PEFT adapter directory (what `PeftModel.from_pretrained` and `/load_lora_adapter` read)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_file(
+        {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()},
+        str(path / ADAPTER_WEIGHTS),
+        metadata={"format": "pt"},
+    )
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
     return path

@@ -75,7 +75,9 @@ def _init_model_parallel(tp: int, pp: int, world: int) -> None:
         return
     have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
     if have != (tp, pp):
-        raise ValueError(f"Megatron's parallel state is already tp={have[0]}, pp={have[1]}; trainer.tp={tp}, trainer.pp={pp}")
+        raise ValueError(
+            f"Megatron's parallel state is already tp={have[0]}, pp={have[1]}; trainer.tp={tp}, trainer.pp={pp}"
+        )
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -142,10 +144,18 @@ class MegatronTrainer(Trainer):
     def _new_optimizer(self, lr: float) -> Any:
         tc = self.cfg.trainer
         config = OptimizerConfig(
-            optimizer="adam", lr=lr, weight_decay=tc.weight_decay, adam_beta1=tc.betas[0], adam_beta2=tc.betas[1],
-            adam_eps=1e-8, clip_grad=tc.grad_clip, bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16,
-            params_dtype=self.dtype, use_distributed_optimizer=False,
-        )  # fmt: skip
+            optimizer="adam",
+            lr=lr,
+            weight_decay=tc.weight_decay,
+            adam_beta1=tc.betas[0],
+            adam_beta2=tc.betas[1],
+            adam_eps=1e-8,
+            clip_grad=tc.grad_clip,
+            bf16=self.dtype == torch.bfloat16,
+            fp16=self.dtype == torch.float16,
+            params_dtype=self.dtype,
+            use_distributed_optimizer=False,
+        )
         # config_overrides={}: decay every parameter, as the torch backend's AdamW does
         # (Megatron's default exempts norms and biases).
         return get_megatron_optimizer(config, [self.ddp], config_overrides={})
@@ -183,12 +193,18 @@ class MegatronTrainer(Trainer):
             return output, lambda logits: (on_logits(payload, batch, ids, logits), {})
 
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(items), model=[model], num_microbatches=len(items),
-            seq_length=max(len(s.tokens) for _, b in items for s in b), micro_batch_size=max(len(b) for _, b in items),
+            forward_step_func=forward_step,
+            data_iterator=iter(items),
+            model=[model],
+            num_microbatches=len(items),
+            seq_length=max(len(s.tokens) for _, b in items for s in b),
+            micro_batch_size=max(len(b) for _, b in items),
             forward_only=forward_only,
-        )  # fmt: skip
+        )
 
-    def _response(self, batch: list[Sample], ids: Tensor, logits: Tensor, entropy: bool | None) -> tuple[Tensor, Tensor | None]:
+    def _response(
+        self, batch: list[Sample], ids: Tensor, logits: Tensor, entropy: bool | None
+    ) -> tuple[Tensor, Tensor | None]:
         """Response-token logprobs `[B, R]` from a logits shard `[B, S, V_pad/TP]`, and, unless
         `entropy` is False, their entropies (with gradient only when `entropy` is True)."""
         first = min(s.prompt_length for s in batch) - 1  # position p predicts token p + 1
@@ -218,10 +234,14 @@ class MegatronTrainer(Trainer):
             return logits.new_zeros(())
 
         if samples:
-            self._schedule(self.ddp if model is None else model, [(g, [samples[i] for i in g]) for g in groups], on_logits, True)
+            self._schedule(
+                self.ddp if model is None else model, [(g, [samples[i] for i in g]) for g in groups], on_logits, True
+            )
         return out
 
-    def _accumulate(self, batch: list[Sample], idx: list[int], loss_fn: LossFn, entropy: bool | None) -> dict[str, float]:
+    def _accumulate(
+        self, batch: list[Sample], idx: list[int], loss_fn: LossFn, entropy: bool | None
+    ) -> dict[str, float]:
         groups = self._micro_groups(batch)
         stats: dict[str, float] = {}
         if not groups:  # nothing to train on: still take part in the gradient all-reduce
@@ -254,7 +274,9 @@ class MegatronTrainer(Trainer):
         if self.dp_size > 1:
             dist.all_reduce(t, group=ps.get_data_parallel_group())
         if self.pp > 1:
-            dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+            dist.broadcast(
+                t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+            )
         return t
 
     # -- weights out and in ----------------------------------------------------------------------
@@ -290,8 +312,12 @@ class MegatronTrainer(Trainer):
         schedule}} from data-parallel replica 0 (the replicas are identical); {} elsewhere."""
         mine = None
         if self.dp_rank == 0:
-            mine = {"name": f"tp{self.tp_rank}_pp{self.pp_rank}", "model": self.model.state_dict(),
-                    "optimizer": self.optimizer.state_dict(), "updates": self.updates}  # fmt: skip
+            mine = {
+                "name": f"tp{self.tp_rank}_pp{self.pp_rank}",
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "updates": self.updates,
+            }
             if self.ref is not None and not self.cfg.trainer.ref_model:  # a copy of the policy: not on disk
                 mine["ref"] = self.ref.state_dict()
             mine = _to_cpu(mine)
@@ -303,8 +329,10 @@ class MegatronTrainer(Trainer):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if (state.get("tp"), state.get("pp")) != (self.tp, self.pp):
-            raise ValueError(f"checkpoint: trainer state of tp={state.get('tp')}, pp={state.get('pp')} (Megatron backend), "
-                             f"but this run has trainer.tp={self.tp}, trainer.pp={self.pp}")  # fmt: skip
+            raise ValueError(
+                f"checkpoint: trainer state of tp={state.get('tp')}, pp={state.get('pp')} (Megatron backend), "
+                f"but this run has trainer.tp={self.tp}, trainer.pp={self.pp}"
+            )
         mine = state["shards"][f"tp{self.tp_rank}_pp{self.pp_rank}"]
         self.model.load_state_dict(mine["model"])
         self.optimizer.load_state_dict(mine["optimizer"])

@@ -37,7 +37,9 @@ def demonstrations(cfg: RunConfig) -> list[Demonstration]:
         raw = task.make("train", cfg.data.task_size, cfg.data.seed)
         rows = load_rows(source, cfg.data, "train")  # the same problems, in the same order
         return [Demonstration(row["prompt"], task.demonstration(r, rng)) for r, row in zip(raw, rows)]
-    rows = load_rows(source, dataclasses.replace(cfg.data, label_key=None), flag="sft.source" if cfg.sft.source else "data.source")
+    rows = load_rows(
+        source, dataclasses.replace(cfg.data, label_key=None), flag="sft.source" if cfg.sft.source else "data.source"
+    )
     out = []
     for row in rows:
         meta, where = row["metadata"], f"sft.source {source}: row {row['metadata']['row_id']}"
@@ -68,7 +70,9 @@ class Rendered:
         d, tokenizer = self.pairs[i], self.tokenizer
         if isinstance(d.prompt, str):
             text = d.response if isinstance(d.response, str) else d.response.get("content") or ""
-            return self.fmt.prompt_ids(d.prompt), tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+            return self.fmt.prompt_ids(d.prompt), tokenizer.encode(text, add_special_tokens=False) + [
+                tokenizer.eos_token_id
+            ]
         chat = self.fmt.chat(d.tools, **self.cfg.rollout.chat_template_kwargs)
         message = {"role": "assistant", "content": d.response} if isinstance(d.response, str) else d.response
         return chat.prompt_ids(d.prompt), chat.assistant_ids(d.prompt, message)

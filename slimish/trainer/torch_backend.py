@@ -32,7 +32,14 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 from slimish.config import RunConfig
 from slimish.trainer.algorithms import chunked_logprobs, entropy_from_logits, logprobs_from_logits
 from slimish.trainer.base import LossFn, Trainer, lr_factor, micro_batches, response_index
-from slimish.trainer.lora import AdaptersOff, adapter_config, adapter_tensors, add_adapter, dropout_on, load_adapter_tensors
+from slimish.trainer.lora import (
+    AdaptersOff,
+    adapter_config,
+    adapter_tensors,
+    add_adapter,
+    dropout_on,
+    load_adapter_tensors,
+)
 from slimish.types import Sample
 
 
@@ -72,8 +79,9 @@ class TorchTrainer(Trainer):
         if cfg.algorithm.advantage == "gae":
             self.critic = self._load_critic(cfg.critic.model or cfg.model)
             self.critic_ddp = DDP(self.critic, forward_sync_buffers=False) if self.world > 1 else None
-            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr or tc.lr, betas=tuple(tc.betas),
-                                                      weight_decay=tc.weight_decay)  # fmt: skip
+            self.critic_optimizer = torch.optim.AdamW(
+                self.critic.parameters(), lr=cfg.critic.lr or tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
+            )
 
     def _load_critic(self, path: str) -> torch.nn.Module:
         """The value model: the HF checkpoint's backbone under a fresh scalar head on every token
@@ -130,7 +138,9 @@ class TorchTrainer(Trainer):
                 out[i] = row[: s.response_length].clone()
         return out  # type: ignore[return-value]
 
-    def _forward(self, model: torch.nn.Module, batch: list[Sample], entropy: bool | None) -> tuple[Tensor, Tensor | None]:
+    def _forward(
+        self, model: torch.nn.Module, batch: list[Sample], entropy: bool | None
+    ) -> tuple[Tensor, Tensor | None]:
         """Response-token logprobs `[B, R]` (right-padded) and, unless `entropy` is False, their
         entropies (with gradient only when `entropy` is True). `trainer.logprob_chunk_tokens` > 0:
         from the final hidden states of the response positions only, chunk by chunk
@@ -155,8 +165,16 @@ class TorchTrainer(Trainer):
                 ent = entropy_from_logits(logits, self.temperature).gather(1, index)
         return logprobs, ent
 
-    def _chunked_forward(self, model: torch.nn.Module, batch: list[Sample], ids: Tensor, keep: int, index: Tensor,
-                         entropy: bool | None, chunk: int) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    def _chunked_forward(
+        self,
+        model: torch.nn.Module,
+        batch: list[Sample],
+        ids: Tensor,
+        keep: int,
+        index: Tensor,
+        entropy: bool | None,
+        chunk: int,
+    ) -> tuple[Tensor, Tensor | None]:
         """`_forward` without the micro-batch's logits: the model runs (through DDP, whose
         gradient hooks need its forward) with a pre-hook on the LM head that keeps the final
         hidden states and hands the head none of them; the head is then applied to the response
@@ -174,8 +192,10 @@ class TorchTrainer(Trainer):
         finally:
             handle.remove()
         if not captured:
-            raise RuntimeError(f"trainer.logprob_chunk_tokens: {type(_unwrap(model)).__name__} did not call its LM head with the "
-                               "hidden states as first argument; set trainer.logprob_chunk_tokens=0")  # fmt: skip
+            raise RuntimeError(
+                f"trainer.logprob_chunk_tokens: {type(_unwrap(model)).__name__} did not call its LM head with the "
+                "hidden states as first argument; set trainer.logprob_chunk_tokens=0"
+            )
         hidden = captured[-1]  # [B, keep, H]: positions `first` on, as the logits of the full path
         # (row, response token) of every scored token, row-major: chunks run sample by sample and
         # a chunk may split one; padding is never scored.
@@ -184,20 +204,32 @@ class TorchTrainer(Trainer):
         rows, cols = rows.to(self.device), cols.to(self.device)
         positions = index[rows, cols]
         labels = ids[rows, ids.shape[1] - keep + 1 + positions]  # position p predicts token p + 1
-        logprobs, ent = chunked_logprobs(hidden[rows, positions], head.weight, labels, self.temperature, chunk, entropy,
-                                         getattr(head, "bias", None))  # fmt: skip
+        logprobs, ent = chunked_logprobs(
+            hidden[rows, positions], head.weight, labels, self.temperature, chunk, entropy, getattr(head, "bias", None)
+        )
         shape = tuple(index.shape)
         logprobs = logprobs.new_zeros(shape).index_put((rows, cols), logprobs)
         if ent is not None:
             ent = ent.new_zeros(shape).index_put((rows, cols), ent)
         return logprobs, ent
 
-    def _accumulate(self, batch: list[Sample], idx: list[int], loss_fn: LossFn, entropy: bool | None) -> dict[str, float]:
+    def _accumulate(
+        self, batch: list[Sample], idx: list[int], loss_fn: LossFn, entropy: bool | None
+    ) -> dict[str, float]:
         with dropout_on(self.model) if self.lora and self.cfg.trainer.lora.dropout else nullcontext():
-            return self._backward(self.model, self.ddp, batch, idx, lambda net, rows: self._forward(net, rows, entropy), loss_fn)
+            return self._backward(
+                self.model, self.ddp, batch, idx, lambda net, rows: self._forward(net, rows, entropy), loss_fn
+            )
 
-    def _backward(self, model: torch.nn.Module, ddp: DDP | None, batch: list[Sample], idx: list[int], forward: Callable[..., tuple[Tensor, ...]],
-                  loss_fn: Callable[..., tuple[Tensor, dict[str, Tensor]]]) -> dict[str, float]:  # fmt: skip
+    def _backward(
+        self,
+        model: torch.nn.Module,
+        ddp: DDP | None,
+        batch: list[Sample],
+        idx: list[int],
+        forward: Callable[..., tuple[Tensor, ...]],
+        loss_fn: Callable[..., tuple[Tensor, dict[str, Tensor]]],
+    ) -> dict[str, float]:
         """Backward of `loss_fn(batch indices, *forward(model, rows))` over the micro-batches, for
         the policy or the critic (`ddp`: `model`'s wrapper, None on one rank); the summed stats. DDP
         all-reduces on the last micro-batch only. A rank with nothing to train still runs one
@@ -246,7 +278,9 @@ class TorchTrainer(Trainer):
                 out[i] = row[: samples[i].response_length].clone()
         return out
 
-    def _accumulate_values(self, batch: list[Sample], idx: list[int], loss_fn: Callable[..., tuple[Tensor, dict[str, Tensor]]]) -> dict[str, float]:
+    def _accumulate_values(
+        self, batch: list[Sample], idx: list[int], loss_fn: Callable[..., tuple[Tensor, dict[str, Tensor]]]
+    ) -> dict[str, float]:
         return self._backward(self.critic, self.critic_ddp, batch, idx, self._critic_forward, loss_fn)
 
     def _critic_step(self) -> float:
@@ -279,7 +313,9 @@ class TorchTrainer(Trainer):
     def state_dict(self) -> dict[str, Any]:
         weights = {"adapter": adapter_tensors(self.model)} if self.lora else {"model": self.model.state_dict()}  # fp32
         state = {**weights, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-        if self.ref is not None and not self.cfg.trainer.ref_model and not self.lora:  # a copy of the policy: not on disk
+        if (
+            self.ref is not None and not self.cfg.trainer.ref_model and not self.lora
+        ):  # a copy of the policy: not on disk
             state["ref"] = self.ref.state_dict()
         if self.critic is not None:
             state["critic"] = {"model": self.critic.state_dict(), "optimizer": self.critic_optimizer.state_dict()}
@@ -287,8 +323,10 @@ class TorchTrainer(Trainer):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if ("adapter" in state) != self.lora:
-            raise ValueError(f"trainer.lora.enabled={self.lora}, but the checkpoint was saved by a run "
-                             f"{'with' if 'adapter' in state else 'without'} LoRA; resume with the setting it was saved with")  # fmt: skip
+            raise ValueError(
+                f"trainer.lora.enabled={self.lora}, but the checkpoint was saved by a run "
+                f"{'with' if 'adapter' in state else 'without'} LoRA; resume with the setting it was saved with"
+            )
         if self.lora:
             load_adapter_tensors(self.model, state["adapter"])
         else:
@@ -299,7 +337,9 @@ class TorchTrainer(Trainer):
             self.ref = self._frozen_copy(state["ref"])
         if self.critic is not None:
             if "critic" not in state:
-                raise ValueError("algorithm.advantage=gae: the checkpoint has no critic (saved by a run without one); start afresh")
+                raise ValueError(
+                    "algorithm.advantage=gae: the checkpoint has no critic (saved by a run without one); start afresh"
+                )
             self.critic.load_state_dict(state["critic"]["model"])
             self.critic_optimizer.load_state_dict(state["critic"]["optimizer"])
 

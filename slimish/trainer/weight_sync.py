@@ -147,13 +147,24 @@ def with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
 
 def timings(seconds: float, transfer: float, nbytes: int, buckets: int) -> dict[str, float]:
     """What a push returns (`WeightSync.push`)."""
-    return {"seconds": seconds, "seconds_transfer": transfer, "bytes": float(nbytes),
-            "gb_per_s": nbytes / transfer / 1e9 if transfer > 0 else 0.0, "buckets": float(buckets)}  # fmt: skip
+    return {
+        "seconds": seconds,
+        "seconds_transfer": transfer,
+        "bytes": float(nbytes),
+        "gb_per_s": nbytes / transfer / 1e9 if transfer > 0 else 0.0,
+        "buckets": float(buckets),
+    }
 
 
 class WeightSync:
-    def __init__(self, cfg: WeightSyncConfig, engine_urls: list[str], api_key: str | None = None, adapter: str | None = None,
-                 router_url: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: WeightSyncConfig,
+        engine_urls: list[str],
+        api_key: str | None = None,
+        adapter: str | None = None,
+        router_url: str | None = None,
+    ) -> None:
         """`adapter` (trainer.lora's name): pushes are `push_adapter`s of that adapter, created
         through `router_url`."""
         if not engine_urls:
@@ -195,26 +206,39 @@ class WeightSync:
             # python/sglang/srt/managers/tokenizer_control_mixin.py:451).
             sizes = {key: int(info.get(key) or 1) for key in ("dp_size", "pp_size")}
             if any(size != 1 for size in sizes.values()):
-                raise WeightSyncError(f"{url}: {', '.join(f'{k}={v}' for k, v in sizes.items() if v != 1)}: a weight-update "
-                                      "group reaches one data-parallel replica of one pipeline stage; start engines with "
-                                      "dp_size=1 and pp_size=1 (more engines instead of data parallelism), or use "
-                                      "weight_sync.transport=disk")  # fmt: skip
+                raise WeightSyncError(
+                    f"{url}: {', '.join(f'{k}={v}' for k, v in sizes.items() if v != 1)}: a weight-update "
+                    "group reaches one data-parallel replica of one pipeline stage; start engines with "
+                    "dp_size=1 and pp_size=1 (more engines instead of data parallelism), or use "
+                    "weight_sync.transport=disk"
+                )
         tp = [int(info.get("tp_size", 1)) for info in infos]
         world = 1 + sum(tp)
         port = free_port(self.cfg.master_address)
         offsets = [1 + sum(tp[:e]) for e in range(len(tp))]
         reqs = [
-            InitWeightsUpdateGroupReq(master_address=self.cfg.master_address, master_port=port, rank_offset=off,
-                                      world_size=world, group_name=self.group_name, backend=self.backend)
+            InitWeightsUpdateGroupReq(
+                master_address=self.cfg.master_address,
+                master_port=port,
+                rank_offset=off,
+                world_size=world,
+                group_name=self.group_name,
+                backend=self.backend,
+            )
             for off in offsets
-        ]  # fmt: skip
+        ]
         # The engines block in their init until rank 0 joins, so join while their calls are in
         # flight; on a thread, so that an engine refusing at once fails this at once.
         joined = self._start(lambda c, r: c.init_weights_update_group(r), reqs)
         group = _in_thread(
-            init_custom_process_group, self.backend, f"tcp://{self.cfg.master_address}:{port}", world, 0,
-            self.group_name, timedelta(seconds=self.timeout),
-        )  # fmt: skip
+            init_custom_process_group,
+            self.backend,
+            f"tcp://{self.cfg.master_address}:{port}",
+            world,
+            0,
+            self.group_name,
+            timedelta(seconds=self.timeout),
+        )
         self._check(self._wait(joined), "/init_weights_update_group")
         self.group = group.result(timeout=self.timeout)
 
@@ -254,7 +278,9 @@ class WeightSync:
         disk write and load), `bytes` (one engine's share), `gb_per_s` (bytes / seconds_transfer)
         and `buckets`."""
         if self.adapter is not None:
-            raise WeightSyncError(f"push: this run trains adapter {self.adapter!r}; its pushes are push_adapter (never the base weights)")
+            raise WeightSyncError(
+                f"push: this run trains adapter {self.adapter!r}; its pushes are push_adapter (never the base weights)"
+            )
         named = ((name, t.detach()) for name, t in named_tensors)
         try:
             first = next(named, None)
@@ -262,7 +288,9 @@ class WeightSync:
                 raise ValueError("push: no tensors")
             stream = itertools.chain([first], named)
             disk = self.cfg.transport == "disk"
-            return self._push(lambda: (self._push_disk(stream, version), 1) if disk else self._push_buckets(stream, version))
+            return self._push(
+                lambda: (self._push_disk(stream, version), 1) if disk else self._push_buckets(stream, version)
+            )
         except BaseException:
             # A Megatron export is collective: the other ranks wait in it until rank 0 has
             # iterated it all, failed push or not.
@@ -315,7 +343,9 @@ class WeightSync:
             self.adapter_versions = found[0]
         return self.adapter_versions
 
-    def _push_sglang_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: str) -> dict[str, float]:
+    def _push_sglang_adapter(
+        self, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: str
+    ) -> dict[str, float]:
         """SGLang 0.5.23 (module docstring): under the push's abort pause, the adapter directory
         is unloaded and loaded through the router, then every engine takes `version`."""
         if (self.cfg.transport, self.cfg.pause_mode) != ("disk", "abort"):
@@ -324,7 +354,10 @@ class WeightSync:
         def reload() -> tuple[int, int]:
             path = write_adapter_dir(self._disk_dir() / f"{self.adapter}-{version}", config, tensors)
             nbytes = self._load_adapter(path, None)
-            self._check(self._all(lambda c: c.update_weight_version(version, abort_all_requests=False)), "/update_weight_version")
+            self._check(
+                self._all(lambda c: c.update_weight_version(version, abort_all_requests=False)),
+                "/update_weight_version",
+            )
             return nbytes, 1
 
         return self._push(reload)
@@ -353,7 +386,9 @@ class WeightSync:
         if self.cfg.transport == "distributed" and self.group is None:
             raise WeightSyncError("push before connect(): the weight-update group does not exist")
         if self.broken:
-            raise WeightSyncError(f"an earlier push failed mid-broadcast ({self.broken}); the group is unusable, reconnect")
+            raise WeightSyncError(
+                f"an earlier push failed mid-broadcast ({self.broken}); the group is unusable, reconnect"
+            )
 
     def _session_push(self) -> bool:
         """Whether a push opens a weight-update session: a broadcast of the base weights, to
@@ -382,11 +417,15 @@ class WeightSync:
         opened = self._all(prepare)
         if begin and self.sessions is None:
             if len(set(opened)) != 1:
-                raise WeightSyncError(f"engines disagree on /begin_weight_update support: {dict(zip(self.urls, opened))}")
+                raise WeightSyncError(
+                    f"engines disagree on /begin_weight_update support: {dict(zip(self.urls, opened))}"
+                )
             self.sessions = opened[0]
         if begin and mode == "drain" and not self.sessions:
-            raise WeightSyncError("weight_sync.pause_mode=drain: the engines have no /begin_weight_update (SGLang before 0.5.23), "
-                                  "whose wait for the running requests is the drain; use retract")  # fmt: skip
+            raise WeightSyncError(
+                "weight_sync.pause_mode=drain: the engines have no /begin_weight_update (SGLang before 0.5.23), "
+                "whose wait for the running requests is the drain; use retract"
+            )
 
     def _finish(self) -> None:
         """Close the session (it is per engine, not per group: always), then continue generation,
@@ -413,7 +452,9 @@ class WeightSync:
         except Exception:
             pass
 
-    def _push_buckets(self, named: Iterable[tuple[str, torch.Tensor]], version: str, lora_name: str | None = None) -> tuple[int, int]:
+    def _push_buckets(
+        self, named: Iterable[tuple[str, torch.Tensor]], version: str, lora_name: str | None = None
+    ) -> tuple[int, int]:
         """The buckets of `named` as it yields them (the next packed while this one is on the
         wire). An adapter always goes flattened: it is many small tensors (4 per adapted module),
         and one broadcast each costs about a millisecond whatever its size (benchmarks/lora_sync.py)."""
@@ -425,11 +466,15 @@ class WeightSync:
         nbytes, k = 0, 0
         while True:
             req = UpdateWeightsFromDistributedReq(
-                names=bucket.names, dtypes=[dtype_name(d) for d in bucket.dtypes],
-                shapes=[list(t.shape) for t in bucket.tensors], group_name=self.group_name,
-                load_format="flattened_bucket" if flattened else None, flush_cache=last and flush,
-                weight_version=version if last else None, lora_name=lora_name,
-            )  # fmt: skip
+                names=bucket.names,
+                dtypes=[dtype_name(d) for d in bucket.dtypes],
+                shapes=[list(t.shape) for t in bucket.tensors],
+                group_name=self.group_name,
+                load_format="flattened_bucket" if flattened else None,
+                flush_cache=last and flush,
+                weight_version=version if last else None,
+                lora_name=lora_name,
+            )
             replies = self._start(lambda c, r: c.update_weights_from_distributed(r), [req] * len(self.clients))
             works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in payload]
             if not last:  # overlaps the engines' receive and load of this bucket
@@ -437,7 +482,9 @@ class WeightSync:
                 payload = self._pack(following[0], (k + 1) % 2, flattened)
             # Replies come after the engines received everything, so waiting on them first
             # turns an engine's refusal into an error here instead of a broadcast that hangs.
-            self._check(self._wait(replies), f"/update_weights_from_distributed (bucket {k + 1}{', the last' if last else ''})")
+            self._check(
+                self._wait(replies), f"/update_weights_from_distributed (bucket {k + 1}{', the last' if last else ''})"
+            )
             for work in works:
                 work.wait()
             nbytes += bucket.nbytes
@@ -484,7 +531,9 @@ class WeightSync:
             dtype = self.wire_dtype if self.wire_dtype is not None and t.is_floating_point() else t.dtype
             state[name] = t.to("cpu", dtype).contiguous()
         save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
-        req = UpdateWeightsFromDiskReq(model_path=str(target), weight_version=version, flush_cache=self.cfg.pause_mode != "in_place")
+        req = UpdateWeightsFromDiskReq(
+            model_path=str(target), weight_version=version, flush_cache=self.cfg.pause_mode != "in_place"
+        )
         self._check(self._all(lambda c: c.update_weights_from_disk(req)), "/update_weights_from_disk")
         self._written(target)
         return sum(t.numel() * t.element_size() for t in state.values())
@@ -512,9 +561,11 @@ class WeightSync:
         if version is not None:
             served = self._all(lambda c: c.get_weight_version(name))
             if any(v != version for v in served):
-                raise WeightSyncError(f"adapter {name!r} loaded from disk as version {version}, but the engines report "
-                                      f"{dict(zip(self.urls, served))}: they ignore `weight_version` on /load_lora_adapter "
-                                      "(a slimish extension; SGLang engines need the broadcast push)")  # fmt: skip
+                raise WeightSyncError(
+                    f"adapter {name!r} loaded from disk as version {version}, but the engines report "
+                    f"{dict(zip(self.urls, served))}: they ignore `weight_version` on /load_lora_adapter "
+                    "(a slimish extension; SGLang engines need the broadcast push)"
+                )
         self._written(path)
         return (path / ADAPTER_WEIGHTS).stat().st_size
 

@@ -60,7 +60,9 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
             loss_mask += [0] * len(obs_ids)
             log_probs += [0.0] * len(obs_ids)
             response += obs
-        turns.append({"output_ids": ids, "logprobs": lps, "text": output["text"], "obs": obs, "obs_ids": obs_ids, "mode": mode})
+        turns.append(
+            {"output_ids": ids, "logprobs": lps, "text": output["text"], "obs": obs, "obs_ids": obs_ids, "mode": mode}
+        )
         if not obs_ids:
             break
     sample.tokens = tokens

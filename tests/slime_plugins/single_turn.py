@@ -20,7 +20,9 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
     sample.metadata["engine_logprobs"] = [p[0] for p in pairs]
     sample.metadata["prompt_ids"] = prompt_ids
     finish = output["meta_info"]["finish_reason"]["type"]
-    sample.status = {"stop": Sample.Status.COMPLETED, "length": Sample.Status.TRUNCATED}.get(finish, Sample.Status.ABORTED)
+    sample.status = {"stop": Sample.Status.COMPLETED, "length": Sample.Status.TRUNCATED}.get(
+        finish, Sample.Status.ABORTED
+    )
     return sample
 
 

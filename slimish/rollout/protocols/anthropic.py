@@ -32,8 +32,15 @@ M = TypeVar("M", bound=BaseModel)
 # Anthropic body field -> native sampling param (`max_tokens` is required: always `max_new_tokens`).
 ANTHROPIC_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop_sequences": "stop"}
 # HTTP status -> Anthropic's `error.type`; any other status is an `api_error`.
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-               413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}  # fmt: skip
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
 # Which blocks each role may send (Anthropic's rule; the conversion relies on it).
 BLOCKS_OF = {"user": {"text", "tool_result"}, "assistant": {"text", "thinking", "redacted_thinking", "tool_use"}}
 # A thinking block must carry a signature for SDKs and harnesses to send it back; the gateway
@@ -79,7 +86,9 @@ class ToolResultBlock(_Body):
     is_error: bool = False  # not rendered: chat templates have no error marker, the content says what failed
 
 
-Block = Annotated[TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+Block = Annotated[
+    TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")
+]
 
 
 class MessageParam(_Body):
@@ -208,7 +217,9 @@ def turn_request(body: CountTokensRequest, sampling: dict[str, Any] | None = Non
             continue
         for j, block in enumerate(m.content):
             if block.type not in BLOCKS_OF[m.role]:
-                raise AnthropicError(400, f"messages.{i}.content.{j}.type: {block.type} blocks are not allowed in {m.role} messages")
+                raise AnthropicError(
+                    400, f"messages.{i}.content.{j}.type: {block.type} blocks are not allowed in {m.role} messages"
+                )
         messages += _assistant(m.content) if m.role == "assistant" else _user(m.content)
     return TurnRequest(messages, tools(body), body.chat_template_kwargs or {}, sampling or {})
 
@@ -233,7 +244,10 @@ def _user(blocks: list[Any]) -> list[dict[str, Any]]:
 
 def _assistant(blocks: list[Any]) -> list[dict[str, Any]]:
     """One assistant message: text blocks its content, thinking its reasoning, tool_use its calls."""
-    out: dict[str, Any] = {"role": "assistant", "content": [{"type": "text", "text": b.text} for b in blocks if isinstance(b, TextBlock)]}
+    out: dict[str, Any] = {
+        "role": "assistant",
+        "content": [{"type": "text", "text": b.text} for b in blocks if isinstance(b, TextBlock)],
+    }
     thinking = [b.thinking for b in blocks if isinstance(b, ThinkingBlock)]
     if thinking:
         out["reasoning_content"] = "".join(thinking)
@@ -254,18 +268,29 @@ def tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
     """The tools the model is offered, as OpenAI function tools: none when `tool_choice` is none."""
     choice = body.tool_choice.type if body.tool_choice else "auto"
     if choice not in ("auto", "none"):
-        raise AnthropicError(400, f"tool_choice: only 'auto' and 'none' are supported (forcing a tool needs constrained "
-                                  f"decoding), got {choice!r}")  # fmt: skip
+        raise AnthropicError(
+            400,
+            f"tool_choice: only 'auto' and 'none' are supported (forcing a tool needs constrained "
+            f"decoding), got {choice!r}",
+        )
     if not body.tools or choice == "none":
         return None
-    described = [{"name": t.name, **({"description": t.description} if t.description is not None else {}), "parameters": t.input_schema}
-                 for t in body.tools]  # fmt: skip
+    described = [
+        {
+            "name": t.name,
+            **({"description": t.description} if t.description is not None else {}),
+            "parameters": t.input_schema,
+        }
+        for t in body.tools
+    ]
     return [{"type": "function", "function": fn} for fn in described]
 
 
 def sampling(body: MessagesRequest) -> dict[str, Any]:
     """What the request set, in native names (the body's bounds are the engine's, so they are valid)."""
-    params = {ours: getattr(body, theirs) for theirs, ours in ANTHROPIC_SAMPLING.items() if getattr(body, theirs) is not None}
+    params = {
+        ours: getattr(body, theirs) for theirs, ours in ANTHROPIC_SAMPLING.items() if getattr(body, theirs) is not None
+    }
     return {"max_new_tokens": body.max_tokens, **params}
 
 
@@ -329,11 +354,15 @@ async def _events(reply: dict[str, Any]) -> AsyncIterator[str]:
 def _block_events(block: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A block's `content_block_start` (empty) and the deltas that fill it."""
     if block["type"] == "thinking":
-        return {**block, "thinking": "", "signature": ""}, [{"type": "thinking_delta", "thinking": block["thinking"]},
-                                                            {"type": "signature_delta", "signature": block["signature"]}]  # fmt: skip
+        return {**block, "thinking": "", "signature": ""}, [
+            {"type": "thinking_delta", "thinking": block["thinking"]},
+            {"type": "signature_delta", "signature": block["signature"]},
+        ]
     if block["type"] == "text":
         return {**block, "text": ""}, [{"type": "text_delta", "text": block["text"]}]
-    return {**block, "input": {}}, [{"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}]
+    return {**block, "input": {}}, [
+        {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
+    ]
 
 
 def _sse(event: str, data: dict[str, Any]) -> str:

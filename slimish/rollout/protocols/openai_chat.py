@@ -11,7 +11,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from slimish.client import ServerError
-from slimish.formats.openai import OpenAIError, active_tools, check_tool_choice, finish, parse_body, reply_message, sampling_params_of
+from slimish.formats.openai import (
+    OpenAIError,
+    active_tools,
+    check_tool_choice,
+    finish,
+    parse_body,
+    reply_message,
+    sampling_params_of,
+)
 from slimish.formats.template import TemplateError
 from slimish.protocol import ChatCompletionRequest
 
@@ -21,12 +29,22 @@ if TYPE_CHECKING:
 
 # OpenAI body field -> native sampling param, for the fields a request may set explicitly.
 OPENAI_SAMPLING = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop",
-    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "no_stop_trim": "no_stop_trim",
-    "skip_special_tokens": "skip_special_tokens", "min_tokens": "min_new_tokens",
-    "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty", "logit_bias": "logit_bias", "seed": "sampling_seed",
-}  # fmt: skip
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "no_stop_trim": "no_stop_trim",
+    "skip_special_tokens": "skip_special_tokens",
+    "min_tokens": "min_new_tokens",
+    "repetition_penalty": "repetition_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "logit_bias": "logit_bias",
+    "seed": "sampling_seed",
+}
 
 
 def router(capture: "CaptureServer") -> APIRouter:
@@ -41,8 +59,14 @@ def router(capture: "CaptureServer") -> APIRouter:
             if body.n != 1:
                 raise OpenAIError(f"n: a captured session is one trajectory, n must be 1, got {body.n}", "n")
             check_tool_choice(body)
-            turn = TurnRequest(body.messages, active_tools(body), body.chat_template_kwargs or {}, sampling(body),
-                               (body.top_logprobs or 0) if body.logprobs else 0, body.separate_reasoning)  # fmt: skip
+            turn = TurnRequest(
+                body.messages,
+                active_tools(body),
+                body.chat_template_kwargs or {},
+                sampling(body),
+                (body.top_logprobs or 0) if body.logprobs else 0,
+                body.separate_reasoning,
+            )
             reply = completion(capture, body, await capture.turn(session_of(request), turn))
             if body.stream:
                 return StreamingResponse(_events(reply, body), media_type="text/event-stream")
@@ -69,7 +93,9 @@ async def openai_errors(answer: Callable[[], Awaitable[Response]]) -> Response:
 
 
 def error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status
+    )
 
 
 def sampling(body: ChatCompletionRequest) -> dict[str, Any]:
@@ -116,7 +142,11 @@ async def _events(reply: dict[str, Any], body: ChatCompletionRequest) -> AsyncIt
     head = {k: reply[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
 
     def chunk(delta: dict[str, Any], **extra: Any) -> str:
-        data = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None, **extra}], "usage": None}
+        data = {
+            **head,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None, **extra}],
+            "usage": None,
+        }
         return f"data: {json.dumps(data)}\n\n"
 
     yield chunk({"role": "assistant", "content": ""})

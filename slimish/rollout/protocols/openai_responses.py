@@ -124,7 +124,9 @@ def router(capture: "CaptureServer") -> APIRouter:
             if not conversation:
                 raise OpenAIError("input: no input items (and no previous_response_id)", "input")
             system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-            turn = TurnRequest([*system, *conversation], chat_tools(body), body.chat_template_kwargs or {}, sampling(body))
+            turn = TurnRequest(
+                [*system, *conversation], chat_tools(body), body.chat_template_kwargs or {}, sampling(body)
+            )
             result = await capture.turn(session, turn)
             reply = response_object(capture, body, result)
             if body.store is not False:
@@ -149,9 +151,11 @@ class ResponseStore:
         self._forget_collected()
         conversation = self.by_session.get(session, {}).get(response_id)
         if conversation is None:
-            raise OpenAIError(f"previous_response_id: no stored response {response_id!r} in this session "
-                              "(unknown, made with store=false, or the session was already collected)",
-                              "previous_response_id")  # fmt: skip
+            raise OpenAIError(
+                f"previous_response_id: no stored response {response_id!r} in this session "
+                "(unknown, made with store=false, or the session was already collected)",
+                "previous_response_id",
+            )
         return conversation
 
     def put(self, session: str, response_id: str, conversation: Conversation) -> None:
@@ -167,10 +171,16 @@ class ResponseStore:
 def check_options(body: ResponsesRequest) -> None:
     """What the gateway cannot honour is a 400, not silently ignored."""
     if body.tool_choice not in (None, "auto", "none"):
-        raise OpenAIError("tool_choice: only 'auto' and 'none' are supported (forcing a tool needs constrained decoding)", "tool_choice")
+        raise OpenAIError(
+            "tool_choice: only 'auto' and 'none' are supported (forcing a tool needs constrained decoding)",
+            "tool_choice",
+        )
     kind = (body.text.format or {}).get("type", "text") if body.text else "text"
     if kind != "text":
-        raise OpenAIError(f"text.format: only 'text' is supported (structured output needs constrained decoding), got {kind!r}", "text.format")
+        raise OpenAIError(
+            f"text.format: only 'text' is supported (structured output needs constrained decoding), got {kind!r}",
+            "text.format",
+        )
 
 
 def chat_tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
@@ -179,7 +189,9 @@ def chat_tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
     tools = []
     for i, raw in enumerate(body.tools or []):
         if raw.get("type") != "function":
-            raise OpenAIError(f"tools.{i}.type: only function tools are supported, got {raw.get('type')!r}", f"tools.{i}.type")
+            raise OpenAIError(
+                f"tools.{i}.type: only function tools are supported, got {raw.get('type')!r}", f"tools.{i}.type"
+            )
         tool = _item(FunctionTool, raw, f"tools.{i}")
         fn = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
         tools.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
@@ -211,11 +223,14 @@ def chat_messages(items: str | list[dict[str, Any]]) -> Conversation:
         elif kind == "function_call":
             call = _item(FunctionCallItem, raw, where)
             turn = turn if turn is not None else _new_turn(messages)
-            turn.setdefault("tool_calls", []).append({"id": call.call_id, "type": "function",
-                                                       "function": {"name": call.name, "arguments": call.arguments}})  # fmt: skip
+            turn.setdefault("tool_calls", []).append(
+                {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            )
         elif kind == "function_call_output":
             out = _item(FunctionCallOutputItem, raw, where)
-            messages.append({"role": "tool", "tool_call_id": out.call_id, "content": _text(out.output, f"{where}.output")})
+            messages.append(
+                {"role": "tool", "tool_call_id": out.call_id, "content": _text(out.output, f"{where}.output")}
+            )
             turn = None
         elif kind == "message":
             msg = _item(MessageItem, raw, where)
@@ -228,8 +243,11 @@ def chat_messages(items: str | list[dict[str, Any]]) -> Conversation:
                 messages.append({"role": "user" if msg.role == "user" else "system", "content": text})
                 turn = None
         else:
-            raise OpenAIError(f"{where}.type: {kind!r} items are not supported (message, function_call, "
-                              "function_call_output and reasoning are)", f"{where}.type")  # fmt: skip
+            raise OpenAIError(
+                f"{where}.type: {kind!r} items are not supported (message, function_call, "
+                "function_call_output and reasoning are)",
+                f"{where}.type",
+            )
     return messages
 
 
@@ -277,7 +295,9 @@ def response_object(capture: "CaptureServer", body: ResponsesRequest, result: "T
         output[-1]["status"] = "incomplete"  # the item the token limit cut off
     reasoning = result.reply.reasoning_content
     n_in, n_out = len(result.prompt_ids), len(result.completion_ids)
-    n_reasoning = len(capture.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0  # re-tokenised: an estimate
+    n_reasoning = (
+        len(capture.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+    )  # re-tokenised: an estimate
     return {
         "id": f"resp_{uuid.uuid4().hex}",
         "object": "response",
@@ -299,8 +319,13 @@ def response_object(capture: "CaptureServer", body: ResponsesRequest, result: "T
         "tools": body.tools or [],
         "top_p": body.top_p,
         "truncation": "disabled",
-        "usage": {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0}, "output_tokens": n_out,
-                  "output_tokens_details": {"reasoning_tokens": n_reasoning}, "total_tokens": n_in + n_out},  # fmt: skip
+        "usage": {
+            "input_tokens": n_in,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": n_out,
+            "output_tokens_details": {"reasoning_tokens": n_reasoning},
+            "total_tokens": n_in + n_out,
+        },
         "user": None,
         "metadata": body.metadata or {},
         "weight_version": result.weight_version,  # slimish's extension, as on chat completions
@@ -312,14 +337,36 @@ def output_items(result: "TurnResult") -> list[dict[str, Any]]:
     model wrote them and in which `chat_messages` folds them back into one turn."""
     reply, items = result.reply, []
     if reply.reasoning_content:
-        items.append({"id": _id("rs"), "type": "reasoning", "summary": [], "status": "completed",
-                      "content": [{"type": "reasoning_text", "text": reply.reasoning_content}]})  # fmt: skip
+        items.append(
+            {
+                "id": _id("rs"),
+                "type": "reasoning",
+                "summary": [],
+                "status": "completed",
+                "content": [{"type": "reasoning_text", "text": reply.reasoning_content}],
+            }
+        )
     if reply.content:
-        items.append({"id": _id("msg"), "type": "message", "role": "assistant", "status": "completed",
-                      "content": [{"type": "output_text", "text": reply.content, "annotations": [], "logprobs": []}]})  # fmt: skip
+        items.append(
+            {
+                "id": _id("msg"),
+                "type": "message",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": reply.content, "annotations": [], "logprobs": []}],
+            }
+        )
     for call in reply.tool_calls:
-        items.append({"id": _id("fc"), "type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
-                      "arguments": call["function"]["arguments"], "status": "completed"})  # fmt: skip
+        items.append(
+            {
+                "id": _id("fc"),
+                "type": "function_call",
+                "call_id": call["id"],
+                "name": call["function"]["name"],
+                "arguments": call["function"]["arguments"],
+                "status": "completed",
+            }
+        )
     return items
 
 
@@ -341,7 +388,14 @@ def _sse(response: dict[str, Any]) -> Iterator[str]:
 def events(response: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """The whole Response as OpenAI streams one: created, in progress, each output item (added,
     its content or arguments, done), then `response.completed` (or `.incomplete`, `.failed`)."""
-    start = {**response, "status": "in_progress", "output": [], "usage": None, "error": None, "incomplete_details": None}
+    start = {
+        **response,
+        "status": "in_progress",
+        "output": [],
+        "usage": None,
+        "error": None,
+        "incomplete_details": None,
+    }
     yield {"type": "response.created", "response": start}
     yield {"type": "response.in_progress", "response": start}
     for index, item in enumerate(response["output"]):
@@ -355,7 +409,11 @@ def events(response: dict[str, Any]) -> Iterator[dict[str, Any]]:
 def _content_events(index: int, item: dict[str, Any]) -> Iterator[dict[str, Any]]:
     kind, at = TEXT_EVENTS[item["type"]], {"item_id": item["id"], "output_index": index}
     logprobs = {"logprobs": []} if kind == "output_text" else {}
-    yield {"type": "response.output_item.added", "output_index": index, "item": {**item, "status": "in_progress", "content": []}}
+    yield {
+        "type": "response.output_item.added",
+        "output_index": index,
+        "item": {**item, "status": "in_progress", "content": []},
+    }
     for c, part in enumerate(item["content"]):
         yield {"type": "response.content_part.added", **at, "content_index": c, "part": {**part, "text": ""}}
         yield {"type": f"response.{kind}.delta", **at, "content_index": c, "delta": part["text"], **logprobs}
@@ -366,7 +424,11 @@ def _content_events(index: int, item: dict[str, Any]) -> Iterator[dict[str, Any]
 
 def _call_events(index: int, item: dict[str, Any]) -> Iterator[dict[str, Any]]:
     at = {"item_id": item["id"], "output_index": index}
-    yield {"type": "response.output_item.added", "output_index": index, "item": {**item, "arguments": "", "status": "in_progress"}}
+    yield {
+        "type": "response.output_item.added",
+        "output_index": index,
+        "item": {**item, "arguments": "", "status": "in_progress"},
+    }
     yield {"type": "response.function_call_arguments.delta", **at, "delta": item["arguments"]}
     yield {"type": "response.function_call_arguments.done", **at, "name": item["name"], "arguments": item["arguments"]}
     yield {"type": "response.output_item.done", "output_index": index, "item": item}

@@ -30,10 +30,18 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "max_loaded_loras": args.max_loaded_loras,
     }
     return EngineConfig(
-        model=args.model_path, host=args.host, port=args.port, api_key=args.api_key, admin_api_key=args.admin_api_key,
-        served_model_name=args.served_model_name, context_length=args.context_length, disable_radix_cache=args.disable_radix_cache,
-        seed=args.random_seed or 0, **({"max_running_requests": args.max_running_requests} if args.max_running_requests else {}), **lora,
-    )  # fmt: skip
+        model=args.model_path,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        served_model_name=args.served_model_name,
+        context_length=args.context_length,
+        disable_radix_cache=args.disable_radix_cache,
+        seed=args.random_seed or 0,
+        **({"max_running_requests": args.max_running_requests} if args.max_running_requests else {}),
+        **lora,
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -45,7 +53,9 @@ def main(argv: list[str]) -> int:
         print("stand-in sglang: refusing to start", flush=True)
         return int(os.environ["SGLANG_SHIM_EXIT"])
     if args.tp_size != 1:  # a weight-update group would wait for tp_size engine ranks that never join
-        print(f"stand-in sglang: the built-in engine is one rank; --tp-size {args.tp_size} cannot be served", flush=True)
+        print(
+            f"stand-in sglang: the built-in engine is one rank; --tp-size {args.tp_size} cannot be served", flush=True
+        )
         return 2
 
     import uvicorn

@@ -13,9 +13,28 @@ from __future__ import annotations
 import argparse
 
 # sglang 0.5.23: python/sglang/srt/utils/common.py:4700 SUPPORTED_LORA_TARGET_MODULES (+ "all", :4724)
-LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "wq_b", "wk",
-                       "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj", "embed_tokens", "lm_head",
-                       "qkvr", "all"]  # fmt: skip
+LORA_TARGET_MODULES = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "q_a_proj",
+    "kv_a_proj_with_mqa",
+    "q_b_proj",
+    "kv_b_proj",
+    "wq_b",
+    "wk",
+    "weights_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+    "embed_tokens",
+    "lm_head",
+    "qkvr",
+    "all",
+]
 
 # (flags, type: str|int|float|bool|list, extra argparse keywords); bool is store_true.
 FLAGS: list[tuple[tuple[str, ...], str, dict]] = [
@@ -26,10 +45,20 @@ FLAGS: list[tuple[tuple[str, ...], str, dict]] = [
     (("--context-length",), "int", {}),  # model.py:110
     (("--is-embedding",), "bool", {}),  # model.py:118
     (("--revision",), "str", {}),  # model.py:122
-    (("--dtype",), "str", {"default": "auto", "choices": ["auto", "half", "float16", "bfloat16", "float", "float32"]}),  # model.py:160
+    (
+        ("--dtype",),
+        "str",
+        {"default": "auto", "choices": ["auto", "half", "float16", "bfloat16", "float", "float32"]},
+    ),  # model.py:160
     (("--quantization",), "str", {}),  # model.py:177
-    (("--kv-cache-dtype",), "str", {"default": "auto", "choices": ["auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4",
-                                                                  "fp4_mx_block16"]}),  # model.py:197  # fmt: skip
+    (
+        ("--kv-cache-dtype",),
+        "str",
+        {
+            "default": "auto",
+            "choices": ["auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4", "fp4_mx_block16"],
+        },
+    ),  # model.py:197
     (("--download-dir",), "str", {}),  # model.py:344
     # serving.py
     (("--tokenizer-path",), "str", {}),  # serving.py:32
@@ -53,8 +82,24 @@ FLAGS: list[tuple[tuple[str, ...], str, dict]] = [
     (("--max-total-tokens",), "int", {}),  # schedule.py:39
     (("--chunked-prefill-size",), "int", {}),  # schedule.py:52
     (("--max-prefill-tokens",), "int", {"default": 16384}),  # schedule.py:71
-    (("--schedule-policy",), "str", {"default": "fcfs", "choices": ["lpm", "random", "fcfs", "dfs-weight", "lof", "priority", "routing-key",
-                                                                    "hrrn", "shortest-prefill-first"]}),  # schedule.py:86  # fmt: skip
+    (
+        ("--schedule-policy",),
+        "str",
+        {
+            "default": "fcfs",
+            "choices": [
+                "lpm",
+                "random",
+                "fcfs",
+                "dfs-weight",
+                "lof",
+                "priority",
+                "routing-key",
+                "hrrn",
+                "shortest-prefill-first",
+            ],
+        },
+    ),  # schedule.py:86
     (("--page-size",), "int", {}),  # schedule.py:143
     # parallel.py
     (("--dist-timeout",), "int", {}),  # parallel.py:29
@@ -95,7 +140,11 @@ FLAGS: list[tuple[tuple[str, ...], str, dict]] = [
     (("--lora-paths",), "list", {"nargs": "*"}),  # lora.py:54 (LoRAPathAction: PATH, NAME=PATH or JSON)
     (("--max-loaded-loras",), "int", {}),  # lora.py:62
     (("--max-loras-per-batch",), "int", {"default": 8}),  # lora.py:66
-    (("--lora-backend",), "str", {"default": "csgmv", "choices": ["triton", "csgmv", "ascend", "torch_native", "triton_v2"]}),  # lora.py:77
+    (
+        ("--lora-backend",),
+        "str",
+        {"default": "csgmv", "choices": ["triton", "csgmv", "ascend", "torch_native", "triton_v2"]},
+    ),  # lora.py:77
 ]
 
 

@@ -52,35 +52,135 @@ Send = Callable[[dict], Awaitable[None]]
 
 # entrypoints/http_server.py's routes (and entrypoints/v1_loads.py's /v1/loads).
 ROUTES = {
-    "/ready", "/health", "/health_generate", "/get_model_info", "/model_info", "/get_server_info", "/server_info",
-    "/set_internal_state", "/generate", "/encode", "/classify", "/flush_cache", "/add_external_corpus",
-    "/remove_external_corpus", "/list_external_corpora", "/hicache/storage-backend/clear", "/hicache/storage-backend",
-    "/get_hicache_l3_cache_layout", "/start_profile", "/stop_profile", "/set_trace_level", "/freeze_gc",
-    "/start_expert_distribution_record", "/stop_expert_distribution_record", "/dump_expert_distribution_record",
-    "/update_weights_from_disk", "/init_weights_send_group_for_remote_instance", "/send_weights_to_remote_instance",
-    "/get_remote_instance_transfer_engine_info", "/remote_instance_transfer_engine_info", "/init_weights_update_group",
-    "/destroy_weights_update_group", "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update",
-    "/update_weights_from_distributed", "/update_weights_from_ipc", "/update_weight_version", "/get_weights_by_name",
-    "/release_memory_occupation", "/resume_memory_occupation", "/weights_checker", "/slow_down", "/pd_role_switch",
-    "/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter", "/open_session", "/close_session",
-    "/configure_logging", "/abort_request", "/parse_function_call", "/separate_reasoning", "/pause_generation",
-    "/continue_generation", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/classify", "/v1/tokenize",
-    "/tokenize", "/v1/detokenize", "/detokenize", "/v1/audio/transcriptions", "/v1/models", "/v1/score", "/v1/decisions",
-    "/v1/responses", "/v1/rerank", "/", "/api/chat", "/api/generate", "/api/tags", "/api/show", "/v1/messages",
-    "/v1/messages/count_tokens", "/v1/systemone", "/ping", "/invocations", "/vertex_generate", "/v1/loads",
-}  # fmt: skip
+    "/ready",
+    "/health",
+    "/health_generate",
+    "/get_model_info",
+    "/model_info",
+    "/get_server_info",
+    "/server_info",
+    "/set_internal_state",
+    "/generate",
+    "/encode",
+    "/classify",
+    "/flush_cache",
+    "/add_external_corpus",
+    "/remove_external_corpus",
+    "/list_external_corpora",
+    "/hicache/storage-backend/clear",
+    "/hicache/storage-backend",
+    "/get_hicache_l3_cache_layout",
+    "/start_profile",
+    "/stop_profile",
+    "/set_trace_level",
+    "/freeze_gc",
+    "/start_expert_distribution_record",
+    "/stop_expert_distribution_record",
+    "/dump_expert_distribution_record",
+    "/update_weights_from_disk",
+    "/init_weights_send_group_for_remote_instance",
+    "/send_weights_to_remote_instance",
+    "/get_remote_instance_transfer_engine_info",
+    "/remote_instance_transfer_engine_info",
+    "/init_weights_update_group",
+    "/destroy_weights_update_group",
+    "/update_weights_from_tensor",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/update_weights_from_distributed",
+    "/update_weights_from_ipc",
+    "/update_weight_version",
+    "/get_weights_by_name",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/weights_checker",
+    "/slow_down",
+    "/pd_role_switch",
+    "/load_lora_adapter",
+    "/load_lora_adapter_from_tensors",
+    "/unload_lora_adapter",
+    "/open_session",
+    "/close_session",
+    "/configure_logging",
+    "/abort_request",
+    "/parse_function_call",
+    "/separate_reasoning",
+    "/pause_generation",
+    "/continue_generation",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+    "/v1/classify",
+    "/v1/tokenize",
+    "/tokenize",
+    "/v1/detokenize",
+    "/detokenize",
+    "/v1/audio/transcriptions",
+    "/v1/models",
+    "/v1/score",
+    "/v1/decisions",
+    "/v1/responses",
+    "/v1/rerank",
+    "/",
+    "/api/chat",
+    "/api/generate",
+    "/api/tags",
+    "/api/show",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/systemone",
+    "/ping",
+    "/invocations",
+    "/vertex_generate",
+    "/v1/loads",
+}
 ROUTE_PREFIXES = ("/v1/models/", "/v1/responses/")
 
 # managers/io_struct.py: each control route's schema (BaseReq adds rid and http_worker_ipc, :86).
 _BASE = {"rid", "http_worker_ipc"}
 FIELDS = {
-    "/update_weights_from_distributed": {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
-                                         "weight_version", "load_format", "selector", "torch_empty_cache"},  # :2002
-    "/update_weights_from_disk": {"model_path", "load_format", "abort_all_requests", "weight_version", "is_async", "torch_empty_cache",
-                                  "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache", "manifest"},  # :1970
-    "/update_weights_from_tensor": {"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests", "weight_version",
-                                    "selector", "torch_empty_cache"},  # :2027
-    "/init_weights_update_group": {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"},  # :2126
+    "/update_weights_from_distributed": {
+        "names",
+        "dtypes",
+        "shapes",
+        "group_name",
+        "flush_cache",
+        "abort_all_requests",
+        "weight_version",
+        "load_format",
+        "selector",
+        "torch_empty_cache",
+    },  # :2002
+    "/update_weights_from_disk": {
+        "model_path",
+        "load_format",
+        "abort_all_requests",
+        "weight_version",
+        "is_async",
+        "torch_empty_cache",
+        "keep_pause",
+        "recapture_cuda_graph",
+        "token_step",
+        "flush_cache",
+        "manifest",
+    },  # :1970
+    "/update_weights_from_tensor": {
+        "serialized_named_tensors",
+        "load_format",
+        "flush_cache",
+        "abort_all_requests",
+        "weight_version",
+        "selector",
+        "torch_empty_cache",
+    },  # :2027
+    "/init_weights_update_group": {
+        "master_address",
+        "master_port",
+        "rank_offset",
+        "world_size",
+        "group_name",
+        "backend",
+    },  # :2126
     "/destroy_weights_update_group": {"group_name"},  # :2146
     "/begin_weight_update": {"selector"},  # :2197
     "/end_weight_update": set(),  # :2208
@@ -91,10 +191,12 @@ FIELDS = {
     "/load_lora_adapter": {"lora_name", "lora_path", "pinned", "lora_id"},  # :2516
     "/unload_lora_adapter": {"lora_name", "lora_id"},  # :2535
     "/abort_request": {"abort_all", "finished_reason", "abort_message", "weight_versions"},  # :2285
-}  # fmt: skip
+}
 
-FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or queued. "
-                 "Retract or finish them, then call /flush_cache.")  # weight_updater.py:127  # fmt: skip
+FLUSH_REFUSED = (
+    "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+    "Retract or finish them, then call /flush_cache."
+)  # weight_updater.py:127
 
 
 def env_bool(environ: Mapping[str, str], name: str, default: bool) -> bool:
@@ -175,8 +277,13 @@ class Reply:
 
 async def respond(send: Send, status: int, body: Any, content_type: bytes = b"application/json") -> None:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", content_type), (b"content-length", str(len(raw)).encode())]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", content_type), (b"content-length", str(len(raw)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": raw})
 
 
@@ -193,14 +300,23 @@ class StrictSGLang:
         self.lock = RWLock()  # :771 model_update_lock
         self.session = False  # weight_updater.py:99 `_session`
         self.handlers: dict[str, Callable[[Scope, bytes, Receive, Send], Awaitable[None]]] = {
-            "/pause_generation": self.pause_generation, "/continue_generation": self.continue_generation,
-            "/begin_weight_update": self.begin_weight_update, "/end_weight_update": self.end_weight_update,
-            "/update_weights_from_distributed": self.update_weights, "/update_weights_from_tensor": self.update_weights,
-            "/update_weights_from_disk": self.update_weights_from_disk, "/init_weights_update_group": self.init_weights_update_group,
-            "/flush_cache": self.flush_cache, "/health": self.health, "/health_generate": self.health,
-            "/server_info": self.server_info, "/get_server_info": self.server_info,
-            "/generate": self.generation, "/v1/completions": self.generation, "/v1/chat/completions": self.generation,
-        }  # fmt: skip
+            "/pause_generation": self.pause_generation,
+            "/continue_generation": self.continue_generation,
+            "/begin_weight_update": self.begin_weight_update,
+            "/end_weight_update": self.end_weight_update,
+            "/update_weights_from_distributed": self.update_weights,
+            "/update_weights_from_tensor": self.update_weights,
+            "/update_weights_from_disk": self.update_weights_from_disk,
+            "/init_weights_update_group": self.init_weights_update_group,
+            "/flush_cache": self.flush_cache,
+            "/health": self.health,
+            "/health_generate": self.health,
+            "/server_info": self.server_info,
+            "/get_server_info": self.server_info,
+            "/generate": self.generation,
+            "/v1/completions": self.generation,
+            "/v1/chat/completions": self.generation,
+        }
         self.serve_one_version()
 
     @property
@@ -265,7 +381,9 @@ class StrictSGLang:
                 try:
                     await asyncio.wait_for(self.lock.wait_unlocked(), 1.0)
                 except asyncio.TimeoutError:
-                    await self.engine.run(lambda: self.engine.scheduler.abort(abort_all=True, message="Abort by pause_generation."))
+                    await self.engine.run(
+                        lambda: self.engine.scheduler.abort(abort_all=True, message="Abort by pause_generation.")
+                    )
         await self.send_reply(send, reply)
 
     async def continue_generation(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
@@ -314,7 +432,9 @@ class StrictSGLang:
         """weight_updater.py:309-321."""
         async with self.exclusive():
             if self.session:
-                return await control(send, False, "a weight-update session is already open; call end_weight_update() first")
+                return await control(
+                    send, False, "a weight-update session is already open; call end_weight_update() first"
+                )
             self.session = True
         await control(send, True, "Success")
 
@@ -343,7 +463,9 @@ class StrictSGLang:
         route = scope["path"].lstrip("/")
         async with self.exclusive():
             if not self.session:
-                return await control(send, False, f"{route} must run between begin_weight_update() and end_weight_update()")
+                return await control(
+                    send, False, f"{route} must run between begin_weight_update() and end_weight_update()"
+                )
             await self.update_and_flush(scope, body, receive, send, req)
 
     async def update_weights_from_disk(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
@@ -354,7 +476,9 @@ class StrictSGLang:
         async with self.exclusive(hold_pause_cond=False):
             await self.update_and_flush(scope, body, receive, send, req, num_paused_requests=0)
 
-    async def update_and_flush(self, scope: Scope, body: bytes, receive: Receive, send: Send, req: dict, **extra: Any) -> None:
+    async def update_and_flush(
+        self, scope: Scope, body: bytes, receive: Receive, send: Send, req: dict, **extra: Any
+    ) -> None:
         reply = await self.call(scope, body, receive)
         if reply.status == 200 and req.get("flush_cache", True) and not await self.idle():
             return await control(send, False, FLUSH_REFUSED, **extra)

@@ -99,12 +99,22 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any], e
     if budget <= 0:
         sample.status = Sample.Status.TRUNCATED
         return sample
-    payload = {"input_ids": prompt_ids, "sampling_params": {**sampling_params, "max_new_tokens": budget}, "return_logprob": True}
+    payload = {
+        "input_ids": prompt_ids,
+        "sampling_params": {**sampling_params, "max_new_tokens": budget},
+        "return_logprob": True,
+    }
     url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
     output = await post(url, payload)
     pairs = output["meta_info"].get("output_token_logprobs") or []
-    sample.append_response_tokens(args, tokens=[p[1] for p in pairs], log_probs=[p[0] for p in pairs], trainable=True,
-                                  meta_info=output["meta_info"], text=output.get("text", ""))  # fmt: skip
+    sample.append_response_tokens(
+        args,
+        tokens=[p[1] for p in pairs],
+        log_probs=[p[0] for p in pairs],
+        trainable=True,
+        meta_info=output["meta_info"],
+        text=output.get("text", ""),
+    )
     return sample
 
 

@@ -61,8 +61,17 @@ class Sample:
     def effective_response_length(self) -> int:
         return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
 
-    def append_response_tokens(self, args: Any = None, *, tokens: Any = None, log_probs: Any = None, trainable: bool = True,
-                               meta_info: dict | None = None, text: str | None = None, update_terminal_info: bool = True) -> None:  # fmt: skip
+    def append_response_tokens(
+        self,
+        args: Any = None,
+        *,
+        tokens: Any = None,
+        log_probs: Any = None,
+        trainable: bool = True,
+        meta_info: dict | None = None,
+        text: str | None = None,
+        update_terminal_info: bool = True,
+    ) -> None:
         """Response tokens at the end: the model's (`trainable`, with their logprobs and the
         reply's `meta_info`) or the environment's (loss mask 0, logprob 0.0)."""
         new = [int(t) for t in (tokens if tokens is not None else [])]
@@ -81,7 +90,9 @@ class Sample:
         if new:
             self.tokens = list(self.tokens) + new
             self.response_length += len(new)
-            self.loss_mask = (list(self.loss_mask) if self.loss_mask is not None else [1] * before) + [int(trainable)] * len(new)
+            self.loss_mask = (list(self.loss_mask) if self.loss_mask is not None else [1] * before) + [
+                int(trainable)
+            ] * len(new)
         if lps is not None:
             if self.rollout_log_probs is None:
                 if trainable and before:
@@ -99,7 +110,11 @@ class Sample:
         if "weight_version" in meta_info:
             self.weight_versions.append(meta_info["weight_version"])
         finish = (meta_info.get("finish_reason") or {}).get("type")
-        status = {"length": Sample.Status.TRUNCATED, "abort": Sample.Status.ABORTED, "stop": Sample.Status.COMPLETED}.get(finish)
+        status = {
+            "length": Sample.Status.TRUNCATED,
+            "abort": Sample.Status.ABORTED,
+            "stop": Sample.Status.COMPLETED,
+        }.get(finish)
         if status is not None:
             self.status = status
 
