@@ -25,8 +25,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/pytest -q
 
+# Everything but the minutes-long end-to-end runs and the runs that must learn (markers in pyproject.toml).
 test-fast: $(STAMP)
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -m "not slow and not learning"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_throughput.py

@@ -5,7 +5,8 @@ engine runs nearly empty and the trainer idles. Here every sample's length is dr
 Pareto distribution (seeded by group and index, so both runs see the same lengths for the same
 prompts; `ignore_eos` makes the engine produce exactly that many tokens), and the reward is a
 token statistic with some spread, so every group trains. The same config then runs twice as
-`python -m slimish.train`: `mode=sync`, and `mode=async` with `buffer.max_staleness`.
+`python -m slimish.train`: `async_training=false`, and `async_training=true` with
+`buffer.max_staleness`.
 
 Printed: wall seconds for the RL steps of each (from the first step's start to the last's end,
 after `--warmup` steps), sync / async (target >= 1.5x), the trainer's idle fraction in async
@@ -78,7 +79,7 @@ def run(mode: str, args: argparse.Namespace, model: Path, out: Path) -> list[dic
         f"model={model}",
         f"run_dir={run_dir}",
         f"steps={args.steps + args.warmup}",
-        f"mode={mode}",
+        f"async_training={'true' if mode == 'async' else 'false'}",
         f"buffer.max_staleness={args.staleness if mode == 'async' else 0}",
         "data.source=task:count",
         f"rollout.rollout_fn={HERE}:long_tail",

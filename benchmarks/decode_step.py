@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from engine_throughput import bench_model, gemm_rate, model_arguments  # noqa: E402  (same directory)
-from slimish.config import DECODE_ATTENTION_BACKENDS, EngineConfig  # noqa: E402
+from slimish.engine.config import DECODE_ATTENTION_BACKENDS, EngineConfig  # noqa: E402
 from slimish.engine.runner import KVBatch, Runner, load_model  # noqa: E402
 from slimish.engine.sampling import RowState, sample  # noqa: E402
 from slimish.protocol import SamplingParams  # noqa: E402

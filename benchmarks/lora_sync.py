@@ -3,7 +3,7 @@
 The `small` model (llama, ~30M parameters, fp32) under a rank-8 PEFT adapter on q/k/v/o
 (`trainer.lora` defaults but the rank) is pushed into one real built-in engine started with
 `--enable-lora`, two ways, by the same `WeightSync` code the trainer runs: the full push
-(every base parameter, `/update_weights_from_distributed`) and the adapter push (`push_adapter`:
+(every base parameter, `/update_weights_from_distributed`) and the adapter push (an adapter `WeightExport`:
 the adapter's tensors alone, `lora_name` set; its first push also saves and loads the adapter
 directory, and is the warm-up; an adapter always travels as one flattened buffer, the full push
 as `weight_sync.flattened` says: per tensor by default, flattened with `--flattened`). Rounds
@@ -28,9 +28,11 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from weight_sync import small_model  # noqa: E402
 
-from slimish.config import LaunchConfig, LoraConfig, WeightSyncConfig  # noqa: E402
+from slimish.launch.config import LaunchConfig  # noqa: E402
+from slimish.trainer.config import LoraConfig, WeightSyncConfig  # noqa: E402
 from slimish.launch.local import engine_process, router_process  # noqa: E402
-from slimish.launch.process import start_all  # noqa: E402
+from slimish.processes import start_all  # noqa: E402
+from slimish.trainer.backend import WeightExport  # noqa: E402
 from slimish.trainer.lora import adapter_config, adapter_tensors, add_adapter  # noqa: E402
 from slimish.trainer.weight_sync import WeightSync  # noqa: E402
 
@@ -77,8 +79,8 @@ def main() -> None:
         ):
             fulls, adapters = [], []
             for r in range(args.rounds + 1):  # round 0 is the warm-up (and the adapter's load)
-                fulls.append(full_sync.push(full, f"full-{r}"))
-                adapters.append(lora_sync.push_adapter(tensors, config, str(r)))
+                fulls.append(full_sync.push(WeightExport(full), r))
+                adapters.append(lora_sync.push(WeightExport(tensors.items(), config), r))
     finally:
         for proc in (router, engine):
             if proc is not None:

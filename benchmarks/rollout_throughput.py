@@ -39,6 +39,7 @@ from slimish.config import RunConfig, load_run_config  # noqa: E402
 from slimish.launch.local import Servers, local_servers  # noqa: E402
 from slimish.rollout.api import RolloutContext, RolloutRuntime  # noqa: E402
 from slimish.rollout.data import PromptData  # noqa: E402
+from slimish.rollout.functions import RolloutFunctions  # noqa: E402
 from slimish.rollout.manager import RolloutManager  # noqa: E402
 from slimish.types import Sample  # noqa: E402
 
@@ -67,7 +68,7 @@ async def run(cfg: RunConfig, servers: Servers, repeats: int) -> tuple[dict[str,
     """samples/s per round of: the manager, the same requests straight to the engines, and the
     same requests through the router without the manager (what the router hop alone costs)."""
     runtime = await RolloutRuntime.create(cfg, servers.router_url)
-    manager = RolloutManager(runtime, PromptData(cfg.data), Buffer(), rollout)
+    manager = RolloutManager(runtime, PromptData(cfg.data), Buffer(), RolloutFunctions(rollout))
     engines, router = [Client(url) for url in servers.engine_urls], [Client(servers.router_url)]
     params = {**runtime.sampling_params, **FIXED_LENGTH}
     rates: dict[str, list[float]] = {"manager": [], "direct": [], "router": []}

@@ -1,14 +1,14 @@
 """What the router adds to a request: slimish router vs sglang-router 0.3.2, same backend, one run.
 
 A minimal loopback backend answers `/generate` at once. The same fixed number of requests is
-sent directly to it, through the slimish router (one process, and `--workers N` processes on one
+sent directly to it, through the slimish router (one process, and `--processes N` processes on one
 port) and through sglang-router, at concurrency 1 and 64, by a raw-asyncio load generator (keep-alive, one connection per concurrent client). The
 direct path shows the load generator's own ceiling: when it is far above the routed numbers, the
 routers are what is measured. Printed: req/s, p50/p99 latency, the latency each router adds
 over the direct path, and slimish / sglang-router ratios, against the targets (added p50 <= 1 ms
 at concurrency 1, throughput >= 1.0x sglang-router at 64).
 
-    .venv/bin/python benchmarks/router_overhead.py [--requests 4000] [--workers 2]
+    .venv/bin/python benchmarks/router_overhead.py [--requests 4000] [--processes 2]
 
 All processes share this machine's cores: on a 2-core box the load generator, the router and
 the backend compete, so the numbers are lower bounds for every router alike.
@@ -187,7 +187,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3, help="rounds over all targets; req/s is the median")
     parser.add_argument(
-        "--workers", type=int, default=os.cpu_count() or 2, help="router processes of the scaled-out slimish target"
+        "--processes", type=int, default=os.cpu_count() or 2, help="router processes of the scaled-out slimish target"
     )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -198,15 +198,15 @@ def main() -> None:
     procs: list = [ctx.Process(target=serve_backend, args=(backend_port,), daemon=True)]
     procs[0].start()
 
-    def slimish_router(port: int, workers: int) -> subprocess.Popen:
+    def slimish_router(port: int, processes: int) -> subprocess.Popen:
         return subprocess.Popen(
             [
                 sys.executable,
                 "-m",
                 "slimish.cli",
                 "router",
-                "--workers",
-                str(workers),
+                "--processes",
+                str(processes),
                 "--port",
                 str(port),
                 "--worker-urls",
@@ -240,8 +240,8 @@ def main() -> None:
             stderr=subprocess.DEVNULL,
         )
     )
-    procs.append(slimish_router(scaled_port, args.workers))
-    scaled = f"slimish-w{args.workers}"
+    procs.append(slimish_router(scaled_port, args.processes))
+    scaled = f"slimish-p{args.processes}"
     targets = {
         "direct": backend,
         "slimish": f"http://127.0.0.1:{slimish_port}",

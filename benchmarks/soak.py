@@ -41,7 +41,7 @@ import aiohttp  # noqa: E402
 from engine_throughput import bench_model, cpu_seconds  # noqa: E402  (same directory)
 
 from slimish.launch.local import engine_process  # noqa: E402
-from slimish.launch.process import ServerProcess, start_all  # noqa: E402
+from slimish.processes import ServerProcess, start_all  # noqa: E402
 from slimish.net import free_port  # noqa: E402
 
 MIX = (("generate", 0.70), ("stream", 0.15), ("chat", 0.10), ("bad", 0.05))

@@ -5,8 +5,8 @@ Every side gets the same model (one SFT warm start, so rewards are not all 0), t
 step, group size, generation length, sampling temperature, learning rate and loss, all taken from
 one `RunConfig` (`--set key=value` changes it for all): slimish runs it as `python -m
 slimish.train --config <that config>` (engine, router, trainer, weight push: the real loop), once
-`mode=sync` and once `mode=async buffer.max_staleness=1`; TRL as a `GRPOTrainer` in this process
-with the matching `GRPOConfig` (`trl_args` says how each field maps; HF `generate` samples, no vLLM
+`async_training=false` and once `async_training=true buffer.max_staleness=1`; TRL as a `GRPOTrainer`
+in this process with the matching `GRPOConfig` (`trl_args` says how each field maps; HF `generate` samples, no vLLM
 on CPU). One RL step is, for all: P prompts x G samples generated and scored, one optimiser step.
 
 Threads (`--threads N`, default: every core this process may use) are the same for everyone:
@@ -366,8 +366,8 @@ def main() -> int:
         workload = workloads[name]
         results: dict[str, Result] = {}
         for side in sorted(args.sides, key=SIDES.index):
-            mode = {"sync": ["mode=sync"], "async": ["mode=async", "buffer.max_staleness=1"]}.get(side, [])
-            extra = [*workload.overrides(), *mode, f"trainer.cpu_threads={args.threads}"]
+            modes = {"sync": ["async_training=false"], "async": ["async_training=true", "buffer.max_staleness=1"]}
+            extra = [*workload.overrides(), *modes.get(side, []), f"trainer.cpu_threads={args.threads}"]
             cfg = run_config(args, model, args.out / name / side, steps, extra)
             if side == "trl":
                 results[side] = run_trl(cfg, args.warmup, workload.fixed, args.threads)

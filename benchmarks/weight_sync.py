@@ -39,12 +39,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from slimish.config import WeightSyncConfig  # noqa: E402
+from slimish.trainer.config import WeightSyncConfig  # noqa: E402
 from slimish.distributed import destroy_custom_process_group, init_custom_process_group  # noqa: E402
 from slimish.launch.local import engine_process  # noqa: E402
-from slimish.launch.process import start_all  # noqa: E402
+from slimish.processes import start_all  # noqa: E402
 from slimish.net import free_port  # noqa: E402
 from slimish.tiny_model import make_tiny_model  # noqa: E402
+from slimish.trainer.backend import WeightExport  # noqa: E402
 from slimish.trainer.weight_sync import WeightSync, plan_buckets  # noqa: E402
 
 TARGET = 0.9
@@ -154,7 +155,7 @@ def measure(
         sync.connect()
         pushes, raws = [], []
         for r in range(rounds + 1):  # round 0 is the warm-up
-            pushes.append(sync.push(named, f"bench-{r}"))
+            pushes.append(sync.push(WeightExport(named), r))
             raws.append(raw.push())
         pushes, raws = pushes[1:], raws[1:]
     finally:

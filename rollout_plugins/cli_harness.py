@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from rollout_plugins.harness_task.task import score, task_files
-from slimish.rollout.harness import HarnessLimits, HarnessRun, run_harness
+from slimish.gateway.harness import HarnessLimits, HarnessRun, run_harness
 from slimish.types import Sample, SampleStatus
 
 AGENT = Path(__file__).resolve().parent / "harness_task" / "agent.py"

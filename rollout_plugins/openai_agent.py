@@ -2,7 +2,7 @@
 
 The agent knows nothing about RL: it is pointed at `await ctx.openai_base_url()` and runs an ordinary
 tool loop (a calculator) for up to `MAX_TURNS` model turns. Every chat call goes through slimish's
-capture endpoint, which records the engine's exact token ids and logprobs; `ctx.captured_samples()`
+agent gateway, which records the engine's exact token ids and logprobs; `ctx.captured_samples()`
 returns them as training samples (model turns mask 1, tool and user turns mask 0). All the rollout
 function adds is the reward. Copy this file and replace the agent loop with your own.
 """

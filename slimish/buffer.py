@@ -14,8 +14,21 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from slimish.config import BufferConfig
+from slimish.schema import at_least, doc
 from slimish.types import Sample
+
+
+@dataclass
+class BufferConfig:
+    max_staleness: int = doc(0, "weight versions a trained sample may lag behind; 0 = on-policy")
+    mask_stale_tokens: bool = doc(
+        False,
+        "Mask out the tokens older than the bound instead of dropping the whole group (async: the long tail outlives "
+        "the bound, and dropping it biases training toward short samples).",
+    )
+
+    def __post_init__(self) -> None:
+        at_least(0, self, "buffer.", "max_staleness")
 
 
 def group_version(group: list[Sample]) -> int:

@@ -1,6 +1,6 @@
 """An asyncio loop on its own daemon thread, for sync code that drives async clients.
 
-The trainer is sync code; the router client, the capture server and the weight-sync HTTP calls
+The trainer is sync code; the router client, the agent gateway and the weight-sync HTTP calls
 are async. Each gets a `LoopThread`, which keeps its connections alive across steps.
 """
 

@@ -14,14 +14,60 @@ import os
 import time
 import uuid
 from pathlib import Path
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from slimish.schema import at_least, doc, one_of
+
 if TYPE_CHECKING:
-    from slimish.config import WandbConfig
     from slimish.types import Sample
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases: one more sink beside metrics.jsonl and TensorBoard (slimish/metrics.py),
+    the same keys at the same steps; `pip install 'slimish[wandb]'`, imported only when enabled."""
+
+    enabled: bool = doc(False, "log to W&B too (pip install -e '.[wandb]')")
+    project: str = doc("slimish", "the W&B project")
+    name: str | None = doc(None, "the run's display name; None: run_dir's last folder")
+    entity: str | None = doc(None, "team or user; None: the logged-in user's default")
+    mode: str | None = doc(
+        None,
+        "online | offline | disabled (off, as enabled=false). None: $WANDB_MODE when set, else online with "
+        "WANDB_API_KEY set, offline without (`wandb sync DIR` uploads an offline run later).",
+    )
+    dir: str | None = doc(None, "where wandb/ goes; None: $WANDB_DIR when set, else run_dir")
+    sample_groups: int = doc(
+        2,
+        "Groups per step added to the `samples` table (prompt, response, reward, status, one row per sample; an "
+        "incremental table: each step uploads only its new rows); 0 = no table.",
+    )
+
+    def __post_init__(self) -> None:
+        one_of("metrics.wandb.mode", self.mode, (None, *WANDB_MODES))
+        at_least(0, self, "metrics.wandb.", "sample_groups")
+
+
+@dataclass
+class MetricsConfig:
+    """Where per-step metrics go besides the console, metrics.jsonl and TensorBoard (always on)."""
+
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    view_groups: int = doc(
+        4,
+        "Trained groups per step whose samples (every token) go to RUN_DIR/view/samples.jsonl for `slimish view` "
+        "(slimish/view.py); 0 = none (view/timeline.jsonl is always written).",
+    )
+
+    def __post_init__(self) -> None:
+        at_least(0, self, "metrics.", "view_groups")
+
 
 # What the console line shows, in order, when present: (key, label, format). Short enough that
 # a step is one line in an 80-column terminal or CI log.

@@ -1,4 +1,5 @@
-"""The HTTP bodies of docs/protocol.md (SGLang 0.5.23 native protocol + OpenAI subset).
+"""The HTTP bodies of docs/protocol.md's SGLang 0.5.23 native protocol (the OpenAI subset's are
+slimish/formats/openai.py's).
 
 Every part of slimish that sends or reads one of these bodies (the built-in engine, the router,
 the client, the trainer's weight sync) uses these models, so a protocol field has one owner.
@@ -10,7 +11,6 @@ gate is. Top-level keys we do not know are ignored (sglang-router adds several);
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -19,6 +19,17 @@ DEFAULT_WEIGHT_VERSION = "default"
 DEFAULT_GROUP_NAME = "weight_update_group"
 TOP_K_OFF = 1 << 30
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+# The routes that change an engine's weights (docs/protocol.md 4): admin routes of the engine, fanned
+# out to every worker by the router.
+WEIGHT_UPDATE_ROUTES = (
+    "/init_weights_update_group",
+    "/update_weights_from_distributed",
+    "/destroy_weights_update_group",
+    "/update_weights_from_disk",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/update_weight_version",
+)
 
 
 def version_number(version: str) -> int:
@@ -28,6 +39,16 @@ def version_number(version: str) -> int:
         return int(version)
     except (TypeError, ValueError):
         return 0
+
+
+def wire_version(version: int) -> str:
+    """A weight version (an int inside slimish: the training step) as SGLang's routes carry it, a
+    string; `version_number` reads it back."""
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise TypeError(
+            f"weight version: expected an int (the training step), got {type(version).__name__} {version!r}"
+        )
+    return str(version)
 
 
 class _Strict(BaseModel):
@@ -382,117 +403,6 @@ class ControlResult(BaseModel):
 
     success: bool
     message: str = ""
-
-
-# --------------------------------------------------------------------------------------------
-# OpenAI-compatible (docs/protocol.md 3). Lax types: SDKs send floats and ints freely.
-# --------------------------------------------------------------------------------------------
-
-
-class ResponseFormat(BaseModel):
-    """OpenAI's `response_format`, turned into a grammar as SGLang does (`sampling_fields`)."""
-
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-
-    type: Literal["text", "json_object", "json_schema", "structural_tag"]
-    json_schema: dict[str, Any] | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")  # SGLang also takes it at the top
-
-    @model_validator(mode="after")
-    def _has_schema(self) -> "ResponseFormat":
-        if (
-            self.type == "json_schema"
-            and self.schema_ is None
-            and not isinstance((self.json_schema or {}).get("schema"), dict)
-        ):
-            raise ValueError("json_schema.schema is required for a json_schema response format request")
-        return self
-
-    def sampling_fields(self) -> dict[str, str]:
-        if self.type == "json_schema":
-            return {"json_schema": json.dumps(self.schema_ if self.schema_ is not None else self.json_schema["schema"])}
-        if self.type == "json_object":
-            return {"json_schema": '{"type": "object"}'}
-        if self.type == "structural_tag":
-            return {"structural_tag": json.dumps(self.model_dump(by_alias=True, exclude_none=True))}
-        return {}
-
-
-class _OpenAISampling(BaseModel):
-    """Fields the two OpenAI request kinds share, with SGLang's extras."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    n: int = Field(1, ge=1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    no_stop_trim: bool = False
-    skip_special_tokens: bool = True
-    min_tokens: int = 0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    return_token_ids: bool = False
-    rid: str | None = None
-    response_format: ResponseFormat | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-
-    def sampling_params(self, max_new_tokens: int) -> SamplingParams:
-        grammar = {"regex": self.regex, "ebnf": self.ebnf, "json_schema": getattr(self, "json_schema", None)}
-        if self.response_format is not None:
-            grammar.update(self.response_format.sampling_fields())
-        return SamplingParams(
-            **{name: text for name, text in grammar.items() if text is not None},
-            max_new_tokens=max_new_tokens,
-            temperature=float(self.temperature),
-            top_p=float(self.top_p),
-            top_k=self.top_k,
-            min_p=float(self.min_p),
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            no_stop_trim=self.no_stop_trim,
-            skip_special_tokens=self.skip_special_tokens,
-            min_new_tokens=self.min_tokens,
-            repetition_penalty=float(self.repetition_penalty),
-            frequency_penalty=float(self.frequency_penalty),
-            presence_penalty=float(self.presence_penalty),
-            logit_bias=self.logit_bias,
-            sampling_seed=self.seed,
-        )
-
-
-class CompletionRequest(_OpenAISampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    json_schema: str | None = None
-    max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0)
-    echo: bool = False
-
-
-class ChatCompletionRequest(_OpenAISampling):
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    separate_reasoning: bool = True  # SGLang: reasoning in `reasoning_content` (False: left in `content`)
-    return_prompt_token_ids: bool = False
-    return_meta_info: bool = False
 
 
 def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:

@@ -8,7 +8,7 @@ One step, in sync mode:
 
     rollout (rank 0) -> broadcast the batch -> train_step (all ranks) -> push weights (rank 0)
 
-In async mode (`mode: async`, `buffer.max_staleness` >= 1) the rollout never stops: the manager
+In async mode (`async_training: true`, `buffer.max_staleness` >= 1) the rollout never stops: the manager
 produces groups on its thread while the trainer trains, and a step starts by taking a batch no
 staler than the bound from the buffer (waiting only when there is none yet).
 
@@ -35,16 +35,20 @@ import torch.distributed as dist
 import transformers
 
 from slimish.buffer import Buffer, Staleness
+from slimish.compat import load_function
 from slimish.config import RunConfig, document_run_config, load_run_config
-from slimish.launch import Servers, check_push_targets, lora_launch, start_servers, teacher_servers
+from slimish.launch import Servers, check_push_targets, start_servers, teacher_servers
+from slimish.launch.commands import lora_launch
 from slimish.launch.plan import ASSUMED, check_placement, first_free_gpu, next_gpu, teacher_launch
 from slimish.loop_thread import LoopThread
 from slimish.metrics import RunLog
+from slimish.plugins import LoadError
 from slimish.rollout.api import RolloutRuntime
 from slimish.rollout.data import PromptData
 from slimish.rollout.evaluation import eval_sets
-from slimish.rollout.loader import LoadError, load_functions
-from slimish.rollout.manager import RolloutFailing, RolloutManager, RolloutStalled
+from slimish.rollout.functions import RolloutFunctions
+from slimish.rollout.manager import RolloutManager
+from slimish.rollout.stats import RolloutFailing, RolloutStalled
 from slimish.trainer import checkpoint, make_trainer
 from slimish.trainer.base import Trainer
 from slimish.trainer.sft import ptx_batches, sft_batches
@@ -98,7 +102,9 @@ def config_of(args: argparse.Namespace) -> RunConfig:
 class Driver:
     """Rank 0's side of the loop: rollouts, weight pushes, evaluation, metrics, checkpoints."""
 
-    def __init__(self, cfg: RunConfig, servers: Servers, stack: ExitStack, start_step: int, world: int) -> None:
+    def __init__(
+        self, cfg: RunConfig, fns: RolloutFunctions, servers: Servers, stack: ExitStack, start_step: int, world: int
+    ) -> None:
         self.cfg, self.world = cfg, world
         self.teacher: Servers | None = None  # on-policy distillation's teacher: never pushed to
         if cfg.algorithm.opd.coef > 0:  # its local GPU engines go after the policy's
@@ -113,8 +119,8 @@ class Driver:
         teacher_url = self.teacher.router_url if self.teacher else None
         self.runtime = self.loop.run(RolloutRuntime.create(cfg, servers.router_url, teacher_url))
         stack.callback(lambda: self.loop.run(self.runtime.close()))
-        self.manager = RolloutManager.from_config(self.runtime, PromptData(cfg.data), Buffer(Staleness.of(cfg.buffer)))
-        self.eval_sets = eval_sets(cfg, self.manager.rollout_fn, self.manager.reward_fn)
+        self.manager = RolloutManager(self.runtime, PromptData(cfg.data), Buffer(Staleness.of(cfg.buffer)), fns)
+        self.eval_sets = eval_sets(cfg, fns.rollout_fn, fns.reward_fn, load_function)
         self.servers = servers
         self.sync = self._weight_sync()
         stack.callback(lambda: self.sync.close())  # the one in use then: a restart replaces it
@@ -169,10 +175,7 @@ class Driver:
             self.sync = self._weight_sync()
             self.sync.connect()
         with self.phase("push"):
-            if self.cfg.trainer.lora.enabled:  # the adapter alone (every rank holds it whole)
-                pushed = self.sync.push_adapter(trainer.adapter_tensors(), trainer.adapter_config(), str(version))
-            else:
-                pushed = self.sync.push(trainer.hf_tensors(), str(version))  # every rank takes part (Megatron gathers)
+            pushed = self.sync.push(trainer.export(), version)  # every rank takes part (Megatron gathers)
         self.loop.run(self.manager.weights_pushed(version))
         return {"time/weight_push": pushed["seconds"], "launch/engines_restarted": float(len(restarted))}
 
@@ -323,7 +326,8 @@ def due(step: int, every: int, last: int) -> bool:
     return every > 0 and (step % every == 0 or step == last)
 
 
-def train(cfg: RunConfig) -> None:
+def train(cfg: RunConfig, fns: RolloutFunctions) -> None:
+    """The run; `fns`, the rollout's functions, loaded at start-up (`checked_train`): rank 0 runs them."""
     transformers.utils.logging.disable_progress_bar()  # the run has its own progress display
     rank, world = init_distributed()
     seed_everything(cfg.seed)
@@ -352,7 +356,7 @@ def train(cfg: RunConfig) -> None:
                 except ValueError as exc:
                     raise SystemExit(f"slimish train: {exc}") from None
             servers = stack.enter_context(start_servers(launch, cfg.model, Path(cfg.run_dir) / "logs", first_gpu))
-            side: Driver | Follower = Driver(cfg, servers, stack, start_step, world)
+            side: Driver | Follower = Driver(cfg, fns, servers, stack, start_step, world)
         else:
             side = Follower()
         if state:
@@ -366,7 +370,7 @@ def train(cfg: RunConfig) -> None:
         if cfg.eval.every:
             first.update(side.evaluate())
         side.log(start_step, first)
-        if cfg.mode == "async" and cfg.buffer.max_staleness > 0:
+        if cfg.async_training:
             side.start_producing(start_step, stack)
         for step in range(start_step + 1, cfg.steps + 1):
             started = time.perf_counter()
@@ -446,11 +450,11 @@ def dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 
 def checked_train(cfg: RunConfig) -> int:
-    """`train`, with the user's functions checked before any server starts, and a run stopped by
-    them (stalled, or failing the same way again and again) ending on its reason, not a traceback."""
+    """`train`, with the user's functions loaded (so checked) before any server starts, the run
+    using those same objects, and a run stopped by them (stalled, or failing the same way again
+    and again) ending on its reason, not a traceback."""
     try:
-        load_functions(cfg.rollout)
-        train(cfg)
+        train(cfg, RolloutFunctions.load(cfg.rollout, load_function))
     except (LoadError, RolloutStalled, RolloutFailing) as exc:
         raise SystemExit(f"slimish train: {exc}") from None
     return 0

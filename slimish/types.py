@@ -65,13 +65,13 @@ class Sample:
         None  # a dict: named values, `rollout.reward_key` the numeric one trained on
     )
     status: SampleStatus = SampleStatus.PENDING
-    weight_versions: list[int] = field(default_factory=list)  # versions that produced its tokens, in order
-    # Per response token: the version number that made it; -1 for environment tokens and where
-    # unknown. Empty for samples built without versions (then `weight_versions` alone counts).
+    # Per response token: the weight version that made it; -1 for environment tokens and where
+    # unknown. Empty for a sample built without versions. The one record: `weight_versions` and
+    # `trained_versions` are read from it.
     token_versions: list[int] = field(default_factory=list)
     group_id: int = 0  # the prompt's position in the data stream: unique per prompt taken
     index: int = 0  # position within its group
-    # The trajectory it belongs to: the segments and branches of one capture session, and every
+    # The trajectory it belongs to: the segments and branches of one gateway session, and every
     # sample one rollout call returned, share it (set by the manager where the rollout fn did
     # not). A trajectory counts once in its group's baseline, however many samples it has.
     trajectory_id: str | None = None
@@ -111,9 +111,6 @@ class Sample:
         if len(versions) != len(ids):
             raise ValueError(f"sample {self.group_id}/{self.index}: {len(ids)} ids but {len(versions)} token versions")
         self._append(ids, [1] * len(ids), list(logprobs), [-1 if v is None else v for v in versions])
-        for version in versions:
-            if version is not None and (not self.weight_versions or self.weight_versions[-1] != version):
-                self.weight_versions.append(version)
 
     def append_env(self, ids: list[int]) -> None:
         """Tokens from the environment (tool output, user turns): in context, not trained on."""
@@ -136,12 +133,15 @@ class Sample:
         """The loss mask the trainer uses: `loss_mask`, all zeros when `exclude_from_loss`."""
         return [0] * self.response_length if self.exclude_from_loss else self.loss_mask
 
+    @property
+    def weight_versions(self) -> list[int]:
+        """The versions that made its tokens, in order, each once per run of tokens it made."""
+        known = [v for v in self.token_versions if v >= 0]
+        return [v for i, v in enumerate(known) if i == 0 or known[i - 1] != v]
+
     def trained_versions(self) -> set[int]:
-        """The versions of the tokens it trains on (mask 1); without a per-token record, all of
-        `weight_versions`."""
-        if self.token_versions:
-            return {v for v, m in zip(self.token_versions, self.loss_mask) if m and v >= 0}
-        return set(self.weight_versions)
+        """The versions of the tokens it trains on (mask 1)."""
+        return {v for v, m in zip(self.token_versions, self.loss_mask) if m and v >= 0}
 
     def mask_older_than(self, version: int) -> int:
         """Stop training on tokens made by weights older than `version`; how many were masked."""
@@ -209,10 +209,20 @@ class Sample:
     def from_dict(cls, d: dict[str, Any]) -> "Sample":
         d = copy.deepcopy(d)  # the sample must not share lists with saved state
         d["status"] = SampleStatus(d.get("status", "pending"))
-        d["weight_versions"] = [
-            version_number(v) if isinstance(v, str) else v for v in d.get("weight_versions", [])
-        ]  # saved as strings before
+        # Saved before the per-token record was the only one: versions in order (as strings before
+        # that), kept as the per-token record where the sample has none.
+        ordered = [version_number(v) if isinstance(v, str) else v for v in d.pop("weight_versions", None) or []]
+        if ordered and not d.get("token_versions"):
+            d["token_versions"] = spread_versions(d.get("loss_mask", []), ordered)
         return cls(**d)
+
+
+def spread_versions(loss_mask: list[int], versions: list[int]) -> list[int]:
+    """Per-token versions from a sample's versions in order, where which token each made is not
+    known: every token the policy made (mask 1) gets the oldest, the one its staleness is judged
+    by; environment tokens -1."""
+    oldest = min(versions, default=-1)
+    return [oldest if m else -1 for m in loss_mask]
 
 
 def trajectories(group: list[Sample]) -> dict[str | None, list[Sample]]:

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from gloo_rank import rank_main
 
-from slimish.config import WeightSyncConfig, load_run_config
+from slimish.config import load_run_config
+from slimish.trainer.config import WeightSyncConfig
 from slimish.trainer.megatron_backend import MegatronTrainer, ps
 from slimish.trainer.weight_sync import WeightSync
 from slimish.types import Sample
@@ -77,7 +78,7 @@ def run_layout(spec: dict, layout: dict, out: Path) -> dict:
 def push_to_engine(trainer: MegatronTrainer, url: str, hf_dir: Path) -> None:
     if dist.get_rank() == 0:
         with WeightSync(WeightSyncConfig(timeout_s=60.0, bucket_mb=0.1), [url]) as sync:
-            sync.push(trainer.hf_tensors(), "2")
+            sync.push(trainer.export(), 2)
     else:
         trainer.join_export()
     trainer.save_hf(str(hf_dir))

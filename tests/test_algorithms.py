@@ -1,4 +1,4 @@
-"""slimish.trainer.algorithms: hand-computed values, invariants, and TRL's own GRPO / RLOO code
+"""slimish.trainer.advantages and .losses: hand-computed values, invariants, and TRL's own GRPO / RLOO code
 run on identical inputs (TRL is the reference implementation most users know)."""
 
 from __future__ import annotations
@@ -10,8 +10,21 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from slimish.config import AlgorithmConfig
-from slimish.trainer import algorithms as A
+from slimish.trainer.config import AlgorithmConfig
+from slimish.trainer.advantages import compute_advantages
+from slimish.trainer.logprobs import entropy_from_logits, logprobs_from_logits
+from slimish.trainer.losses import (
+    importance_ratio,
+    kl_penalty,
+    loss_normalizer,
+    mis_weights,
+    ppo_clip_loss,
+    reduce_loss,
+    rl_loss,
+    sequence_kl,
+    sft_loss,
+    tis_weights,
+)
 
 LN2, LN3 = math.log(2), math.log(3)
 
@@ -29,28 +42,28 @@ def exact(actual: torch.Tensor, expected, atol: float = 1e-6) -> None:
 
 def test_grpo_hand_computed():
     # group 0: mean 0.5, sample std sqrt(1/3); group 1: all equal -> exactly 0 (not NaN)
-    adv = A.compute_advantages("grpo", t([[1, 0, 0, 1], [2, 2, 2, 2]]), eps=0.0)
+    adv = compute_advantages("grpo", t([[1, 0, 0, 1], [2, 2, 2, 2]]), eps=0.0)
     s = 0.5 / math.sqrt(1 / 3)
     exact(adv, [[s, -s, -s, s], [0, 0, 0, 0]])
     # flat input + group size: same values, flat shape back; eps enters the denominator
-    flat = A.compute_advantages("grpo", t([1, 0, 0, 1, 2, 2, 2, 2]), group_size=4, eps=0.1)
+    flat = compute_advantages("grpo", t([1, 0, 0, 1, 2, 2, 2, 2]), group_size=4, eps=0.1)
     s = 0.5 / (math.sqrt(1 / 3) + 0.1)
     exact(flat, [s, -s, -s, s, 0, 0, 0, 0])
-    assert A.compute_advantages("gspo", t([[1, 0, 0, 1]]), eps=0.0).tolist() == adv[:1].tolist()
+    assert compute_advantages("gspo", t([[1, 0, 0, 1]]), eps=0.0).tolist() == adv[:1].tolist()
 
 
 def test_dr_grpo_rloo_reinforce_pp_hand_computed():
-    exact(A.compute_advantages("dr_grpo", t([[1, 0, 0, 1], [3, 1, 2, 2]])), [[0.5, -0.5, -0.5, 0.5], [1, -1, 0, 0]])
+    exact(compute_advantages("dr_grpo", t([[1, 0, 0, 1], [3, 1, 2, 2]])), [[0.5, -0.5, -0.5, 0.5], [1, -1, 0, 0]])
     # leave-one-out: 3 - mean(1, 2) = 1.5, 1 - mean(3, 2) = -1.5, 2 - mean(3, 1) = 0
-    exact(A.compute_advantages("rloo", t([[3, 1, 2], [1, 0, 0]])), [[1.5, -1.5, 0], [1, -0.5, -0.5]])
+    exact(compute_advantages("rloo", t([[3, 1, 2], [1, 0, 0]])), [[1.5, -1.5, 0], [1, -0.5, -0.5]])
     # REINFORCE++: batch mean 5/8, batch sample std sqrt(1.875 / 7)
     r = t([1, 0, 0, 1, 1, 1, 1, 0])
     std = math.sqrt(1.875 / 7)
     hi, lo = 0.375 / std, -0.625 / std
-    exact(A.compute_advantages("reinforce_pp", r, group_size=4, eps=0.0), [hi, lo, lo, hi, hi, hi, hi, lo])
+    exact(compute_advantages("reinforce_pp", r, group_size=4, eps=0.0), [hi, lo, lo, hi, hi, hi, hi, lo])
     # -baseline: group-centred [.5 -.5 -.5 .5 | .25 .25 .25 -.75], batch mean 0, sample std 0.5
     exact(
-        A.compute_advantages("reinforce_pp_baseline", r, group_size=4, eps=0.0),
+        compute_advantages("reinforce_pp_baseline", r, group_size=4, eps=0.0),
         [1, -1, -1, 1, 0.5, 0.5, 0.5, -1.5],
     )
 
@@ -61,33 +74,33 @@ def test_advantage_invariants():
     rewards[3] = 1.0
     rewards[5] = 0.1  # float rounding must not turn "all equal" into a tiny nonzero std
     for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):
-        adv = A.compute_advantages(name, rewards, eps=0.0)
+        adv = compute_advantages(name, rewards, eps=0.0)
         assert torch.isfinite(adv).all(), name
         exact(adv.mean(-1), torch.zeros(16), atol=1e-6)  # zero mean per group
         assert adv[3].abs().max() == 0 and adv[5].abs().max() == 0, name
-    grpo = A.compute_advantages("grpo", rewards, eps=0.0)
+    grpo = compute_advantages("grpo", rewards, eps=0.0)
     varied = rewards.std(-1) > 0
     exact(grpo[varied].std(-1), torch.ones(int(varied.sum())), atol=1e-5)
     # RLOO is GRPO-without-std scaled by K/(K-1)
-    exact(A.compute_advantages("rloo", rewards), A.compute_advantages("dr_grpo", rewards) * 8 / 7)
+    exact(compute_advantages("rloo", rewards), compute_advantages("dr_grpo", rewards) * 8 / 7)
     # one sample per group: no baseline to compare against -> 0, never NaN
-    assert A.compute_advantages("grpo", t([[1.0], [0.0]])).tolist() == [[0.0], [0.0]]
-    assert A.compute_advantages("reinforce_pp", t([[1.0]])).tolist() == [[0.0]]
+    assert compute_advantages("grpo", t([[1.0], [0.0]])).tolist() == [[0.0], [0.0]]
+    assert compute_advantages("reinforce_pp", t([[1.0]])).tolist() == [[0.0]]
 
 
 def test_advantage_bad_input_names_the_field():
     with pytest.raises(ValueError, match="advantage: expected one of"):
-        A.compute_advantages("ppo", t([[1, 0]]))
+        compute_advantages("ppo", t([[1, 0]]))
     with pytest.raises(ValueError, match="group_size: 3 does not divide"):
-        A.compute_advantages("grpo", t([1, 0, 1, 0]), group_size=3)
+        compute_advantages("grpo", t([1, 0, 1, 0]), group_size=3)
     with pytest.raises(ValueError, match=r"rewards: expected \[n_groups, group_size\]"):
-        A.compute_advantages("grpo", t([1, 0, 1, 0]))
+        compute_advantages("grpo", t([1, 0, 1, 0]))
     with pytest.raises(ValueError, match="rewards: must be finite"):
-        A.compute_advantages("grpo", t([[1, float("nan")]]))
+        compute_advantages("grpo", t([[1, float("nan")]]))
     with pytest.raises(TypeError, match="rewards: expected a floating-point tensor"):
-        A.compute_advantages("grpo", torch.tensor([[1, 0]]))
+        compute_advantages("grpo", torch.tensor([[1, 0]]))
     with pytest.raises(ValueError, match="group_size: RLOO needs at least 2"):
-        A.compute_advantages("rloo", t([[1.0], [0.0]]))
+        compute_advantages("rloo", t([[1.0], [0.0]]))
 
 
 # --- Policy loss ---------------------------------------------------------------------------------
@@ -98,8 +111,8 @@ RATIOS = [0.5, 0.9, 1.0, 1.5, 4.0]
 def _clip_case(adv: float, **kw):
     logprobs = torch.zeros(1, len(RATIOS), requires_grad=True)
     old = -t([RATIOS]).log()  # ratio = exp(logp - old) = RATIOS
-    ratio = A.importance_ratio(logprobs, old, torch.ones(1, len(RATIOS)))
-    loss, stats = A.ppo_clip_loss(ratio, t([adv]), eps_clip=0.2, eps_clip_high=0.28, **kw)
+    ratio = importance_ratio(logprobs, old, torch.ones(1, len(RATIOS)))
+    loss, stats = ppo_clip_loss(ratio, t([adv]), eps_clip=0.2, eps_clip_high=0.28, **kw)
     loss.sum().backward()
     stats["ratio"] = ratio.detach()
     return loss.detach()[0], logprobs.grad[0], {k: v[0].tolist() for k, v in stats.items()}
@@ -133,12 +146,12 @@ def test_gspo_sequence_ratio_value_and_gradient():
     mask = t([[1, 1, 0], [1, 1, 0]])
     logprobs = torch.zeros(2, 3, requires_grad=True)
     adv = t([1.0, -1.0])
-    ratio = A.importance_ratio(logprobs, old, mask, level="sequence")
-    loss, _ = A.ppo_clip_loss(ratio, adv)
+    ratio = importance_ratio(logprobs, old, mask, level="sequence")
+    loss, _ = ppo_clip_loss(ratio, adv)
     s1 = math.sqrt(1.1 * 0.9)
     exact(ratio.detach() * mask, [[math.sqrt(2), math.sqrt(2), 0], [s1, s1, 0]])
     exact(loss.detach() * mask, [[-1.2, -1.2, 0], [s1, s1, 0]])
-    A.reduce_loss(loss, mask, "sample").backward()
+    reduce_loss(loss, mask, "sample").backward()
     # sequence-level GSPO: mean over samples of -A * exp(mean log-ratio); sample 0 is clipped
     ref = torch.zeros(2, 3, requires_grad=True)
     seq = ((ref - old) * mask).sum(-1).div(2).exp()
@@ -152,8 +165,8 @@ def test_padding_garbage_does_not_leak():
     old = t([[-1.0, -1e4]])  # the padded position would overflow exp if it were used
     mask = t([[1, 0]])
     for level in ("token", "sequence"):
-        loss, _ = A.ppo_clip_loss(A.importance_ratio(logprobs, old, mask, level), t([1.0]))
-        assert torch.isfinite(loss).all() and A.reduce_loss(loss, mask, "token").item() == -1.0
+        loss, _ = ppo_clip_loss(importance_ratio(logprobs, old, mask, level), t([1.0]))
+        assert torch.isfinite(loss).all() and reduce_loss(loss, mask, "token").item() == -1.0
 
 
 # --- Reductions ----------------------------------------------------------------------------------
@@ -162,15 +175,15 @@ def test_padding_garbage_does_not_leak():
 def test_reduction_hand_computed():
     values = t([[1, 2, 3], [4, 9, 9]])
     mask = t([[1, 1, 1], [1, 0, 0]])
-    exact(A.reduce_loss(values, mask, "token"), 2.5)  # (1+2+3+4)/4
-    exact(A.reduce_loss(values, mask, "sample"), 3.0)  # (2 + 4)/2
-    exact(A.reduce_loss(values, mask, "dr_grpo"), 10 / 6)  # / (B * T)
-    exact(A.reduce_loss(values, mask, "token", normalizer=A.loss_normalizer("dr_grpo", 4, 2, 8)), 10 / 16)
-    assert A.loss_normalizer("token", 4, 2) == 4 and A.loss_normalizer("sample", 4, 2) == 2
+    exact(reduce_loss(values, mask, "token"), 2.5)  # (1+2+3+4)/4
+    exact(reduce_loss(values, mask, "sample"), 3.0)  # (2 + 4)/2
+    exact(reduce_loss(values, mask, "dr_grpo"), 10 / 6)  # / (B * T)
+    exact(reduce_loss(values, mask, "token", normalizer=loss_normalizer("dr_grpo", 4, 2, 8)), 10 / 16)
+    assert loss_normalizer("token", 4, 2) == 4 and loss_normalizer("sample", 4, 2) == 2
     with pytest.raises(ValueError, match="max_response_len"):
-        A.loss_normalizer("dr_grpo", 4, 2)
+        loss_normalizer("dr_grpo", 4, 2)
     with pytest.raises(ValueError, match="loss_reduction: expected one of"):
-        A.reduce_loss(values, mask, "mean")
+        reduce_loss(values, mask, "mean")
 
 
 @pytest.mark.parametrize("mode", ["token", "sample", "dr_grpo"])
@@ -187,12 +200,12 @@ def test_micro_batches_sum_to_the_full_batch(mode):
     entropy = torch.rand(7, T, generator=g)
     adv = torch.randn(7, generator=g)
     cfg = AlgorithmConfig(loss_reduction=mode, eps_clip_high=0.28, dual_clip_c=3.0, kl_coef=0.1, entropy_coef=0.01)
-    norm = A.loss_normalizer(mode, int(mask.sum()), 7, max_response_len=10)
+    norm = loss_normalizer(mode, int(mask.sum()), 7, max_response_len=10)
 
     def run(rows: slice):
         lp = logprobs[rows, : max(lengths[rows])].clone().requires_grad_(True)
         cut = lambda x: x[rows, : lp.shape[1]]  # noqa: E731
-        loss, stats = A.rl_loss(
+        loss, stats = rl_loss(
             cfg, lp, cut(old), adv[rows], cut(mask), norm, ref_logprobs=cut(ref), entropy=cut(entropy)
         )
         loss.backward()
@@ -214,29 +227,29 @@ def test_micro_batches_sum_to_the_full_batch(mode):
 
 def test_kl_estimators_hand_computed():
     logprobs, ref = t([[math.log(0.5), 0.0]]), t([[math.log(0.25), 0.0]])  # log ratio ln 2, then 0
-    exact(A.kl_penalty(logprobs, ref, "k1"), [[LN2, 0]])
-    exact(A.kl_penalty(logprobs, ref, "k2"), [[LN2**2 / 2, 0]])
-    exact(A.kl_penalty(logprobs, ref, "k3"), [[0.5 + LN2 - 1, 0]])  # exp(-ln2) + ln2 - 1
-    seq = A.sequence_kl(t([[-1.0, -2.0, -3.0]]).requires_grad_(True), t([[-1.5, -1.0, 0.0]]), t([[1, 1, 0]]))
+    exact(kl_penalty(logprobs, ref, "k1"), [[LN2, 0]])
+    exact(kl_penalty(logprobs, ref, "k2"), [[LN2**2 / 2, 0]])
+    exact(kl_penalty(logprobs, ref, "k3"), [[0.5 + LN2 - 1, 0]])  # exp(-ln2) + ln2 - 1
+    seq = sequence_kl(t([[-1.0, -2.0, -3.0]]).requires_grad_(True), t([[-1.5, -1.0, 0.0]]), t([[1, 1, 0]]))
     exact(seq, [0.5 - 1.0])  # k1 summed over trained tokens, no gradient: it is a reward
     assert not seq.requires_grad
     with pytest.raises(ValueError, match="kl_estimator"):
-        A.kl_penalty(logprobs, ref, "k4")
+        kl_penalty(logprobs, ref, "k4")
 
 
 def test_tis_weights_truncate_and_detach():
     old = t([[LN3, math.log(0.5), math.log(1.5), 7.0]]).requires_grad_(True)
-    w = A.tis_weights(old, torch.zeros(1, 4), t([[1, 1, 1, 0]]), cap=2.0)
+    w = tis_weights(old, torch.zeros(1, 4), t([[1, 1, 1, 0]]), cap=2.0)
     exact(w, [[2.0, 0.5, 1.5, 1.0]])  # min(ratio, cap); 1 where masked
     assert not w.requires_grad
 
 
 def test_mis_weights_mask_what_tis_would_truncate():
     old = t([[LN3, math.log(0.5), math.log(1.5), 7.0]])
-    exact(A.mis_weights(old, torch.zeros(1, 4), t([[1, 1, 1, 0]]), cap=2.0), [[0.0, 0.5, 1.5, 1.0]])  # 3 > cap: dropped
+    exact(mis_weights(old, torch.zeros(1, 4), t([[1, 1, 1, 0]]), cap=2.0), [[0.0, 0.5, 1.5, 1.0]])  # 3 > cap: dropped
     cfg = AlgorithmConfig(mis_cap=2.0)
     ones = torch.ones(1, 4)
-    _, stats = A.rl_loss(cfg, old.clone(), old.clone(), ones, t([[1, 1, 1, 0]]), rollout_logprobs=torch.zeros(1, 4))
+    _, stats = rl_loss(cfg, old.clone(), old.clone(), ones, t([[1, 1, 1, 0]]), rollout_logprobs=torch.zeros(1, 4))
     exact(stats["tis"], 2.0)  # 0 + 0.5 + 1.5 over the trained tokens
     with pytest.raises(ValueError, match="set one importance-sampling correction"):
         AlgorithmConfig(tis_cap=2.0, mis_cap=2.0)
@@ -244,16 +257,16 @@ def test_mis_weights_mask_what_tis_would_truncate():
 
 def test_entropy_logprobs_sft_hand_computed():
     logits = t([[[0.0, 0.0], [0.0, LN3]]])  # p = (.5, .5) and (.25, .75)
-    exact(A.entropy_from_logits(logits), [[LN2, -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]])
-    exact(A.entropy_from_logits(logits * 2, temperature=2.0), A.entropy_from_logits(logits))
-    exact(A.logprobs_from_logits(logits, torch.tensor([[0, 1]])), [[-LN2, math.log(0.75)]])
-    exact(A.logprobs_from_logits(logits * 2, torch.tensor([[0, 1]]), temperature=2.0), [[-LN2, math.log(0.75)]])
+    exact(entropy_from_logits(logits), [[LN2, -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]])
+    exact(entropy_from_logits(logits * 2, temperature=2.0), entropy_from_logits(logits))
+    exact(logprobs_from_logits(logits, torch.tensor([[0, 1]])), [[-LN2, math.log(0.75)]])
+    exact(logprobs_from_logits(logits * 2, torch.tensor([[0, 1]]), temperature=2.0), [[-LN2, math.log(0.75)]])
     g = torch.Generator().manual_seed(0)
     big = torch.randn(3, 5, 50, generator=g).to(torch.bfloat16)
     labels = torch.randint(0, 50, (3, 5), generator=g)
     expected = torch.log_softmax(big.float(), -1).gather(-1, labels[..., None])[..., 0]
-    exact(A.logprobs_from_logits(big, labels), expected)  # computed in fp32 from bf16 logits
-    sft = A.sft_loss(t([[-LN2, -2 * LN2], [-LN2, -9.0]]), t([[1, 1], [1, 0]]))
+    exact(logprobs_from_logits(big, labels), expected)  # computed in fp32 from bf16 logits
+    sft = sft_loss(t([[-LN2, -2 * LN2], [-LN2, -9.0]]), t([[1, 1], [1, 0]]))
     exact(sft, 4 * LN2 / 3)
 
 
@@ -268,26 +281,26 @@ def test_rl_loss_composes_and_checks_inputs():
     entropy = torch.rand(3, 4, generator=g)
     adv = t([1.0, -0.5, 2.0])
     cfg = AlgorithmConfig(loss_reduction="sample", kl_coef=0.2, kl_estimator="k2", entropy_coef=0.05, tis_cap=1.5)
-    loss, stats = A.rl_loss(cfg, logprobs, old, adv, mask, ref_logprobs=ref, rollout_logprobs=rollout, entropy=entropy)
-    pg, _ = A.ppo_clip_loss(A.importance_ratio(logprobs, old, mask), adv)
-    w = A.tis_weights(old, rollout, mask, 1.5)
-    red = lambda x: A.reduce_loss(x, mask, "sample")  # noqa: E731
-    expected = red(pg * w) + 0.2 * red(A.kl_penalty(logprobs, ref, "k2")) - 0.05 * red(entropy)
+    loss, stats = rl_loss(cfg, logprobs, old, adv, mask, ref_logprobs=ref, rollout_logprobs=rollout, entropy=entropy)
+    pg, _ = ppo_clip_loss(importance_ratio(logprobs, old, mask), adv)
+    w = tis_weights(old, rollout, mask, 1.5)
+    red = lambda x: reduce_loss(x, mask, "sample")  # noqa: E731
+    expected = red(pg * w) + 0.2 * red(kl_penalty(logprobs, ref, "k2")) - 0.05 * red(entropy)
     exact(loss, expected)
     exact(stats["loss/policy"] + stats["loss/kl"] + stats["loss/entropy"], loss)
     exact(stats["tis"], (w * mask).sum())
     assert stats["tokens"] == 8
     # kl in the reward: no loss term, but the KL is still reported
     in_reward = replace(cfg, kl_in_reward=True, entropy_coef=0.0, tis_cap=None)
-    loss_r, stats_r = A.rl_loss(in_reward, logprobs, old, adv, mask, ref_logprobs=ref)
+    loss_r, stats_r = rl_loss(in_reward, logprobs, old, adv, mask, ref_logprobs=ref)
     exact(loss_r, red(pg))
     assert "loss/kl" not in stats_r and stats_r["kl"] > 0
     with pytest.raises(ValueError, match="ref_logprobs: needed"):
-        A.rl_loss(cfg, logprobs, old, adv, mask, rollout_logprobs=rollout, entropy=entropy)
+        rl_loss(cfg, logprobs, old, adv, mask, rollout_logprobs=rollout, entropy=entropy)
     with pytest.raises(ValueError, match="rollout_logprobs: needed"):
-        A.rl_loss(cfg, logprobs, old, adv, mask, ref_logprobs=ref, entropy=entropy)
+        rl_loss(cfg, logprobs, old, adv, mask, ref_logprobs=ref, entropy=entropy)
     with pytest.raises(ValueError, match="entropy: needed"):
-        A.rl_loss(cfg, logprobs, old, adv, mask, ref_logprobs=ref, rollout_logprobs=rollout)
+        rl_loss(cfg, logprobs, old, adv, mask, ref_logprobs=ref, rollout_logprobs=rollout)
 
 
 def test_algorithm_config_validates_names():
@@ -337,7 +350,7 @@ def _our_logprobs(model, inputs, temperature: float = 1.0):
     attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     logits = model(input_ids=ids, attention_mask=attention).logits[:, inputs["prompt_ids"].shape[1] - 1 : -1]
     labels = inputs["completion_ids"]
-    return A.logprobs_from_logits(logits, labels, temperature), A.entropy_from_logits(logits, temperature)
+    return logprobs_from_logits(logits, labels, temperature), entropy_from_logits(logits, temperature)
 
 
 def _grads(model) -> torch.Tensor:
@@ -379,7 +392,7 @@ TRL_CASES = {
     "dr_grpo": (
         dict(loss_type="dr_grpo"),
         dict(loss_reduction="dr_grpo"),
-        lambda x: A.loss_normalizer("dr_grpo", 0, B, MAX_COMPLETION),  # TRL: B x max_completion_length
+        lambda x: loss_normalizer("dr_grpo", 0, B, MAX_COMPLETION),  # TRL: B x max_completion_length
     ),
     "dapo_global_tokens": (
         dict(loss_type="dapo"),
@@ -425,7 +438,7 @@ def test_loss_matches_trl_grpo_trainer(case, tiny_model_dir, tmp_path):
     cfg = AlgorithmConfig(**our_kwargs)
     logprobs, entropy = _our_logprobs(model, inputs, temperature)
     mask = inputs["completion_mask"]
-    ours, stats = A.rl_loss(
+    ours, stats = rl_loss(
         cfg,
         logprobs,
         inputs["old_per_token_logps"],
@@ -476,7 +489,7 @@ def test_advantages_match_trl_grpo_trainer(scale, ours, tiny_model_dir, tmp_path
     out = trainer._generate_and_score_completions(batch)
     rewards = torch.tensor(seen)
     assert len(set(seen[:4])) == 1 and len(set(seen[4:])) > 1
-    assert_close(A.compute_advantages(ours, rewards, group_size=4, eps=1e-4), out["advantages"], atol=1e-6, rtol=0)
+    assert_close(compute_advantages(ours, rewards, group_size=4, eps=1e-4), out["advantages"], atol=1e-6, rtol=0)
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -494,7 +507,7 @@ def test_rloo_advantages_with_kl_in_reward_match_trl(tiny_model_dir, tmp_path):
     with torch.no_grad():
         old, _ = _our_logprobs(trainer.model, out)
         ref, _ = _our_logprobs(trainer.ref_model, out)
-    kl = A.sequence_kl(old, ref, out["completion_mask"], "k1")
+    kl = sequence_kl(old, ref, out["completion_mask"], "k1")
     assert kl.abs().min() > 1e-3
     shaped = torch.tensor(seen) - 0.1 * kl
-    assert_close(A.compute_advantages("rloo", shaped, group_size=4), out["advantages"], atol=1e-6, rtol=0)
+    assert_close(compute_advantages("rloo", shaped, group_size=4), out["advantages"], atol=1e-6, rtol=0)

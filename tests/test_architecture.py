@@ -21,7 +21,19 @@ PACKAGE = ROOT / "slimish"
 # Rooms from the ground floor up: a module may import its own room or a room on a lower floor.
 FLOORS = [
     # the ground: protocol shapes, the sample, small shared utilities
-    {"slimish", "protocol", "types", "net", "serving", "loop_thread", "distributed", "plugins", "processes", "schema"},
+    {
+        "slimish",
+        "protocol",
+        "types",
+        "net",
+        "serving",
+        "loop_thread",
+        "distributed",
+        "plugins",
+        "processes",
+        "schema",
+        "flags",
+    },
     {"formats", "tiny_model"},
     {"client", "engine"},
     {"router"},
@@ -174,3 +186,30 @@ def test_the_tree_is_formatted() -> None:
         pytest.fail("ruff is not installed in the venv: pip install -e '.[dev]'")
     done = subprocess.run([str(ruff), "format", "--check", "."], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# The engine's HTTP layers: they call `Engine`'s methods, never its scheduler or runner.
+ENGINE_ROUTES = ["api_generate", "api_info", "api_lora", "api_weights", "http", "openai_api", "server"]
+
+
+def test_engine_routes_call_the_engine_never_its_scheduler_or_runner() -> None:
+    reach_ins = [
+        f"slimish.engine.{name}:{node.lineno}: .{node.attr}"
+        for name in ENGINE_ROUTES
+        for node in ast.walk(ast.parse((PACKAGE / "engine" / f"{name}.py").read_text()))
+        if isinstance(node, ast.Attribute) and node.attr.lstrip("_") in ("scheduler", "runner")
+    ]
+    assert reach_ins == []
+
+
+def test_no_two_classes_share_a_name() -> None:
+    """One name, one class: a reader (and a grep) never has to ask which `Request` is meant. The
+    slime namespace is exempt: its names are slime's, for slime users' code."""
+    where: dict[str, list[str]] = defaultdict(list)
+    for module, path in MODULES.items():
+        if ".slime_namespace" in module:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                where[node.name].append(module)
+    assert {name: modules for name, modules in where.items() if len(modules) > 1} == {}

@@ -94,3 +94,18 @@ def test_mask_stale_tokens_trains_the_fresh_part_of_a_long_sample() -> None:
     assert long.loss_mask == [0, 0, 1, 1] and long.rollout_logprobs == [0.0, 0.0, -0.3, -0.4]
     assert group_version(batch[0]) == 3 and long.trained_versions() == {3, 4}
     assert (buf.masked_stale_tokens, buf.dropped_stale) == (3, 1)
+
+
+def test_samples_saved_with_the_older_version_fields_load_into_the_per_token_record() -> None:
+    """One version field is stored, per token; `weight_versions` is read from it. A checkpoint's
+    samples from before kept versions in order (strings before that, with no per-token record):
+    they load with the oldest on every trained token, so their group's age is what it was."""
+    base = {"prompt": "p", "tokens": [1, 2, 3, 4], "response_length": 3, "loss_mask": [1, 0, 1]}
+    base |= {"rollout_logprobs": [-0.1, 0.0, -0.2], "reward": 1.0, "status": "completed"}
+    oldest = Sample.from_dict({**base, "weight_versions": ["3", "4"]})
+    assert oldest.token_versions == [3, -1, 3] and oldest.weight_versions == [3] and group_version([oldest]) == 3
+    older = Sample.from_dict({**base, "weight_versions": [3, 4], "token_versions": [3, -1, 4]})
+    assert older.token_versions == [3, -1, 4] and older.weight_versions == [3, 4] and older.trained_versions() == {3, 4}
+    assert "weight_versions" not in older.to_dict() and Sample.from_dict(older.to_dict()) == older
+    oldest.check()
+    older.check()

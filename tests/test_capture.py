@@ -1,7 +1,7 @@
-"""CaptureServer: an `openai` SDK agent against a real engine behind the real router yields samples
+"""Gateway: an `openai` SDK agent against a real engine behind the real router yields samples
 whose tokens, masks and logprobs are exactly the engine's, checked against direct `/generate` calls.
 
-The capture server runs on the test's event loop (as in a rollout process); the router runs in a
+The gateway runs on the test's event loop (as in a rollout process); the router runs in a
 thread; the engine is the module's real child process.
 """
 
@@ -14,27 +14,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from helpers import TOOLS, run_plugin, running_router, with_gateway
 
-from slimish.rollout.capture import CaptureServer
 from slimish.formats.model import ModelFormat
+from slimish.gateway.server import Gateway
 from slimish.types import Sample, SampleStatus
 
-from conftest import run_plugin, running_router, with_capture
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate arithmetic",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
-            },
-        },
-    }
-]
 OPENING = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is (2+3)*4?"}]
 TEMPLATE = Sample(prompt=OPENING, label="20", group_id=7, index=2, metadata={"task": "calc"})
 
@@ -45,8 +30,8 @@ def router(engine) -> Iterator[str]:
         yield url
 
 
-def sdk(capture: CaptureServer, session: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=capture.session_base_url(session), api_key="slimish", max_retries=0, timeout=60)
+def sdk(gateway: Gateway, session: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=gateway.session_base_url(session), api_key="slimish", max_retries=0, timeout=60)
 
 
 def direct(engine: str, ids: list[int], params: dict) -> tuple[list[int], list[float]]:
@@ -72,17 +57,17 @@ def test_three_turn_tool_session_is_one_exact_sample(engine, router, tok):
         ({"max_tokens": 4}, []),
     ]
 
-    async def agent(capture: CaptureServer) -> tuple[list[Any], list[Sample]]:
-        client, messages, replies = sdk(capture, "s1"), list(OPENING), []
+    async def agent(gateway: Gateway) -> tuple[list[Any], list[Sample]]:
+        client, messages, replies = sdk(gateway, "s1"), list(OPENING), []
         for kwargs, env in turns:
             reply = await client.chat.completions.create(
                 model="m", messages=messages, tools=TOOLS, temperature=0, **kwargs
             )
             replies.append(reply)
             messages += [reply.choices[0].message, *env]  # the SDK's own message object, as agents do
-        return replies, capture.pop_samples("s1", TEMPLATE)
+        return replies, gateway.pop_samples("s1", TEMPLATE)
 
-    replies, samples = with_capture(router, tok, agent)
+    replies, samples = with_gateway(router, tok, agent)
     assert len(samples) == 1
     s = samples[0]
 
@@ -137,8 +122,8 @@ def test_an_edited_reply_realigns_and_a_rewritten_history_forks(engine, router, 
     stay trained, the edit is the environment's (mask 0). A history replaced by a summary (what
     context compaction does) starts a new segment, rendered by the template."""
 
-    async def agent(capture: CaptureServer) -> list[Sample]:
-        client, messages = sdk(capture, "s2"), list(OPENING)
+    async def agent(gateway: Gateway) -> list[Sample]:
+        client, messages = sdk(gateway, "s2"), list(OPENING)
         first = await client.chat.completions.create(
             model="m", messages=messages, **{**THREE, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
         )
@@ -149,15 +134,15 @@ def test_an_edited_reply_realigns_and_a_rewritten_history_forks(engine, router, 
         await client.chat.completions.create(model="m", messages=messages, **THREE)
         compacted = [OPENING[0], {"role": "user", "content": "Summary: we talked. Go on."}]
         await client.chat.completions.create(model="m", messages=compacted, **THREE)
-        assert capture.pop_samples("never-used", TEMPLATE) == []
+        assert gateway.pop_samples("never-used", TEMPLATE) == []
         return (
-            capture.pop_samples("s2", TEMPLATE),
+            gateway.pop_samples("s2", TEMPLATE),
             messages,
             compacted,
             first.choices[0].model_dump()["response_token_ids"],
         )
 
-    samples, messages, compacted, first_ids = with_capture(router, tok, agent)
+    samples, messages, compacted, first_ids = with_gateway(router, tok, agent)
     chat = ModelFormat(tok).chat()
     assert [s.metadata["capture"]["how"] for s in samples] == [["start", "realign"], ["fork"]]
     assert [s.metadata["capture"]["segment"] for s in samples] == [0, 1] and samples[0].metadata["capture"][
@@ -180,13 +165,13 @@ def test_an_edited_reply_realigns_and_a_rewritten_history_forks(engine, router, 
 
 
 def test_default_sampling_and_explicit_overrides(engine, router, tok):
-    async def agent(capture: CaptureServer) -> list[Sample]:
-        client = sdk(capture, "s3")
+    async def agent(gateway: Gateway) -> list[Sample]:
+        client = sdk(gateway, "s3")
         await client.chat.completions.create(model="m", messages=OPENING)  # defaults only
         await client.chat.completions.create(model="m", messages=OPENING, max_tokens=2)  # a new segment: same history
-        return capture.pop_samples("s3", TEMPLATE)
+        return gateway.pop_samples("s3", TEMPLATE)
 
-    samples = with_capture(
+    samples = with_gateway(
         router, tok, agent, default_sampling={"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
     )
     ids = ModelFormat(tok).chat().prompt_ids(OPENING)
@@ -208,23 +193,23 @@ def test_default_sampling_and_explicit_overrides(engine, router, tok):
     ],
 )
 def test_bad_body_is_a_400_naming_the_field(router, tok, body, field):
-    async def post(capture: CaptureServer) -> httpx.Response:
+    async def post(gateway: Gateway) -> httpx.Response:
         async with httpx.AsyncClient(timeout=60) as http:
-            return await http.post(capture.session_base_url("bad") + "/chat/completions", json=body)
+            return await http.post(gateway.session_base_url("bad") + "/chat/completions", json=body)
 
-    r = with_capture(router, tok, post)
+    r = with_gateway(router, tok, post)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == field and error["message"].startswith(field + ":"), error
 
 
 def test_malformed_json_and_models_route(engine, router, tok):
-    async def calls(capture: CaptureServer) -> tuple[httpx.Response, Any]:
+    async def calls(gateway: Gateway) -> tuple[httpx.Response, Any]:
         async with httpx.AsyncClient(timeout=60) as http:
-            bad = await http.post(capture.session_base_url("x") + "/chat/completions", content=b"{not json")
-        return bad, await sdk(capture, "x").models.list()
+            bad = await http.post(gateway.session_base_url("x") + "/chat/completions", content=b"{not json")
+        return bad, await sdk(gateway, "x").models.list()
 
-    bad, models = with_capture(router, tok, calls)
+    bad, models = with_gateway(router, tok, calls)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "body"
     assert [m.id for m in models.data] == [m["id"] for m in httpx.get(engine + "/v1/models", timeout=60).json()["data"]]
 
@@ -263,8 +248,8 @@ def test_parallel_requests_on_one_turn_branch_and_share_it_once(engine, router, 
     """Two requests continuing the same turn at once are two branches of it: each sample holds the
     shared turn, trained (mask 1) in the first only."""
 
-    async def agent(capture: CaptureServer) -> list[Sample]:
-        client = sdk(capture, "s4")
+    async def agent(gateway: Gateway) -> list[Sample]:
+        client = sdk(gateway, "s4")
         first = await client.chat.completions.create(model="m", messages=OPENING, **THREE)
         history = [*OPENING, first.choices[0].message]
         await asyncio.gather(
@@ -273,9 +258,9 @@ def test_parallel_requests_on_one_turn_branch_and_share_it_once(engine, router, 
                 for q in ("left", "right")
             )
         )
-        return capture.pop_samples("s4", TEMPLATE)
+        return gateway.pop_samples("s4", TEMPLATE)
 
-    samples = with_capture(router, tok, agent)
+    samples = with_gateway(router, tok, agent)
     assert [s.metadata["capture"]["turns"] for s in samples] == [2, 2] and [
         s.metadata["capture"]["branch"] for s in samples
     ] == [0, 1]

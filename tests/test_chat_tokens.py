@@ -10,26 +10,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import TOOLS
 from transformers import AutoTokenizer
 
 from slimish.formats.model import ModelFormat
 from slimish.formats.template import ChatTemplate, TemplateError, end_token_ids
 from slimish.formats.tokens import ChatTokens, same_message
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate arithmetic",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
-            },
-        },
-    }
-]
 
 
 def call(expression: str) -> dict:

@@ -1,4 +1,4 @@
-"""slime's custom functions run unchanged (`--rollout-fn slime:...`, slimish/compat/slime.py).
+"""slime's custom functions run unchanged (`--rollout-fn slime:...`, slimish/compat/slime/).
 
 The plugins in tests/slime_plugins/ are written as a slime user writes them (slime's signatures,
 `from slime.utils.types import Sample` ...). They run through `slimish rollout` and `slimish
@@ -20,13 +20,15 @@ import pytest
 from fastapi import FastAPI, Request
 from transformers import AutoTokenizer
 
-from conftest import ROOT, serving
+from helpers import ROOT, serving
 from slimish.client import Client
-from slimish.compat import slime as compat
+from slimish.compat import load_function
+from slimish.compat.slime import adapters, calls, namespace, samples
 from slimish.config import load_run_config
 from slimish.launch.local import Servers
 from slimish.rollout.api import RolloutContext, RolloutRuntime
-from slimish.rollout.loader import LoadError, load_function
+from slimish.rollout.evaluation import eval_sets
+from slimish.plugins import LoadError
 from slimish.rollout.rewards import is_group_reward
 from slimish.types import Sample, SampleStatus
 
@@ -108,11 +110,40 @@ def test_load_errors_name_the_flag_and_the_fix(tmp_path: Path) -> None:
     )  # second parameter `samples`
 
 
+def test_eval_datasets_get_slime_functions_from_the_loader_handed_down(
+    tiny_model_dir: Path, prompts: str, tmp_path: Path
+) -> None:
+    """The rollout side never imports compat: `slimish train` hands slimish.compat's loader to
+    `eval_sets`, which adapts an eval dataset's `slime:` functions; slimish.plugins' own loader
+    refuses them, naming the key and the loader that reads them."""
+    dataset = {
+        "name": "slime",
+        "source": prompts,
+        "rollout_fn": f"slime:{PLUGINS}/single_turn.py:generate",
+        "reward_fn": f"slime:{PLUGINS}/rewards.py:group_rm",
+    }
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        json.dumps({"model": str(tiny_model_dir), "data": {"source": "task:add"}, "eval": {"datasets": [dataset]}})
+    )
+    cfg = load_run_config(str(config), [])
+
+    async def rollout(ctx: Any, sample: Sample) -> Sample:
+        return sample
+
+    (only,) = eval_sets(cfg, rollout, None, load_function)
+    assert only.rollout_fn.__slime_function__.__name__ == "generate" and is_group_reward(only.reward_fn)
+    with pytest.raises(
+        LoadError, match=r"eval\.datasets\[0\]\.rollout_fn .* adapted by slimish\.compat\.load_function"
+    ):
+        eval_sets(cfg, rollout, None)
+
+
 def test_the_slime_namespace_appears_only_when_a_slime_spec_is_loaded() -> None:
     code = f"""
 import importlib.util, sys
 assert importlib.util.find_spec("slime") is None
-from slimish.rollout.loader import load_function
+from slimish.compat import load_function
 load_function("rollout_plugins.math:rollout", "rollout")
 assert importlib.util.find_spec("slime") is None
 load_function("slime:{PLUGINS}/search.py:generate", "rollout")
@@ -131,31 +162,31 @@ print("ok")
 
 
 def test_filter_answers_map_to_drop_reasons() -> None:
-    compat.use_slime_namespace()
+    namespace.use_slime_namespace()
     from slime.rollout.filter_hub.base_types import DynamicFilterOutput
 
-    assert compat._drop_reason(DynamicFilterOutput(keep=True), "f") is None
-    assert compat._drop_reason(DynamicFilterOutput(keep=False, reason="zero_std_1.0"), "f") == "zero_std_1.0"
-    assert compat._drop_reason(DynamicFilterOutput(keep=False), "mine") == "slime filter mine"
-    assert compat._drop_reason(True, "f") is None and compat._drop_reason(False, "legacy") == "slime filter legacy"
+    assert adapters._drop_reason(DynamicFilterOutput(keep=True), "f") is None
+    assert adapters._drop_reason(DynamicFilterOutput(keep=False, reason="zero_std_1.0"), "f") == "zero_std_1.0"
+    assert adapters._drop_reason(DynamicFilterOutput(keep=False), "mine") == "slime filter mine"
+    assert adapters._drop_reason(True, "f") is None and adapters._drop_reason(False, "legacy") == "slime filter legacy"
 
 
 def test_replies_align_only_with_trained_tokens() -> None:
     """A reply's output found among mask-1 tokens only (an observation holding the same id is not
     it); a reply the function cut short is not matched (its tokens need their own logprobs)."""
     replies = [
-        compat._Reply([1, 2], [7], [-0.5], [3], "stop"),
-        compat._Reply(None, [8, 9, 9], [-0.1, -0.2, -0.3], [4, 4, 4], "length"),
+        calls.Reply([1, 2], [7], [-0.5], [3], "stop"),
+        calls.Reply(None, [8, 9, 9], [-0.1, -0.2, -0.3], [4, 4, 4], "length"),
     ]
-    logprobs, versions = compat._match([7, 7, 8, 9], [0, 1, 1, 1], replies)
+    logprobs, versions = samples._match([7, 7, 8, 9], [0, 1, 1, 1], replies)
     assert logprobs == [None, -0.5, None, None] and versions == [-1, 3, -1, -1]
-    tokens, length, mask, lps = compat._chain(
-        "w", [compat._Reply([1, 2], [7], [-0.5], [3], "stop"), compat._Reply([1, 2, 7, 5], [6], [-0.2], [3], "stop")]
+    tokens, length, mask, lps = samples._chain(
+        "w", [calls.Reply([1, 2], [7], [-0.5], [3], "stop"), calls.Reply([1, 2, 7, 5], [6], [-0.2], [3], "stop")]
     )
     assert (tokens, length, mask, lps) == ([1, 2, 7, 5, 6], 3, [1, 0, 1], [-0.5, 0.0, -0.2])
     with pytest.raises(ValueError, match="do not extend one another"):
-        compat._chain(
-            "w", [compat._Reply([1, 2], [7], [-0.5], [3], "stop"), compat._Reply([1, 3], [6], [-0.2], [3], "stop")]
+        samples._chain(
+            "w", [calls.Reply([1, 2], [7], [-0.5], [3], "stop"), calls.Reply([1, 3], [6], [-0.2], [3], "stop")]
         )
 
 
@@ -357,7 +388,7 @@ def test_headers_versions_retokenization_and_abort_on_a_fake_router(
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     merged, output_ids = split_token(tok)
     seen: list[dict[str, Any]] = []
-    monkeypatch.setattr(compat, "_warned", False)
+    monkeypatch.setattr(calls, "_warned", False)
     overrides = ["launch.api_key=sekret", "rollout.args.search_payload=text", "rollout.args.my_flag=3"]
     with serving(fake_router(tok, output_ids, seen), "fake router") as url:
         sample = Sample(prompt="hello", label=None, group_id=5, index=0)
@@ -420,7 +451,7 @@ def test_slime_args_map_the_run_config(tiny_model_dir: Path) -> None:
         client = Client("http://10.1.2.3:4567")
         sampling_params = {"max_new_tokens": 9, "temperature": 0.0}
 
-    args = compat.slime_args(Ctx())
+    args = namespace.slime_args(Ctx())
     assert (args.sglang_router_ip, args.sglang_router_port, args.hf_checkpoint) == (
         "10.1.2.3",
         4567,
@@ -436,7 +467,7 @@ def test_slime_args_map_the_run_config(tiny_model_dir: Path) -> None:
     with pytest.raises(AttributeError, match="set it as rollout.args.sglang_router_policy"):
         args.sglang_router_policy  # noqa: B018
     assert getattr(args, "sglang_router_policy", None) is None
-    params = compat.slime_sampling_params(Ctx())
+    params = namespace.slime_sampling_params(Ctx())
     assert params["temperature"] == 0.0 and params["no_stop_trim"] is True and params["stop"] is None
 
 

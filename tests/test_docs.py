@@ -141,7 +141,7 @@ def parser_of(sub: str) -> argparse.ArgumentParser:
             code = exc.code
     assert code == 0 and f"slimish {sub}" in out.getvalue(), f"`slimish {sub} --help` failed"
     parser = argparse.ArgumentParser(prog=f"slimish {sub}", exit_on_error=False, allow_abbrev=False)
-    __import__(cli.COMMANDS[sub][0], fromlist=["add_arguments"]).add_arguments(parser)
+    cli.command(sub).add_arguments(parser)
     return parser
 
 
@@ -341,7 +341,7 @@ def test_site_builds_strict(tmp_path: Path) -> None:
 
 
 def test_configuration_page_is_the_schema() -> None:
-    """docs/configuration.md is what `python -m slimish.docs_config` writes from slimish/config.py."""
+    """docs/configuration.md is what `python -m slimish.docs_config` writes from the config schemas."""
     from slimish.docs_config import render
 
     assert (ROOT / "docs" / "configuration.md").read_text() == render(), (

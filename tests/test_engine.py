@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import metric_total, post, wait_for
+from helpers import generate, metric_total, post, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from slimish.config import EngineConfig
+from slimish.engine.config import EngineConfig
 from slimish.launch.local import engine_process
 
 PROMPTS = [[5, 17, 42, 99, 7], [300, 301, 302], list(range(60, 90)), [11] * 9]
@@ -24,12 +24,6 @@ PROMPTS = [[5, 17, 42, 99, 7], [300, 301, 302], list(range(60, 90)), [11] * 9]
 @pytest.fixture(scope="module")
 def hf(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-def generate(url: str, **body) -> dict | list:
-    r = post(url, "/generate", body)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimish.config import EngineConfig
+from slimish.engine.config import EngineConfig
 from slimish.engine.runner import KVBatch, Runner, load_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimish.config import EngineConfig
+from slimish.engine.config import EngineConfig
 from slimish.engine.engine import Engine
 from slimish.engine.runner import KVBatch, Runner, load_model
 from slimish.engine.sampling import RowState, sample

@@ -25,9 +25,9 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import running_engines
+from helpers import running_engines
 from slimish.client import Client, ServerError
-from slimish.config import EngineConfig
+from slimish.engine.config import EngineConfig
 from slimish.distributed import init_custom_process_group
 from slimish.engine.lora import AdapterError, AdapterRef, LoraManager, read_adapter
 from slimish.net import free_port

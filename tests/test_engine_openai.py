@@ -11,27 +11,13 @@ import json
 import httpx
 import openai
 import pytest
+from helpers import TOOLS, post
 
-from conftest import post
 from slimish.engine.openai_api import _settled
 
 PROMPT_IDS = [5, 17, 42, 99, 7]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate arithmetic",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
-            },
-        },
-    }
-]
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,11 @@ import httpx
 import pytest
 import torch
 
-from conftest import post
+from helpers import generate, post
 
 from slimish.engine.prefix_cache import PrefixCache
 from slimish.launch.local import engine_process
-from slimish.launch.process import start_all
+from slimish.processes import start_all
 
 PAGE = 8
 SAMPLED = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 0}
@@ -39,12 +39,6 @@ def engines(tiny_model_dir, tmp_path_factory):
     finally:
         for p in procs:
             p.stop()
-
-
-def generate(url: str, **body) -> dict | list:
-    r = post(url, "/generate", body)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def both(engines: list[str], **body) -> dict | list:
@@ -203,7 +197,7 @@ def test_a_weight_load_never_serves_old_kv(engines, tiny_model_dir, tiny_model_d
 
 
 def test_config_names_bad_cache_settings(tiny_model_dir):
-    from slimish.config import EngineConfig
+    from slimish.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="page_size must be >= 1"):
         EngineConfig(model=str(tiny_model_dir), page_size=0)

@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 import torch
-from conftest import post
+from helpers import post
 from transformers import AutoModelForCausalLM
 
 PROMPT = [5, 17, 42, 99, 7]

@@ -1,5 +1,5 @@
 """Real model families: a 3-turn tool conversation recorded token-exactly, tool calls parsed and
-reasoning split, through `ctx.chat`, the capture endpoint (real `openai` SDK) and the engine's own
+reasoning split, through `ctx.chat`, the agent gateway (real `openai` SDK) and the engine's own
 `/v1/chat/completions`, on each family's real chat template and vocabulary (the cases and fitted
 models: tests/family_cases.py).
 """
@@ -20,9 +20,9 @@ from family_cases import CASE_IDS, CASES, TURNS, Case, conversation, expected
 from slimish.client import Client
 from slimish.config import load_run_config
 from slimish.formats.model import ModelFormat
+from slimish.gateway.server import Gateway
 from slimish.launch.local import engine_process
 from slimish.rollout.api import RolloutContext, RolloutRuntime
-from slimish.rollout.capture import CaptureServer
 from slimish.types import Sample, SampleStatus
 
 
@@ -81,14 +81,14 @@ def run_ctx_chat(model: Path, url: str, case: Case) -> Sample:
 
 
 def run_capture(model: Path, url: str, case: Case, history: str = "exact") -> list[Sample]:
-    """The same conversation from an `openai` SDK agent through the capture endpoint."""
+    """The same conversation from an `openai` SDK agent through the agent gateway."""
 
     async def main() -> list[Sample]:
         fmt = ModelFormat(AutoTokenizer.from_pretrained(model))
-        capture = CaptureServer(url, fmt, default_sampling={"temperature": 0.0, "max_new_tokens": 96}, history=history)
-        await capture.start()
+        gateway = Gateway(url, fmt, default_sampling={"temperature": 0.0, "max_new_tokens": 96}, history=history)
+        await gateway.start()
         try:
-            client = openai.AsyncOpenAI(base_url=capture.session_base_url("s"), api_key="x", max_retries=0, timeout=120)
+            client = openai.AsyncOpenAI(base_url=gateway.session_base_url("s"), api_key="x", max_retries=0, timeout=120)
             conv = conversation(case)
             messages: list[Any] = conv[:2]
             for k, next_messages in enumerate((conv[3:4], conv[5:6], [])):
@@ -104,9 +104,9 @@ def run_capture(model: Path, url: str, case: Case, history: str = "exact") -> li
                 echoed = message if k == 0 else message.model_dump(exclude_none=True)
                 assert k == 0 or ("reasoning_content" in echoed) == (case.reasoning[k] is not None)
                 messages = [*messages, echoed, *next_messages]
-            return capture.pop_samples("s", Sample(prompt=conv[:2]))
+            return gateway.pop_samples("s", Sample(prompt=conv[:2]))
         finally:
-            await capture.stop()
+            await gateway.stop()
 
     return asyncio.run(main())
 
@@ -336,13 +336,11 @@ def test_a_secondary_end_token_is_recorded_alike_by_ctx_chat_and_capture(
                 await runtime.close()
 
         async def via_capture() -> list[Sample]:
-            capture = CaptureServer(
-                proc.url, ModelFormat(tok), default_sampling={"temperature": 0.0, "max_new_tokens": 3}
-            )
-            await capture.start()
+            gateway = Gateway(proc.url, ModelFormat(tok), default_sampling={"temperature": 0.0, "max_new_tokens": 3})
+            await gateway.start()
             try:
                 client = openai.AsyncOpenAI(
-                    base_url=capture.session_base_url("s"), api_key="x", max_retries=0, timeout=60
+                    base_url=gateway.session_base_url("s"), api_key="x", max_retries=0, timeout=60
                 )
                 reply = await client.chat.completions.create(
                     model="m",
@@ -354,9 +352,9 @@ def test_a_secondary_end_token_is_recorded_alike_by_ctx_chat_and_capture(
                 await client.chat.completions.create(
                     model="m", messages=[*opening, reply.choices[0].message, follow_up]
                 )
-                return capture.pop_samples("s", Sample(prompt=opening))
+                return gateway.pop_samples("s", Sample(prompt=opening))
             finally:
-                await capture.stop()
+                await gateway.stop()
 
         sample, (captured,) = asyncio.run(via_ctx()), asyncio.run(via_capture())
     first_turn = sample.response_ids[:3]

@@ -1,10 +1,10 @@
 """Property-based fuzzing of the engine's and the router's HTTP APIs with schemathesis.
 
-Cases come from each server's own `/openapi.json` (request bodies are the `slimish.protocol`
-models), valid ones and deliberately invalid ones, sent to a real engine process and to a real
-router in front of it. The properties: no 5xx, every JSON reply parses, the engine logs no
-traceback (a scheduler step that failed would abort everyone's requests, with HTTP 200), and
-afterwards both still answer /health and generate exactly what they generated before.
+Cases come from each server's own `/openapi.json` (request bodies are the `slimish.protocol` and
+`slimish.formats.openai` models), valid ones and deliberately invalid ones, sent to a real engine
+process and to a real router in front of it. The properties: no 5xx, every JSON reply parses,
+the engine logs no traceback (a scheduler step that failed would abort everyone's requests, with
+HTTP 200), and afterwards both still answer /health and generate exactly what they generated before.
 
 Generation is kept cheap by the servers' own limits (`max_new_tokens_cap` 8, room for 64
 sequences), which the fuzzer thereby exercises too. `derandomize` makes every run send the same
@@ -21,7 +21,7 @@ from schemathesis import GenerationMode
 
 from slimish.launch.local import engine_process
 
-from conftest import running_router
+from helpers import running_router
 
 pytestmark = pytest.mark.slow  # ~1-2 min: 2,400+ requests
 

@@ -18,10 +18,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from family_cases import CASES, TURNS, Case, conversation, expected
-from conftest import run_plugin, with_capture
+from helpers import run_plugin, with_gateway
 from slimish.formats.model import ModelFormat
+from slimish.gateway.server import Gateway
 from slimish.net import free_port
-from slimish.rollout.capture import CaptureServer
 from slimish.types import Sample, SampleStatus
 from test_family_formats import run_ctx_chat
 
@@ -115,11 +115,11 @@ def check_reply(case: Case, k: int, reply: anthropic.types.Message) -> None:
     assert reply.role == "assistant" and reply.id.startswith("msg_") and reply.usage.output_tokens > 0
 
 
-async def anthropic_conversation(capture: CaptureServer, case: Case, stream: bool) -> list[Sample]:
+async def anthropic_conversation(gateway: Gateway, case: Case, stream: bool) -> list[Sample]:
     """The case's conversation through `/v1/messages`; each reply sent back as the agent got it
     (the SDK's blocks after the tool call, plain dicts after the answer), thinking included."""
     conv = conversation(case)
-    client = sdk(capture.session_url("s"))
+    client = sdk(gateway.session_url("s"))
     kw = dict(
         model="m",
         system=conv[0]["content"],
@@ -150,7 +150,7 @@ async def anthropic_conversation(capture: CaptureServer, case: Case, stream: boo
             )
         elif k == 1:
             messages.append({"role": "user", "content": conv[5]["content"]})
-    return capture.pop_samples("s", Sample(prompt=conv[:2]))
+    return gateway.pop_samples("s", Sample(prompt=conv[:2]))
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
@@ -159,7 +159,7 @@ def test_tool_conversation_records_the_ids_ctx_chat_records(
 ) -> None:
     url, model = served
     tok = AutoTokenizer.from_pretrained(model)
-    (captured,) = with_capture(url, tok, lambda c: anthropic_conversation(c, case, stream))
+    (captured,) = with_gateway(url, tok, lambda c: anthropic_conversation(c, case, stream))
     captured.check()
     assert captured.metadata["capture"]["how"] == ["start", "continue", "continue"]
     assert captured.tokens == reference.tokens == expected(ModelFormat(tok), case).exact
@@ -181,8 +181,8 @@ def test_count_tokens_and_a_session_named_by_the_key(engine: str, tok: Any) -> N
     }
     chat = ModelFormat(tok).chat([{"type": "function", "function": fn}])
 
-    async def agent(capture: CaptureServer) -> tuple[list[int], anthropic.types.Message, list[Sample]]:
-        client = sdk(capture.url, api_key="by-key")
+    async def agent(gateway: Gateway) -> tuple[list[int], anthropic.types.Message, list[Sample]]:
+        client = sdk(gateway.url, api_key="by-key")
         counts = [
             (await client.messages.count_tokens(model="m", system="Be brief.", messages=OPENING, **kw)).input_tokens
             for kw in ({"tools": [CALCULATOR]}, {"tools": [CALCULATOR], "tool_choice": {"type": "none"}}, {})
@@ -195,9 +195,9 @@ def test_count_tokens_and_a_session_named_by_the_key(engine: str, tok: Any) -> N
             max_tokens=3,
             extra_body={"temperature": 0},
         )
-        return counts, reply, capture.pop_samples("by-key", Sample(prompt=OPENING))
+        return counts, reply, gateway.pop_samples("by-key", Sample(prompt=OPENING))
 
-    counts, reply, (sample,) = with_capture(engine, tok, agent)
+    counts, reply, (sample,) = with_gateway(engine, tok, agent)
     prompt = chat.prompt_ids([{"role": "system", "content": "Be brief."}, *OPENING])
     assert counts[0] == len(prompt) == reply.usage.input_tokens and counts[1] == counts[2] < counts[0]
     assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 3
@@ -208,14 +208,14 @@ def test_a_stop_sequence_is_named(engine: str, tok: Any) -> None:
     """A stop sequence the request set ends the turn (its text left out) and is named.
     (`end_turn` and `tool_use`: the acceptance test; `max_tokens`: the key-addressed session.)"""
 
-    async def agent(capture: CaptureServer) -> tuple[str, anthropic.types.Message]:
-        client = sdk(capture.session_url("stops"))
+    async def agent(gateway: Gateway) -> tuple[str, anthropic.types.Message]:
+        client = sdk(gateway.session_url("stops"))
         free = await client.messages.create(model="m", messages=OPENING, max_tokens=12)
         return free.content[0].text, await client.messages.create(
             model="m", messages=OPENING, max_tokens=12, stop_sequences=["\x00never", stop_in(free.content[0].text)]
         )
 
-    text, stopped = with_capture(engine, tok, agent, default_sampling=GREEDY)
+    text, stopped = with_gateway(engine, tok, agent, default_sampling=GREEDY)
     stop = stop_in(text)
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
     assert "".join(b.text for b in stopped.content) == text[: text.index(stop)]
@@ -260,11 +260,11 @@ def stop_in(text: str) -> str:
     ],
 )
 def test_a_bad_body_is_a_400_naming_the_field(engine: str, tok: Any, body: dict[str, Any], field: str) -> None:
-    async def post(capture: CaptureServer) -> httpx.Response:
+    async def post(gateway: Gateway) -> httpx.Response:
         async with httpx.AsyncClient(timeout=60) as http:
-            return await http.post(capture.session_url("bad") + "/v1/messages", json=body)
+            return await http.post(gateway.session_url("bad") + "/v1/messages", json=body)
 
-    r = with_capture(engine, tok, post)
+    r = with_gateway(engine, tok, post)
     assert r.status_code == 400, r.text
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
     assert r.json()["error"]["message"].startswith(field + ":"), r.json()
@@ -274,36 +274,36 @@ def test_errors_in_anthropics_shape(engine: str, tok: Any) -> None:
     """The SDK raises its own errors: 400 for a body, 401 without a session, the upstream's status
     (502 when nothing answers) as an `api_error`; the thinking field is accepted."""
 
-    async def calls(capture: CaptureServer) -> list[Any]:
+    async def calls(gateway: Gateway) -> list[Any]:
         out: list[Any] = []
         async with httpx.AsyncClient(timeout=60) as http:
-            out.append(await http.post(capture.url + "/v1/messages", json={"messages": OPENING, "max_tokens": 4}))
-            out.append(await http.post(capture.session_url("x") + "/v1/messages", content=b"{not json"))
+            out.append(await http.post(gateway.url + "/v1/messages", json={"messages": OPENING, "max_tokens": 4}))
+            out.append(await http.post(gateway.session_url("x") + "/v1/messages", content=b"{not json"))
         try:
-            await sdk(capture.session_url("x")).messages.create(
+            await sdk(gateway.session_url("x")).messages.create(
                 model="m", messages=OPENING, max_tokens=4, tool_choice={"type": "any"}, tools=[CALCULATOR]
             )
         except anthropic.BadRequestError as exc:
             out.append(exc)
-        thinking = await sdk(capture.session_url("x")).messages.create(
+        thinking = await sdk(gateway.session_url("x")).messages.create(
             model="m", messages=OPENING, max_tokens=2, thinking={"type": "enabled", "budget_tokens": 1024}
         )
         out.append(thinking.stop_reason)
         return out
 
-    no_session, malformed, bad, thinking = with_capture(engine, tok, calls)
+    no_session, malformed, bad, thinking = with_gateway(engine, tok, calls)
     assert no_session.status_code == 401 and no_session.json()["error"]["type"] == "authentication_error"
     assert malformed.status_code == 400 and malformed.json()["error"]["message"].startswith("body:")
     assert isinstance(bad, anthropic.BadRequestError) and bad.body["error"]["message"].startswith("tool_choice:")
     assert thinking == "max_tokens"
 
-    async def unreachable(capture: CaptureServer) -> Any:
+    async def unreachable(gateway: Gateway) -> Any:
         try:
-            await sdk(capture.session_url("y")).messages.create(model="m", messages=OPENING, max_tokens=4)
+            await sdk(gateway.session_url("y")).messages.create(model="m", messages=OPENING, max_tokens=4)
         except anthropic.APIStatusError as exc:
             return exc
 
-    exc = with_capture(f"http://127.0.0.1:{free_port()}", tok, unreachable)
+    exc = with_gateway(f"http://127.0.0.1:{free_port()}", tok, unreachable)
     assert exc.status_code == 502 and exc.body["type"] == "error" and exc.body["error"]["type"] == "api_error"
 
 

@@ -18,8 +18,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from family_cases import CASES, Case, conversation
-from conftest import with_capture
-from slimish.rollout.capture import CaptureServer
+from helpers import with_gateway
+from slimish.gateway.server import Gateway
 from slimish.types import Sample
 from test_family_formats import check_turn, run_ctx_chat
 
@@ -38,8 +38,8 @@ def case(request) -> Case:
     return request.param
 
 
-def sdk(capture: CaptureServer, session: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=capture.session_base_url(session), api_key="x", max_retries=0, timeout=120)
+def sdk(gateway: Gateway, session: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=gateway.session_base_url(session), api_key="x", max_retries=0, timeout=120)
 
 
 def responses_tools(case: Case) -> list[dict[str, Any]]:
@@ -134,15 +134,15 @@ def test_responses_record_what_ctx_chat_records(served: tuple[str, Path], case: 
     url, model = served
     sample = run_ctx_chat(model, url, case)
 
-    async def agents(capture: CaptureServer) -> dict[tuple[str, str], list[Sample]]:
+    async def agents(gateway: Gateway) -> dict[tuple[str, str], list[Sample]]:
         out = {}
         for history, how in MODES:
             session = f"{history}-{how}"
-            await responses_agent(sdk(capture, session), case, history, how)
-            out[history, how] = capture.pop_samples(session, Sample(prompt=conversation(case)[:2]))
+            await responses_agent(sdk(gateway, session), case, history, how)
+            out[history, how] = gateway.pop_samples(session, Sample(prompt=conversation(case)[:2]))
         return out
 
-    for mode, samples in with_capture(
+    for mode, samples in with_gateway(
         url, AutoTokenizer.from_pretrained(model), agents, default_sampling=GREEDY
     ).items():
         assert len(samples) == 1, mode  # reasoning items sent back (qwen3) continue the same sample
@@ -154,8 +154,8 @@ def test_responses_record_what_ctx_chat_records(served: tuple[str, Path], case: 
 def test_a_response_cut_by_max_output_tokens_is_incomplete(served: tuple[str, Path], case: Case) -> None:
     url, model = served
 
-    async def agent(capture: CaptureServer) -> tuple[Any, list[Any]]:
-        client = sdk(capture, "cut")
+    async def agent(gateway: Gateway) -> tuple[Any, list[Any]]:
+        client = sdk(gateway, "cut")
         plain = await client.responses.create(model="m", input="What is 2+3?", max_output_tokens=2)
         events = [
             e
@@ -165,7 +165,7 @@ def test_a_response_cut_by_max_output_tokens_is_incomplete(served: tuple[str, Pa
         ]
         return plain, events
 
-    plain, events = with_capture(url, AutoTokenizer.from_pretrained(model), agent, default_sampling=GREEDY)
+    plain, events = with_gateway(url, AutoTokenizer.from_pretrained(model), agent, default_sampling=GREEDY)
     assert plain.status == "incomplete" and plain.incomplete_details.reason == "max_output_tokens"
     assert plain.usage.output_tokens == 2 and plain.output[-1].status == "incomplete"
     assert (
@@ -177,25 +177,25 @@ def test_a_response_cut_by_max_output_tokens_is_incomplete(served: tuple[str, Pa
 def test_stored_responses_are_per_session_and_store_false_keeps_none(served: tuple[str, Path], case: Case) -> None:
     url, model = served
 
-    async def agent(capture: CaptureServer) -> list[tuple[str, str]]:
-        first = await sdk(capture, "a").responses.create(model="m", input="Hi.", max_output_tokens=2)
-        unstored = await sdk(capture, "a").responses.create(model="m", input="Hi.", max_output_tokens=2, store=False)
+    async def agent(gateway: Gateway) -> list[tuple[str, str]]:
+        first = await sdk(gateway, "a").responses.create(model="m", input="Hi.", max_output_tokens=2)
+        unstored = await sdk(gateway, "a").responses.create(model="m", input="Hi.", max_output_tokens=2, store=False)
         refused = []
         for session, rid in (("b", first.id), ("a", unstored.id)):
             with pytest.raises(openai.BadRequestError) as err:
-                await sdk(capture, session).responses.create(model="m", input="Go on.", previous_response_id=rid)
+                await sdk(gateway, session).responses.create(model="m", input="Go on.", previous_response_id=rid)
             refused.append((err.value.status_code, err.value.body["param"]))
-        chained = await sdk(capture, "a").responses.create(
+        chained = await sdk(gateway, "a").responses.create(
             model="m", input="Go on.", previous_response_id=first.id, max_output_tokens=2
         )
         assert chained.previous_response_id == first.id
-        capture.pop_samples("a", Sample(prompt="Hi."))
+        gateway.pop_samples("a", Sample(prompt="Hi."))
         with pytest.raises(openai.BadRequestError):  # a collected session's responses are gone with it
-            await sdk(capture, "a").responses.create(model="m", input="Go on.", previous_response_id=first.id)
+            await sdk(gateway, "a").responses.create(model="m", input="Go on.", previous_response_id=first.id)
         return refused
 
     assert (
-        with_capture(url, AutoTokenizer.from_pretrained(model), agent, default_sampling=GREEDY)
+        with_gateway(url, AutoTokenizer.from_pretrained(model), agent, default_sampling=GREEDY)
         == [(400, "previous_response_id")] * 2
     )
 
@@ -219,11 +219,11 @@ def test_stored_responses_are_per_session_and_store_false_keeps_none(served: tup
     ],
 )
 def test_what_the_gateway_cannot_honour_is_a_400_naming_the_field(tok: Any, body: dict[str, Any], field: str) -> None:
-    async def post(capture: CaptureServer) -> httpx.Response:
+    async def post(gateway: Gateway) -> httpx.Response:
         async with httpx.AsyncClient(timeout=60) as http:
-            return await http.post(capture.session_base_url("bad") + "/responses", json={"model": "m", **body})
+            return await http.post(gateway.session_base_url("bad") + "/responses", json={"model": "m", **body})
 
-    r = with_capture(
+    r = with_gateway(
         "http://127.0.0.1:9", tok, post, default_sampling=GREEDY
     )  # nothing listens there: no request may reach an engine
     assert r.status_code == 400, r.text
@@ -232,18 +232,18 @@ def test_what_the_gateway_cannot_honour_is_a_400_naming_the_field(tok: Any, body
 
 
 def test_a_request_without_a_session_is_a_401(tok: Any) -> None:
-    async def post(capture: CaptureServer) -> httpx.Response:
+    async def post(gateway: Gateway) -> httpx.Response:
         async with httpx.AsyncClient(timeout=60) as http:
-            return await http.post(capture.url + "/v1/responses", json={"model": "m", "input": "hi"})
+            return await http.post(gateway.url + "/v1/responses", json={"model": "m", "input": "hi"})
 
-    r = with_capture("http://127.0.0.1:9", tok, post, default_sampling=GREEDY)
+    r = with_gateway("http://127.0.0.1:9", tok, post, default_sampling=GREEDY)
     assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
 
 
 def test_input_items_fold_into_chat_messages() -> None:
     """A turn's output items sent back (reasoning, text, calls) are one assistant message; the
     tool output a `tool` message; a developer message the system prompt."""
-    from slimish.rollout.protocols.openai_responses import chat_messages
+    from slimish.gateway.protocols.openai_responses import chat_messages
 
     call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": 1}'}
     items = [

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from transformers import AutoTokenizer
 
 from slimish.metrics import read_metrics
 from slimish.rollout.tasks import get_task
 from slimish.tiny_model import make_tiny_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.learning, pytest.mark.timeout(1500)]
 
 SUBMIT = {
     "type": "function",

@@ -1,4 +1,4 @@
-"""The black-box harness runner (`slimish/rollout/harness.py`) on real processes, and the example
+"""The black-box harness runner (`slimish/gateway/harness.py`) on real processes, and the example
 harness (`rollout_plugins/harness_task/agent.py`, `rollout_plugins/cli_harness.py`) against a
 scripted fake OpenAI-compatible server in a thread.
 
@@ -21,9 +21,9 @@ import pytest
 from fastapi import FastAPI, Request
 
 from rollout_plugins.harness_task.task import TASK, score, task_files
-from conftest import serving
+from helpers import serving
+from slimish.gateway.harness import HarnessLimits, HarnessRun, gateway_env, run_harness
 from slimish.net import free_port
-from slimish.rollout.harness import HarnessLimits, HarnessRun, gateway_env, run_harness
 from slimish.types import Sample, SampleStatus
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,10 +16,12 @@ import pytest
 import torch
 from test_trainer_torch import FEATURES, config, make_groups, with_rollout_logprobs
 
-from slimish.config import AlgorithmConfig, DataConfig
+from slimish.rollout.config import DataConfig
+from slimish.trainer.config import AlgorithmConfig
 from slimish.rollout.data import PromptData, is_function_source, load_rows
-from slimish.rollout.loader import LoadError, load_function
-from slimish.trainer import algorithms as A
+from slimish.plugins import LoadError, load_function
+from slimish.trainer.advantages import compute_advantages, trajectory_advantages
+from slimish.trainer.losses import loss_normalizer, rl_loss
 from slimish.trainer.torch_backend import TorchTrainer
 
 PLUGIN = '''
@@ -140,15 +142,15 @@ def test_custom_grpo_advantage_is_bit_identical_to_the_built_in(plugin: str, siz
     fn = load_function(f"{plugin}:grpo", "advantage")
     for seed in range(5):
         rewards, trajectory, group, weights = _trajectory_case(sizes, seed)
-        built_in = A.trajectory_advantages("grpo", rewards, trajectory, group, weights)
-        custom = A.trajectory_advantages(fn, rewards, trajectory, group, weights)
+        built_in = trajectory_advantages("grpo", rewards, trajectory, group, weights)
+        custom = trajectory_advantages(fn, rewards, trajectory, group, weights)
         assert torch.equal(custom, built_in), (custom - built_in).abs().max()
         assert built_in.abs().sum() > 0
 
 
 def test_custom_advantage_gets_one_reward_per_trajectory(plugin: str) -> None:
     rewards, trajectory, group, weights = _trajectory_case([3, 2], 0)
-    out = A.trajectory_advantages(
+    out = trajectory_advantages(
         load_function(f"{plugin}:rewards_only", "advantage"), rewards, trajectory, group, weights
     )
     assert torch.equal(out, rewards * 2 * weights)  # each sample: its trajectory's value, times its credit
@@ -166,7 +168,7 @@ def test_custom_advantage_gets_one_reward_per_trajectory(plugin: str) -> None:
 def test_custom_advantage_bad_output_names_the_key(plugin: str, name: str, message: str) -> None:
     rewards, trajectory, group, weights = _trajectory_case([3, 2], 1)
     with pytest.raises(ValueError, match=f"algorithm.advantage .*{message}"):
-        A.trajectory_advantages(load_function(f"{plugin}:{name}", "advantage"), rewards, trajectory, group, weights)
+        trajectory_advantages(load_function(f"{plugin}:{name}", "advantage"), rewards, trajectory, group, weights)
 
 
 # -- custom policy loss ------------------------------------------------------------------------
@@ -202,11 +204,11 @@ def _loss_case(seed: int = 3):
 def test_custom_ppo_loss_equals_the_built_in(plugin: str, extra: dict) -> None:
     fn = load_function(f"{plugin}:ppo_loss", "policy_loss")
     logprobs, old, ref, rollout, entropy, mask, adv = _loss_case()
-    norm = A.loss_normalizer(extra.get("loss_reduction", "token"), int(mask.sum()), 4, max_response_len=10)
+    norm = loss_normalizer(extra.get("loss_reduction", "token"), int(mask.sum()), 4, max_response_len=10)
     results = []
     for cfg in (AlgorithmConfig(**extra), AlgorithmConfig(loss=f"{plugin}:ppo_loss", **extra)):
         lp = logprobs.clone().requires_grad_(True)
-        loss, stats = A.rl_loss(
+        loss, stats = rl_loss(
             cfg,
             lp,
             old,
@@ -239,9 +241,9 @@ def test_custom_loss_bad_output_names_the_key(plugin: str) -> None:
     ):
         cfg = AlgorithmConfig(loss=f"{plugin}:{name}")
         with pytest.raises(ValueError, match=f"algorithm.loss .*{name}.*{message}"):
-            A.rl_loss(cfg, lp, old, adv, mask, policy_loss_fn=load_function(cfg.loss, "policy_loss"))
+            rl_loss(cfg, lp, old, adv, mask, policy_loss_fn=load_function(cfg.loss, "policy_loss"))
     with pytest.raises(ValueError, match="algorithm.loss .*pass the loaded function as policy_loss_fn"):
-        A.rl_loss(AlgorithmConfig(loss=f"{plugin}:ppo_loss"), lp, old, adv, mask)
+        rl_loss(AlgorithmConfig(loss=f"{plugin}:ppo_loss"), lp, old, adv, mask)
     with pytest.raises(ValueError, match=r"algorithm.loss must be one of ppo, gspo, module:function, got 'clip'"):
         AlgorithmConfig(loss="clip")
 
@@ -339,8 +341,8 @@ def test_excluded_sample_trains_like_a_zeroed_mask_and_stays_in_the_baseline(tin
     trainer = TorchTrainer(config(tiny_model_dir))
     batch = trainer._prepare(with_rollout_logprobs(trainer, copy.deepcopy(excluded), noise=0.3, seed=0), 1)
     rewards = torch.tensor([[s.reward for s in g] for g in excluded])
-    torch.testing.assert_close(batch.advantages, A.compute_advantages("grpo", rewards).flatten(), rtol=0, atol=0)
-    without = A.compute_advantages("grpo", rewards[1, 1:].view(1, -1)).flatten()
+    torch.testing.assert_close(batch.advantages, compute_advantages("grpo", rewards).flatten(), rtol=0, atol=0)
+    without = compute_advantages("grpo", rewards[1, 1:].view(1, -1)).flatten()
     assert not torch.allclose(batch.advantages[5:8], without)
     assert batch.advantages[4] != 0  # it has an advantage; it is just not trained on
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import metric_total, post, running_engines
+from helpers import generate, metric_total, post, running_engines
 
 from slimish.client import Client
 from slimish.net import free_port
@@ -91,12 +91,6 @@ def router(engines, tmp_path_factory) -> str:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
-
-
-def generate(url: str, **body) -> dict | list:
-    r = post(url, "/generate", body)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def requests_finished(engine: str) -> float:
@@ -230,7 +224,7 @@ def test_chat_completions_forwarded(router, engines):
 def test_slimish_router_in_front_of_the_same_engines(router, engines, tmp_path_factory):
     """The other direction: slimish's router over the engines sglang-router also serves; the two
     routers return the same greedy tokens and logprobs."""
-    from slimish.launch.process import ServerProcess
+    from slimish.processes import ServerProcess
 
     port = free_port()
     log = tmp_path_factory.mktemp("slimish-router-log") / "router.log"

@@ -14,13 +14,16 @@ import ray.util
 import torch
 import transformers
 
-from conftest import ROOT
+from helpers import ROOT
 from megatron_bridge.config import from_hf
 from slimish.cli import main
-from slimish.config import EngineConfig, LaunchConfig, TeacherConfig, add_config_arguments, load_run_config
+from slimish.config import load_run_config
+from slimish.engine.config import EngineConfig
+from slimish.flags import add_config_arguments
+from slimish.launch.config import LaunchConfig, TeacherConfig
 from slimish.launch.local import engine_server, local_engines
 from slimish.launch.plan import model_params, next_gpu, teacher_launch
-from slimish.launch.process import ServerProcess
+from slimish.processes import ServerProcess
 from slimish.launch.sglang import sglang_argv
 from slimish.net import free_port
 

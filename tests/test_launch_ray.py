@@ -12,17 +12,20 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import assert_run_survives_an_engine_kill
+from helpers import assert_run_survives_an_engine_kill, generate
 
 ray = pytest.importorskip("ray")
 
-from slimish.config import LaunchConfig, WeightSyncConfig  # noqa: E402
+from slimish.launch.config import LaunchConfig  # noqa: E402
+from slimish.trainer.config import WeightSyncConfig  # noqa: E402
 from slimish.launch.ray_engines import ray_servers  # noqa: E402
+from slimish.trainer.backend import WeightExport  # noqa: E402
 from slimish.trainer.weight_sync import WeightSync  # noqa: E402
 
 WAIT_S = 180.0
 PROMPT = [5, 17, 42, 99, 7]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+ASK = {"input_ids": PROMPT, "sampling_params": GREEDY}
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}  # no token for the trainer child to find
 
 
@@ -37,12 +40,6 @@ def ray_address() -> str:
             yield ray.get_runtime_context().gcs_address
         finally:
             ray.shutdown()
-
-
-def generate(url: str) -> dict:
-    r = httpx.post(url + "/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY}, timeout=WAIT_S)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def router_workers(router_url: str) -> list[str]:
@@ -88,17 +85,17 @@ def test_engine_actors_serve_and_a_killed_one_rejoins_at_the_current_weights(
         table = ray.util.placement_group_table(servers.group)
         assert table["state"] == "CREATED" and list(table["bundles"].values()) == [{"CPU": 1.0}] * 2
         assert router_workers(servers.router_url) == sorted(servers.engine_urls)
-        initial = generate(servers.engine_urls[0])["output_ids"]
-        assert generate(servers.engine_urls[1])["output_ids"] == initial
+        initial = generate(servers.engine_urls[0], timeout=WAIT_S, **ASK)["output_ids"]
+        assert generate(servers.engine_urls[1], timeout=WAIT_S, **ASK)["output_ids"] == initial
 
         pushed = hf_params(tiny_model_dir_other_seed)  # other weights: a push is visible in the tokens
         sync = WeightSync(WeightSyncConfig(timeout_s=120.0), servers.engine_urls)
         try:
             sync.connect()
-            sync.push(pushed, "1")
+            sync.push(WeightExport(pushed), 1)
         finally:
             sync.close()
-        trained = generate(servers.engine_urls[1])["output_ids"]
+        trained = generate(servers.engine_urls[1], timeout=WAIT_S, **ASK)["output_ids"]
         assert trained != initial
 
         old, actor_ids = list(servers.engine_urls), [a._actor_id for a in servers.actors]
@@ -120,12 +117,12 @@ def test_engine_actors_serve_and_a_killed_one_rejoins_at_the_current_weights(
         sync = WeightSync(WeightSyncConfig(timeout_s=120.0, group_name="rejoin"), servers.engine_urls)
         try:
             sync.connect()
-            sync.push(pushed, "2")
+            sync.push(WeightExport(pushed), 2)
         finally:
             sync.close()
         assert all(httpx.get(url + "/health", timeout=30).status_code == 200 for url in servers.engine_urls)
         for url in servers.engine_urls:
-            out = generate(url)
+            out = generate(url, timeout=WAIT_S, **ASK)
             assert out["output_ids"] == trained and out["meta_info"]["weight_version"] == "2"
     assert not ray.util.list_named_actors()  # every actor gone with the servers
 

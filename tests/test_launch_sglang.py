@@ -12,15 +12,19 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import SGLANG_DOUBLE
-from slimish.config import LaunchConfig, WeightSyncConfig, load_run_config
+from helpers import SGLANG_DOUBLE, generate
+from slimish.config import load_run_config
+from slimish.launch.config import LaunchConfig
+from slimish.trainer.config import WeightSyncConfig
 from slimish.launch.local import engine_server, local_servers
 from slimish.launch.sglang import MODULE, sglang_argv, sglang_process
+from slimish.trainer.backend import WeightExport
 from slimish.trainer.weight_sync import WeightSync
 
 WAIT_S = 120.0
 PROMPT = [5, 17, 42, 99, 7]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
+ASK = {"input_ids": PROMPT, "sampling_params": GREEDY}
 
 
 def starts(record: Path) -> list[dict]:
@@ -34,12 +38,6 @@ def sglang_servers(sglang_double, tiny_model_dir, tmp_path_factory):
     )
     with local_servers(launch, tiny_model_dir, tmp_path_factory.mktemp("logs")) as servers:
         yield servers
-
-
-def generate(url: str) -> dict:
-    r = httpx.post(url + "/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY}, timeout=WAIT_S)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def test_sglang_arguments_pass_through_with_or_without_the_prefix():
@@ -126,14 +124,14 @@ def test_sglang_engine_started_registered_and_synced(
     assert start["pid"] == engine.proc.pid  # the supervised child is the server itself
     workers = httpx.get(sglang_servers.router_url + "/workers", timeout=30).json()["workers"]
     assert [w["url"] for w in workers] == sglang_servers.engine_urls == [engine.url]
-    assert generate(sglang_servers.router_url)["output_ids"] == generate(engine.url)["output_ids"]
+    assert generate(sglang_servers.router_url, **ASK)["output_ids"] == generate(engine.url, **ASK)["output_ids"]
 
     from transformers import AutoModelForCausalLM
 
     pushed = list(AutoModelForCausalLM.from_pretrained(tiny_model_dir_other_seed).named_parameters())
     with WeightSync(WeightSyncConfig(timeout_s=60.0), sglang_servers.engine_urls) as sync:
-        sync.push(pushed, "3")
-        assert sync.sessions is True  # probed: begin/end_weight_update bracket the push
+        sync.push(WeightExport(pushed), 3)
+        assert sync.engines.sessions is True  # probed: begin/end_weight_update bracket the push
     assert httpx.get(engine.url + "/model_info", timeout=30).json()["weight_version"] == "3"
 
 
@@ -158,7 +156,7 @@ def test_external_engines_get_a_router_and_are_left_running(sglang_servers, tmp_
     launch = LaunchConfig(engine_kind="external", engine_urls=[url + "/"], start_timeout=WAIT_S)
     with local_servers(launch, "unused", tmp_path) as servers:
         assert servers.engine_urls == [url] and servers.restart_dead(WAIT_S) == []
-        served = generate(servers.router_url)["meta_info"]
+        served = generate(servers.router_url, **ASK)["meta_info"]
         assert served["weight_version"] == httpx.get(url + "/model_info", timeout=30).json()["weight_version"]
         assert served["completion_tokens"] > 0
     assert httpx.get(url + "/health", timeout=30).status_code == 200  # not ours to stop

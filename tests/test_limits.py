@@ -24,19 +24,15 @@ import pytest
 import slimish
 from omegaconf import OmegaConf
 
-from slimish.config import (
-    EngineConfig,
-    RouterConfig,
-    RunConfig,
-    add_config_arguments,
-    describe_config,
-    field_docs,
-    load_run_config,
-)
+from slimish.config import RunConfig, load_run_config
+from slimish.engine.config import EngineConfig
+from slimish.flags import add_config_arguments, describe_config
+from slimish.router.config import RouterConfig
+from slimish.schema import field_docs
 from slimish.launch.local import engine_process
 from slimish.serving import warn_if_exposed
 
-from conftest import post, running_router, wait_for
+from helpers import post, running_router, wait_for
 
 LIMITS = {
     "max_prompt_tokens": 48,
@@ -239,7 +235,7 @@ def test_loopback_by_default():
 
 
 def test_help_shows_each_fields_comment(capsys):
-    """The schema's comments are the docs: every flag's help, and every run key in `--help`."""
+    """Each field's help in the schema (`doc`) is the docs: every flag's help, and every run key in `--help`."""
     parser = argparse.ArgumentParser()
     add_config_arguments(parser, EngineConfig)
     text = " ".join(parser.format_help().split())
@@ -280,7 +276,7 @@ def test_one_seed_and_renamed_keys_still_read(tmp_path, caplog):
 def test_renamed_flags_still_parse_with_a_warning(caplog):
     parser = argparse.ArgumentParser()
     add_config_arguments(parser, RouterConfig)
-    with caplog.at_level(logging.WARNING, logger="slimish.config"):
+    with caplog.at_level(logging.WARNING, logger="slimish.flags"):
         assert parser.parse_args(["--admin-key", "k"]).admin_api_key == "k"
     assert "--admin-key is now --admin-api-key" in caplog.text and "--admin-key" not in parser.format_help()
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from test_trainer_torch import FEATURES, config, make_groups, with_rollout_logprobs
 
-import slimish.trainer.algorithms as algorithms
-from slimish.trainer.algorithms import chunked_logprobs, entropy_from_logits, logprobs_from_logits
+import slimish.trainer.logprobs as logprobs_module
+from slimish.trainer.logprobs import chunked_logprobs, entropy_from_logits, logprobs_from_logits
 from slimish.trainer.torch_backend import TorchTrainer
 
 TOL = 1e-6
@@ -140,13 +140,13 @@ def test_no_full_vocabulary_logits(tiny_model_dir, monkeypatch):
     """The HF LM head computes no logits, and no logits block has more rows than the chunk,
     in forward or in the recompute of backward."""
     rows: list[int] = []
-    original = algorithms.logprobs_from_logits
+    original = logprobs_module.logprobs_from_logits
 
     def recording(logits, labels, temperature=1.0):
         rows.append(logits.shape[0] if logits.dim() == 2 else -1)
         return original(logits, labels, temperature)
 
-    monkeypatch.setattr(algorithms, "logprobs_from_logits", recording)
+    monkeypatch.setattr(logprobs_module, "logprobs_from_logits", recording)
     trainer = TorchTrainer(config(tiny_model_dir, "trainer.logprob_chunk_tokens=4", F32))
     head_rows: list[int] = []
     trainer.model.get_output_embeddings().register_forward_hook(lambda m, a, out: head_rows.append(out.shape[-2]))

@@ -13,16 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, assert_run_survives_an_engine_kill, quickstart_argv, running_engines, running_router
+from helpers import ROOT, assert_run_survives_an_engine_kill, quickstart_argv, running_engines, running_router
 from safetensors.torch import load_file
 from test_train_faults import SIGKILL_A_CHILD_ENGINE
 from test_trainer_torch import config, make_groups, with_rollout_logprobs
 
 from slimish.client import Client
-from slimish.config import WeightSyncConfig
+from slimish.trainer.config import WeightSyncConfig
 from slimish.metrics import read_metrics
 from slimish.rollout.api import RolloutContext, RolloutRuntime
 from slimish.trainer.torch_backend import TorchTrainer
+from slimish.trainer.backend import WeightExport
 from slimish.trainer.weight_sync import WeightSync
 from slimish.types import Sample
 
@@ -93,10 +94,10 @@ def test_adapter_push_lands_versioned_and_rollouts_sample_the_adapter(tiny_model
     with lora_pool(tiny_model_dir, tmp_path_factory) as (engine, router):
         base_version = version(engine)
         with WeightSync(WeightSyncConfig(timeout_s=60), [engine], adapter="a", router_url=router) as sync:
-            first = sync.push_adapter(trainer.adapter_tensors(), trainer.adapter_config(), "0")
+            first = sync.push(trainer.export(), 0)
             trainer.train_step(with_rollout_logprobs(trainer, make_groups(0), noise=0.1, seed=0), 1)
             tensors = trainer.adapter_tensors()
-            second = sync.push_adapter(tensors, trainer.adapter_config(), "1")
+            second = sync.push(WeightExport(tensors.items(), trainer.adapter_config()), 1)
         assert second["bytes"] == first["bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
         got = served(engine, tensors, "a")
         assert all(torch.equal(got[k], tensors[k]) for k in tensors)
@@ -123,7 +124,7 @@ def test_disk_fallback_reloads_the_saved_adapter_versioned(tiny_model_dir: Path,
             router_url=router,
         ) as sync:
             trainer.train_step(with_rollout_logprobs(trainer, make_groups(1), noise=0.1, seed=1), 1)
-            sync.push_adapter(trainer.adapter_tensors(), trainer.adapter_config(), "1")
+            sync.push(trainer.export(), 1)
             assert sync.group is None and [p.name for p in tmp_path.iterdir()] == ["d-1"]
         tensors = trainer.adapter_tensors()
         got = served(engine, tensors, "d")
@@ -151,6 +152,7 @@ ALL_LINEAR = [
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 @pytest.mark.timeout(1500)
 def test_two_runs_share_one_engine_pool(tmp_path: Path, quickstart_sft: Path, tmp_path_factory) -> None:
     """Two LoRA quickstart runs (configs/quickstart_lora.yaml, adapters `a` and `b`, other seeds)

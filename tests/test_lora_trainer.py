@@ -60,6 +60,20 @@ def test_only_the_adapter_trains_and_the_reference_is_the_base(tiny_model_dir):
     assert max((p - r).abs().max().item() for p, r in zip(policy, trainer.logprobs(samples, plain))) > 1e-3
 
 
+def test_the_trainer_decides_what_a_push_carries(tiny_model_dir):
+    """`export`, the one place that decides it: with trainer.lora the adapter alone (its PEFT
+    tensors and adapter_config.json, never a base weight); without, every HF parameter."""
+    lora = TorchTrainer(config(tiny_model_dir, *LORA))
+    export = lora.export()
+    tensors = dict(export.tensors)
+    assert export.adapter_config == lora.adapter_config() and export.adapter_config["r"] == 4
+    assert tensors.keys() == lora.adapter_tensors().keys() and all(".lora_" in k for k in tensors)
+    full = TorchTrainer(config(tiny_model_dir))
+    export = full.export()
+    assert export.adapter_config is None
+    assert [n for n, _ in export.tensors] == [n for n, _ in full.model.named_parameters()]
+
+
 def test_checkpoint_round_trip_and_exports(tiny_model_dir, tmp_path):
     """The checkpoint holds the adapter (not the base) and its optimiser state: a trainer resumed
     from it takes a bit-identical next step. The export is a PEFT adapter directory that PEFT

@@ -22,7 +22,7 @@ if importlib.util.find_spec("megatron.core") is None:  # find_spec: no ~12 s Meg
 
 from safetensors.torch import load_file  # noqa: E402
 from test_trainer_torch import FEATURES, config, ptx_demos, two_steps_batches  # noqa: E402
-from conftest import run_quickstart, torchrun_ranks  # noqa: E402
+from helpers import run_quickstart, torchrun_ranks  # noqa: E402
 from test_weight_sync import served  # noqa: E402
 
 from slimish.launch.local import engine_process  # noqa: E402
@@ -153,6 +153,7 @@ def test_parallel_sizes_are_checked():
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 @pytest.mark.timeout(1500)
 def test_short_quickstart_learns_with_megatron(tmp_path: Path) -> None:
     """tests/test_quickstart.py with `trainer.backend=megatron`: SFT leaves accuracy near chance,

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from slimish.config import WandbConfig
-from slimish.metrics import RunLog, read_metrics, wandb_mode
+from slimish.metrics import RunLog, WandbConfig, read_metrics, wandb_mode
 from slimish.types import Sample, SampleStatus
 
 wandb_pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
@@ -97,7 +96,7 @@ def test_mode_offline_without_a_key_unless_set(monkeypatch: pytest.MonkeyPatch) 
 
 def test_disabled_never_imports_wandb(tmp_path: Path) -> None:
     code = (
-        "import sys; from slimish.config import WandbConfig; from slimish.metrics import RunLog\n"
+        "import sys; from slimish.metrics import RunLog, WandbConfig\n"
         f"for cfg in (None, WandbConfig(), WandbConfig(enabled=True, mode='disabled')):\n"
         f"    log = RunLog({str(tmp_path)!r}, 2, console=False, wandb=cfg); log.log(1, {{'a': 1.0}}); log.close()\n"
         "assert 'wandb' not in sys.modules, 'wandb imported'"

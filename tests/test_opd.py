@@ -10,14 +10,15 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import post, run_quickstart
+from helpers import post, run_quickstart
 from test_trainer_torch import config, make_groups, with_rollout_logprobs
 
 from slimish.client import Client
-from slimish.config import AlgorithmConfig, load_run_config
+from slimish.config import load_run_config
+from slimish.trainer.config import AlgorithmConfig
 from slimish.launch import check_push_targets
 from slimish.rollout.teacher import Teacher, TeacherChanged
-from slimish.trainer import algorithms as A
+from slimish.trainer.losses import opd_advantages, rl_loss, teacher_log_ratio
 from slimish.trainer.torch_backend import TorchTrainer
 from slimish.types import Sample
 
@@ -35,16 +36,16 @@ def test_opd_advantages_hand_computed() -> None:
     old = t([[-1.0, -2.0, -0.5], [-0.1, -3.0, 0.0]])
     teacher = t([[-1.5, -1.0, -4.0], [-0.1, -2.0, -9.0]])
     mask = t([[1, 1, 0], [1, 1, 0]])  # the last column: an environment token / padding
-    ratio = A.teacher_log_ratio(old, teacher, mask)
+    ratio = teacher_log_ratio(old, teacher, mask)
     assert ratio.tolist() == [[0.5, -1.0, 0.0], [0.0, -1.0, 0.0]]
-    adv = A.opd_advantages(t([1.0, -2.0]), ratio, coef=0.5)  # task advantage per sample, broadcast
+    adv = opd_advantages(t([1.0, -2.0]), ratio, coef=0.5)  # task advantage per sample, broadcast
     assert adv.tolist() == [[0.75, 1.5, 1.0], [-2.0, -1.5, -2.0]]
-    assert A.opd_advantages(t([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]), ratio, coef=2.0).tolist() == [
+    assert opd_advantages(t([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]), ratio, coef=2.0).tolist() == [
         [0.0, 3.0, 1.0],
         [0.0, 2.0, 0.0],
     ]
     old.requires_grad_(True)
-    assert not A.teacher_log_ratio(old, teacher, mask).requires_grad  # a reward, not a loss term
+    assert not teacher_log_ratio(old, teacher, mask).requires_grad  # a reward, not a loss term
 
 
 def test_rl_loss_takes_per_sample_or_per_token_advantages() -> None:
@@ -56,16 +57,16 @@ def test_rl_loss_takes_per_sample_or_per_token_advantages() -> None:
     losses, grads = [], []
     for adv in (t([1.0, -2.0]), t([[1.0] * 3, [-2.0] * 3])):
         lp = old.clone().requires_grad_(True)
-        loss, _ = A.rl_loss(cfg, lp, old, adv, mask)
+        loss, _ = rl_loss(cfg, lp, old, adv, mask)
         loss.backward()
         losses.append(loss.item())
         grads.append(lp.grad)
     assert losses[0] == losses[1] == pytest.approx((-1.0 * 3 + 2.0 * 2) / 5)
     assert torch.equal(grads[0], grads[1])
-    loss, _ = A.rl_loss(cfg, old.clone(), old, t([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]), mask)
+    loss, _ = rl_loss(cfg, old.clone(), old, t([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]), mask)
     assert loss.item() == pytest.approx(-(1 + 2 + 3 + 4 + 5) / 5)
     with pytest.raises(ValueError, match=r"advantages: expected \[B\] or \[B, T\]"):
-        A.rl_loss(cfg, old, old, t([[1.0, 2.0]] * 2), mask)
+        rl_loss(cfg, old, old, t([[1.0, 2.0]] * 2), mask)
 
 
 # -- the trainer ---------------------------------------------------------------------------------
@@ -177,10 +178,10 @@ def test_a_teacher_served_by_name_behind_the_policy_router(
     not the policy's); the policy's rollouts and a weight-version push through the router never
     reach it (its own request counter, its pinned version); the policy's engine list read from
     the router leaves it out; it is deregistered when the run ends."""
-    from conftest import metric_total, running_router
-    from slimish.config import LaunchConfig, TeacherConfig
+    from helpers import metric_total, running_router
+    from slimish.launch.config import LaunchConfig, TeacherConfig
     from slimish.launch import teacher_servers
-    from slimish.launch.local import existing_engine_urls
+    from slimish.launch.workers import existing_engine_urls
 
     launch = LaunchConfig(
         start_timeout=120, teacher=TeacherConfig(model=str(tiny_model_dir_other_seed), served_name="teacher")
@@ -274,7 +275,9 @@ def test_weight_sync_never_targets_the_teacher() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("mode", [["mode=sync"], ["mode=async", "buffer.max_staleness=1"]], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "mode", [["async_training=false"], ["async_training=true", "buffer.max_staleness=1"]], ids=["sync", "async"]
+)
 def test_a_teacher_equal_to_the_start_has_zero_kl_until_the_policy_moves(tmp_path: Path, mode: list[str]) -> None:
     """The teacher is the policy's own starting model, served by engines of its own: the first
     step's samples (version 0) have teacher_kl 0 up to engine numerics; once the policy has
@@ -345,6 +348,7 @@ TEACHER_STEPS, STUDENT_STEPS, EVAL_PROMPTS = 40, 25, 512
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 @pytest.mark.timeout(3000)
 def test_student_distils_a_grpo_teacher_without_task_reward(tmp_path: Path, quickstart_sft: Path) -> None:
     """One SFT warm start (held-out accuracy near chance); a teacher trained from it by GRPO on

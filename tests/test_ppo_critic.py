@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_quickstart
+from helpers import run_quickstart
 from test_trainer_torch import config, make_groups, with_rollout_logprobs
 
-from slimish.trainer import algorithms as A
 from slimish.trainer import checkpoint
+from slimish.trainer.advantages import explained_variance, gae_advantages, masked_whiten
+from slimish.trainer.losses import value_loss
 from slimish.trainer.torch_backend import TorchTrainer
 
 
@@ -34,11 +35,11 @@ def test_gae_hand_computed_skips_masked_tokens():
     rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 2.0]])
     values = torch.tensor([[0.5, 0.2, 0.4, 9.0], [0.2, 7.0, 0.6, 0.8]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1]])
-    adv, ret = A.gae_advantages(rewards, values, mask, gamma=0.5, lam=0.5)
+    adv, ret = gae_advantages(rewards, values, mask, gamma=0.5, lam=0.5)
     exact(adv, [[-0.3625, 0.15, 0.6, 0.0], [0.125, 0.0, 0.1, 1.2]])
     exact(ret, [[0.1375, 0.35, 1.0, 0.0], [0.325, 0.0, 0.7, 2.0]])
     # gamma = lam = 1: return = the outcome reward at every trained token, A = R - V
-    adv, ret = A.gae_advantages(rewards, values, mask, gamma=1.0, lam=1.0)
+    adv, ret = gae_advantages(rewards, values, mask, gamma=1.0, lam=1.0)
     exact(adv, [[0.5, 0.8, 0.6, 0.0], [1.8, 0.0, 1.4, 1.2]])
     exact(ret, [[1.0, 1.0, 1.0, 0.0], [2.0, 0.0, 2.0, 2.0]])
 
@@ -46,21 +47,21 @@ def test_gae_hand_computed_skips_masked_tokens():
 def test_whitening_value_loss_and_explained_variance_hand_computed():
     # trained values 1, 3, 5: mean 3, sample std 2 -> -1, 0, 1; the masked 100 is left at 0
     exact(
-        A.masked_whiten(torch.tensor([[1.0, 100.0], [3.0, 5.0]]), torch.tensor([[1, 0], [1, 1]]), eps=0.0),
+        masked_whiten(torch.tensor([[1.0, 100.0], [3.0, 5.0]]), torch.tensor([[1, 0], [1, 1]]), eps=0.0),
         [[-1.0, 0.0], [0.0, 1.0]],
     )
-    exact(A.masked_whiten(torch.ones(2, 2), torch.ones(2, 2)), torch.zeros(2, 2))  # all equal: 0, not NaN
+    exact(masked_whiten(torch.ones(2, 2), torch.ones(2, 2)), torch.zeros(2, 2))  # all equal: 0, not NaN
     # token 0: V 1.0 from old 0.0, R 1.0: unclipped 0, clipped (0.5 - 1)^2 = 0.25 -> 0.25 (clipped)
     # token 1: V 0.1 from old 0.0, R 1.0: unclipped 0.81, clip inactive -> 0.81; token 2 masked
     values, old, ret = torch.tensor([[1.0, 0.1, 5.0]]), torch.zeros(1, 3), torch.ones(1, 3)
-    loss, st = A.value_loss(values, old, ret, torch.tensor([[1, 1, 0]]), clip=0.5, normalizer=2.0)
+    loss, st = value_loss(values, old, ret, torch.tensor([[1, 1, 0]]), clip=0.5, normalizer=2.0)
     exact(loss, 0.5 * (0.25 + 0.81) / 2)
     exact(st["value_clip"], 1.0)
-    loss, _ = A.value_loss(values, old, ret, torch.tensor([[1, 1, 0]]), clip=None)
+    loss, _ = value_loss(values, old, ret, torch.tensor([[1, 1, 0]]), clip=None)
     exact(loss, 0.5 * (0.0 + 0.81) / 2)
     # returns 0, 2 (variance 1); residuals 0, 1 -> variance 0.25: 1 - 0.25 = 0.75
     assert (
-        A.explained_variance(torch.tensor([0.0, 1.0, 9.0]), torch.tensor([0.0, 2.0, 0.0]), torch.tensor([1, 1, 0]))
+        explained_variance(torch.tensor([0.0, 1.0, 9.0]), torch.tensor([0.0, 2.0, 0.0]), torch.tensor([1, 1, 0]))
         == 0.75
     )
 
@@ -113,6 +114,7 @@ def test_critic_warmup_then_ppo_and_resume_restores_the_critic_exactly(tiny_mode
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 @pytest.mark.timeout(1500)
 def test_ppo_with_a_critic_learns_the_quickstart_task(tmp_path: Path, quickstart_sft: Path) -> None:
     """The quickstart (SFT warm start to the format, accuracy near chance) then 40 PPO steps with

@@ -11,8 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slimish.config import ADVANTAGES, LOSS_REDUCTIONS, AlgorithmConfig
-from slimish.trainer.algorithms import compute_advantages, kl_penalty, loss_normalizer, rl_loss
+from slimish.trainer.config import ADVANTAGES, LOSS_REDUCTIONS, AlgorithmConfig
+from slimish.trainer.advantages import compute_advantages
+from slimish.trainer.losses import kl_penalty, loss_normalizer, rl_loss
 from slimish.types import Sample, SampleStatus
 
 ids = st.lists(st.integers(0, 2**31 - 1), max_size=8)

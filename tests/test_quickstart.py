@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_quickstart
+from helpers import run_quickstart
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # minutes on a loaded machine
+pytestmark = [pytest.mark.slow, pytest.mark.learning, pytest.mark.timeout(1500)]  # minutes on a loaded machine
 
 
 def test_short_quickstart_raises_accuracy_and_keeps_ending_turns(tmp_path: Path, quickstart_sft: Path) -> None:

@@ -23,12 +23,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rollout_plugins import tool_agent
 from slimish.buffer import Buffer
 from slimish.client import Client
-from slimish.config import LaunchConfig, RunConfig, load_run_config
+from slimish.config import RunConfig, load_run_config
+from slimish.launch.config import LaunchConfig
 from slimish.launch.local import Servers, local_servers
 from slimish.rollout.api import RolloutContext, RolloutRuntime
 from slimish.formats.model import ModelFormat
 from slimish.rollout.data import PromptData
-from slimish.rollout.manager import RolloutManager, RolloutStalled
+from slimish.rollout.functions import RolloutFunctions
+from slimish.rollout.manager import RolloutManager
+from slimish.rollout.stats import RolloutStalled
 from slimish.tiny_model import make_tiny_model
 from slimish.types import Sample, SampleStatus
 
@@ -93,7 +96,7 @@ def one_step(cfg: RunConfig, router: str, rollout_fn: Any) -> tuple[dict[str, An
     async def main() -> tuple[dict[str, Any], list[Sample]]:
         runtime = await RolloutRuntime.create(cfg, router)
         try:
-            manager = RolloutManager(runtime, PromptData(cfg.data), Buffer(), rollout_fn)
+            manager = RolloutManager(runtime, PromptData(cfg.data), Buffer(), RolloutFunctions(rollout_fn))
             stats = await manager.run_step(0)
             return stats, [s for g in manager.buffer.get_batch(1) for s in g]
         finally:
@@ -187,7 +190,7 @@ def test_chat_refuses_a_conversation_that_does_not_extend_the_last_one(
     async def main() -> Any:
         runtime = await RolloutRuntime.create(cfg, servers.router_url)
         try:
-            manager = RolloutManager(runtime, PromptData(cfg.data), Buffer(), edits_history)
+            manager = RolloutManager(runtime, PromptData(cfg.data), Buffer(), RolloutFunctions(edits_history))
             with pytest.raises(
                 RolloutStalled, match="rollout fn: ValueError: ctx.chat: `messages` must be the previous conversation"
             ):

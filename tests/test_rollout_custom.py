@@ -18,13 +18,14 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
-from conftest import accounted, make_cfg, run_manager, serving
-from slimish.config import EvalDataset
+from helpers import accounted, make_cfg, run_manager, serving
+from slimish.rollout.config import EvalDataset
 from slimish.launch.local import Servers
 from slimish.protocol import ROUTING_KEY_HEADER
 from slimish.rollout.api import resumable
 from slimish.rollout.evaluation import eval_sets, pass_at_k
-from slimish.rollout.manager import RolloutManager, RolloutStalled
+from slimish.rollout.manager import RolloutManager
+from slimish.rollout.stats import RolloutStalled
 from slimish.types import Sample, SampleStatus
 
 
@@ -501,7 +502,7 @@ def test_two_eval_datasets_report_pass_at_k_and_mean_at_k(
 
     async def body(m: RolloutManager) -> Any:
         metrics: dict[str, float] = {}
-        for eval_set in eval_sets(cfg, m.rollout_fn, m.reward_fn):
+        for eval_set in eval_sets(cfg, m.fns.rollout_fn, m.fns.reward_fn):
             metrics.update(await m.evaluate(eval_set))
         return metrics
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from slimish.config import DataConfig
+from slimish.rollout.config import DataConfig
 from slimish.rollout.data import PromptData, load_rows
 from slimish.rollout.filters import nonzero_std
 from slimish.rollout.rewards import final_turn_text

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from slimish.rollout.loader import LoadError, load_function
+from slimish.plugins import LoadError, load_function
 from slimish.rollout.rewards import group_reward, is_group_reward
 
 PLUGIN = """
@@ -98,6 +98,16 @@ def test_good_specs_load(plugin: Path) -> None:
             "bad_group(samples) cannot be called with (ctx, samples); write `async def bad_group(ctx, samples)`",
         ),
         ("{plugin}:extra", "filter", "--filter-fn"),
+        (
+            "slime:{plugin}:rollout",
+            "rollout",
+            "a `slime:` spec is adapted by slimish.compat.load_function (as `slimish train` and `slimish rollout` load)",
+        ),
+        (
+            "slime:{plugin}:rollout",
+            "credit",
+            "algorithm.segment_credit takes a slimish function: drop the `slime:` prefix",
+        ),
     ],
 )
 def test_bad_specs_say_which_and_how_to_fix(plugin: Path, spec: str, kind: str, message: str) -> None:
@@ -123,19 +133,20 @@ def test_group_reward_marks_the_function() -> None:
     assert group_reward(fn) is fn and is_group_reward(fn)
 
 
-def test_cli_fails_at_start_up_before_any_server(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", ["rollout", "train"])
+def test_cli_fails_at_start_up_before_any_server(tmp_path: Path, command: str) -> None:
     """The bad spec is reported before engines start: no engine log is ever written."""
     run_dir = tmp_path / "run"
+    out = ["--out", str(tmp_path / "out.jsonl")] if command == "rollout" else []
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
             "slimish.cli",
-            "rollout",
+            command,
             "--rollout-fn",
             "rollout_plugins.math:rollout_fn",
-            "--out",
-            str(tmp_path / "out.jsonl"),
+            *out,
             "model=/nonexistent",
             "data.source=task:add",
             f"run_dir={run_dir}",
@@ -150,3 +161,39 @@ def test_cli_fails_at_start_up_before_any_server(tmp_path: Path) -> None:
         in proc.stderr
     )
     assert not run_dir.exists()
+
+
+def test_the_run_loads_each_rollout_function_once_into_its_field(tmp_path: Path) -> None:
+    """What `slimish train` and `slimish rollout` load at start-up and hand to the manager: each
+    key's function, loaded once, in its field; a bad one fails naming its key."""
+    from slimish.compat import load_function as run_loader
+    from slimish.config import load_run_config
+    from slimish.rollout.functions import RolloutFunctions
+
+    path = tmp_path / "hooks.py"
+    path.write_text(
+        "async def rollout(ctx, sample):\n    return sample\n\n"
+        "async def reward(ctx, sample):\n    return 1.0\n\n"
+        "async def hook(ctx, sample):\n    return None\n\n"
+        "def post(ctx, group):\n    return [0.0] * len(group)\n\n"
+        "def keep(ctx, group):\n    return None\n\n"
+        "def sync_hook(ctx, sample):\n    return None\n"
+    )
+    named = {"rollout_fn": "rollout", "reward_fn": "reward", "filter_fn": "keep", "sample_hook": "hook"}
+    keys = [f"rollout.{key}={path}:{name}" for key, name in named.items()] + [f"rollout.reward_post_fn={path}:post"]
+    loads: list[tuple[str, str]] = []
+
+    def counting(spec: str, kind: str, flag: str | None = None):
+        loads.append((spec.rpartition(":")[2], kind))
+        return run_loader(spec, kind, flag)
+
+    base = ["model=/nonexistent", "data.source=task:add"]
+    cfg = load_run_config(None, [*base, *keys])
+    fns = RolloutFunctions.load(cfg.rollout, counting)
+    kinds = {"rollout": "rollout", "reward": "reward", "keep": "filter", "hook": "sample_hook", "post": "reward_post"}
+    assert sorted(loads) == sorted(kinds.items())
+    fields = [*named, "reward_post"]
+    assert {key: getattr(fns, key).__name__ for key in fields} == {**named, "reward_post": "post"}
+    bad = load_run_config(None, [*base, keys[0], f"rollout.sample_hook={path}:sync_hook"])
+    with pytest.raises(LoadError, match=r"rollout\.sample_hook '.*:sync_hook': sync_hook must be an async function"):
+        RolloutFunctions.load(bad.rollout, run_loader)

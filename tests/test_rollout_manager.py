@@ -15,13 +15,14 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import accounted, make_cfg, run_manager
+from helpers import accounted, make_cfg, run_manager
 from slimish.client import Client
 from slimish.launch.local import Servers
 from slimish.formats.model import ModelFormat
 from slimish.rollout.evaluation import eval_sets
 from slimish.rollout.filters import nonzero_std
-from slimish.rollout.manager import RolloutManager, RolloutStalled
+from slimish.rollout.manager import RolloutManager
+from slimish.rollout.stats import RolloutStalled
 from slimish.protocol import DEFAULT_WEIGHT_VERSION
 from slimish.rollout.rewards import group_reward, math_reward
 from slimish.types import Sample, SampleStatus
@@ -423,7 +424,7 @@ def test_async_production_runs_ahead_by_the_staleness_bound(
         "rollout.n_samples_per_prompt=2",
         "rollout.rollout_batch_size=2",
         "buffer.max_staleness=1",
-        "mode=async",
+        "async_training=true",
     )
 
     async def set_engines_version(version: str) -> None:
@@ -480,7 +481,7 @@ def test_evaluate_uses_the_eval_temperature(servers: Servers, tiny_model_dir: Pa
         return 1.0 if sample.index == 0 else 0.0
 
     async def body(m: RolloutManager) -> Any:
-        (only,) = eval_sets(cfg, m.rollout_fn, m.reward_fn)
+        (only,) = eval_sets(cfg, m.fns.rollout_fn, m.fns.reward_fn)
         return await m.evaluate(only), m
 
     result, m = run_manager(cfg, servers.router_url, record_temperature, body, judge)

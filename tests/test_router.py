@@ -20,7 +20,7 @@ from slimish.net import free_port
 from slimish.protocol import ROUTING_KEY_HEADER
 from slimish.router.proxy import WORKER_HEADER
 
-from conftest import running_engines, running_router, wait_for
+from helpers import generate, generate_response, running_engines, running_router, wait_for
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPT = [5, 17, 42, 99, 7]
@@ -35,12 +35,6 @@ def engines(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def urls(engines) -> list[str]:
     return [p.url for p in engines]
-
-
-def generate(router: str, headers: dict | None = None, **body) -> httpx.Response:
-    r = httpx.post(router + "/generate", json=body, headers=headers, timeout=60)
-    assert r.status_code == 200, r.text
-    return r
 
 
 def loads(router: str) -> dict[str, int]:
@@ -58,7 +52,7 @@ def worker_states(router: str, key: str | None = None) -> dict[str, bool]:
 def test_round_robin_alternates_and_forwards_exactly(urls):
     direct = httpx.post(urls[0] + "/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY}).json()
     with running_router(worker_urls=urls, policy="round_robin") as router:
-        replies = [generate(router, input_ids=PROMPT, sampling_params=GREEDY) for _ in range(6)]
+        replies = [generate_response(router, input_ids=PROMPT, sampling_params=GREEDY) for _ in range(6)]
     served = [r.headers[WORKER_HEADER] for r in replies]
     assert served == [urls[0], urls[1]] * 3
     assert all(r.json()["output_ids"] == direct["output_ids"] for r in replies)
@@ -73,7 +67,8 @@ def test_least_inflight_prefers_the_idle_worker(urls):
             assert next(lines).startswith("data: ")  # generating now
             assert loads(router)[busy] == 1
             served = {
-                generate(router, input_ids=PROMPT, sampling_params=GREEDY).headers[WORKER_HEADER] for _ in range(4)
+                generate_response(router, input_ids=PROMPT, sampling_params=GREEDY).headers[WORKER_HEADER]
+                for _ in range(4)
             }
             assert served == set(urls) - {busy}
         # The client left: the router drops the upstream stream and its in-flight count.
@@ -87,8 +82,11 @@ def test_session_sticks_across_turns_and_repins_when_removed(urls):
         for agent in ("agent-a", "agent-b"):
             ids, seen = list(PROMPT), set()
             for _ in range(4):  # a multi-turn conversation: each turn extends the last one's tokens
-                r = generate(
-                    router, {ROUTING_KEY_HEADER: agent}, input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 3}
+                r = generate_response(
+                    router,
+                    headers={ROUTING_KEY_HEADER: agent},
+                    input_ids=ids,
+                    sampling_params={**GREEDY, "max_new_tokens": 3},
                 )
                 seen.add(r.headers[WORKER_HEADER])
                 ids += r.json()["output_ids"] + [11]
@@ -98,7 +96,9 @@ def test_session_sticks_across_turns_and_repins_when_removed(urls):
         gone = pinned["agent-a"]
         assert httpx.delete(f"{router}/workers/{gone}", headers=admin).status_code == 202
         for _ in range(2):
-            r = generate(router, {ROUTING_KEY_HEADER: "agent-a"}, input_ids=PROMPT, sampling_params=GREEDY)
+            r = generate_response(
+                router, headers={ROUTING_KEY_HEADER: "agent-a"}, input_ids=PROMPT, sampling_params=GREEDY
+            )
             assert r.headers[WORKER_HEADER] == pinned["agent-b"]
 
 
@@ -107,7 +107,7 @@ def test_cache_aware_keeps_a_shared_prefix_on_one_worker(urls):
         owners = {}
         for name, prefix in (("a", list(range(100, 140))), ("b", list(range(600, 640)))):
             served = {
-                generate(
+                generate_response(
                     router, input_ids=prefix + [i, i + 1], sampling_params={**GREEDY, "max_new_tokens": 2}
                 ).headers[WORKER_HEADER]
                 for i in range(5)
@@ -131,10 +131,10 @@ def test_streaming_batch_and_n_pass_through(urls):
             assert r.headers["content-type"].startswith("text/event-stream")
             events = [line for line in r.iter_lines() if line]
         batch = {"input_ids": [PROMPT, [300, 301, 302]], "sampling_params": GREEDY}
-        routed = generate(router, **batch).json()
+        routed = generate(router, **batch)
         direct = httpx.post(urls[0] + "/generate", json=batch).json()
         assert [item["output_ids"] for item in routed] == [item["output_ids"] for item in direct]
-        n2 = generate(router, input_ids=PROMPT, sampling_params={**GREEDY, "n": 2}).json()
+        n2 = generate(router, input_ids=PROMPT, sampling_params={**GREEDY, "n": 2})
     expected = [line for line in direct_stream.text.split("\n") if line]
     assert events[-1] == "data: [DONE]" and len(events) == len(expected)
     assert _final_ids(events) == _final_ids(expected)
@@ -185,7 +185,7 @@ def test_killed_worker_is_retried_marked_unhealthy_and_comes_back(urls, engines,
         )
         engines[engines.index(victim)] = restarted.start()
         wait_for(lambda: worker_states(router)[victim_url], "the restarted worker to be healthy again")
-        served = [generate(router, **body).headers[WORKER_HEADER] for _ in range(2)]
+        served = [generate_response(router, **body).headers[WORKER_HEADER] for _ in range(2)]
         assert sorted(served) == sorted(urls)
 
 
@@ -304,7 +304,7 @@ def test_keys_guard_serving_and_admin_routes(urls):
             ).status_code
             == 401
         )
-        generate(router, {"Authorization": "Bearer serve"}, input_ids=PROMPT, sampling_params=GREEDY)
+        generate(router, headers={"Authorization": "Bearer serve"}, input_ids=PROMPT, sampling_params=GREEDY)
         assert httpx.get(router + "/workers", headers={"Authorization": "Bearer serve"}).status_code == 401
         assert httpx.post(router + "/pause_generation", json={}).status_code == 401
         assert httpx.get(router + "/workers", headers={"Authorization": "Bearer adm"}).status_code == 200
@@ -317,7 +317,7 @@ def test_body_limit_and_max_new_tokens_cap(urls):
         assert big.status_code == 413 and "2000" in big.json()["error"]["message"]
         over = httpx.post(router + "/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 7}})
         assert over.status_code == 400 and "at most 6" in over.json()["error"]["message"]
-        filled = generate(router, input_ids=PROMPT, sampling_params={"temperature": 0.0, "ignore_eos": True}).json()
+        filled = generate(router, input_ids=PROMPT, sampling_params={"temperature": 0.0, "ignore_eos": True})
         assert filled["meta_info"]["completion_tokens"] == 6  # default 128 > cap: the cap applies
         assert (
             httpx.post(router + "/generate", content=b"{nope", headers={"content-type": "application/json"}).status_code

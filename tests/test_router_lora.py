@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from conftest import running_engines, running_router, wait_for
+from helpers import running_engines, running_router, wait_for
 from slimish.router.proxy import WORKER_HEADER
 from test_engine_lora import GREEDY, PROMPTS, WAIT_S, adapter_dirs, post  # noqa: F401  (adapter_dirs: a fixture)
 

@@ -11,13 +11,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import metric_total, post, running_router, wait_for
+from helpers import generate, generate_response, metric_total, post, running_router, wait_for
 from slimish.launch.local import engine_process
-from slimish.launch.process import start_all
+from slimish.processes import start_all
 from slimish.router.proxy import WORKER_HEADER
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 PROMPT = [5, 17, 42, 99, 7]
+ASK = {"input_ids": PROMPT, "sampling_params": GREEDY}
 REQUESTS = "sglang:num_requests_total"
 
 
@@ -49,22 +50,18 @@ def router(pair: tuple[str, str]) -> Iterator[str]:
         yield url
 
 
-def generate(router: str, **extra: object) -> httpx.Response:
-    return post(router, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY, **extra})
-
-
 def test_only_requests_naming_the_model_reach_the_named_worker(pair, router) -> None:
     policy, teacher = pair
     listed = {w["url"]: w["model_id"] for w in httpx.get(router + "/workers").json()["workers"]}
     assert listed[teacher] == "teacher" and listed[policy] != "teacher"
-    direct = {u: generate(u).json()["output_ids"] for u in pair}
+    direct = {u: generate(u, **ASK)["output_ids"] for u in pair}
     assert direct[policy] != direct[teacher]  # distinct weights: the output says who answered
     before = {u: metric_total(u, REQUESTS) for u in pair}
 
-    plain = [generate(router) for _ in range(6)]
+    plain = [generate_response(router, **ASK) for _ in range(6)]
     assert {r.headers[WORKER_HEADER] for r in plain} == {policy}
     assert all(r.json()["output_ids"] == direct[policy] for r in plain)
-    named = [generate(router, model="teacher") for _ in range(3)]
+    named = [generate_response(router, **ASK, model="teacher") for _ in range(3)]
     assert {r.headers[WORKER_HEADER] for r in named} == {teacher}
     assert all(r.json()["output_ids"] == direct[teacher] for r in named)
     served = {u: metric_total(u, REQUESTS) - before[u] for u in pair}  # each engine's own count
@@ -75,9 +72,9 @@ def test_only_requests_naming_the_model_reach_the_named_worker(pair, router) -> 
     )
     assert completion.status_code == 200 and completion.headers[WORKER_HEADER] == teacher
     served_name = listed[policy]  # the policy's own served model name is not a named worker's
-    assert generate(router, model=served_name).headers[WORKER_HEADER] == policy
+    assert generate_response(router, **ASK, model=served_name).headers[WORKER_HEADER] == policy
 
-    unknown = generate(router, model="techer")
+    unknown = generate_response(router, status=None, **ASK, model="techer")
     assert unknown.status_code == 404
     assert (
         "model 'techer' is served by no worker; model ids registered with POST /workers: teacher"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slimish.config import RouterConfig
+from slimish.router.config import RouterConfig
 from slimish.router.gate import apply_cap, prompt_of
 from slimish.router.policy import CacheAware, LeastInflight, RoundRobin, RouteInfo, Session
 from slimish.router.proxy import RouterError
@@ -67,9 +67,9 @@ def test_session_sticks_repins_and_falls_back():
 
 
 def test_with_several_processes_session_and_cache_aware_are_pure_functions():
-    """`--workers N`: two independent policy instances (two processes) agree, whatever the order
+    """`--processes N`: two independent policy instances (two processes) agree, whatever the order
     of the list, the load or what else they routed; a key moves only when its worker leaves."""
-    cfg = RouterConfig(workers=2)
+    cfg = RouterConfig(processes=2)
     ws = pool(0, 0, 0, 0)
     keys = [f"agent-{i}" for i in range(32)]
     first, second = Session(cfg), Session(cfg)

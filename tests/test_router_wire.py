@@ -16,7 +16,8 @@ import pytest
 
 import uvloop
 
-from slimish.router import RouterConfig, create_app
+from slimish.router.app import create_app
+from slimish.router.config import RouterConfig
 from slimish.router.upstream import Disconnected, _Pool
 from slimish.router.wire import bind
 

@@ -29,12 +29,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from conftest import metric_total, running_router, serving, wait_for
-from slimish.config import WeightSyncConfig, load_run_config
-from slimish.launch.process import ServerProcess
+from helpers import metric_total, running_router, serving, wait_for
+from slimish.config import load_run_config
+from slimish.trainer.config import WeightSyncConfig
+from slimish.processes import ServerProcess
 from slimish.launch.sglang import MODULE, sglang_process
 from slimish.net import free_port
 from slimish.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from slimish.trainer.backend import WeightExport
 from slimish.trainer.weight_sync import WeightSync, WeightSyncError
 from test_engine_lora import make_adapter, reference
 from test_weight_sync import hf_greedy, hf_model, seeded
@@ -271,8 +273,8 @@ def test_a_push_while_requests_run_completes_and_leaves_no_session_open(
     with serving(late_pause(engine), "the late-pause proxy") as url:
         with WeightSync(sync_config(pause_mode=mode, group_name=f"busy-{mode}", timeout_s=15.0), [url]) as sync:
             running = Running(engine, n=1)
-            sync.push(seeded(reference, 3), "3")
-            sync.push(other.named_parameters(), "4")
+            sync.push(WeightExport(seeded(reference, 3)), 3)
+            sync.push(WeightExport(other.named_parameters()), 4)
     (meta,) = [r["meta_info"] for r in running.results()]
     spans = [span["version"] for span in meta["weight_versions"]]
     assert (
@@ -287,7 +289,7 @@ def test_a_drain_push_serves_no_half_updated_weights(engine, tiny_model_dir, tin
     version. The generation is asked for while the push's iterator is between buckets."""
     base, other = hf_model(tiny_model_dir), hf_model(tiny_model_dir_other_seed)
     with WeightSync(sync_config(group_name="drain"), [engine]) as sync:
-        sync.push(base.named_parameters(), "5")
+        sync.push(WeightExport(base.named_parameters()), 5)
     mid: dict[str, object] = {}
 
     def tensors():
@@ -303,7 +305,7 @@ def test_a_drain_push_serves_no_half_updated_weights(engine, tiny_model_dir, tin
             yield name, t
 
     with WeightSync(sync_config(group_name="drain", pause_mode="drain"), [engine]) as sync:
-        sync.push(tensors(), "6")
+        sync.push(WeightExport(tensors()), 6)
     assert "during" not in mid, "a generation ran mid-push"
     reply = mid["reply"].result(timeout=WAIT_S)
     assert reply["output_ids"] == hf_greedy(other) and reply["meta_info"]["weight_version"] == "6"
@@ -324,8 +326,8 @@ def test_a_push_streams_its_tensors_into_buckets(engine, tiny_model_dir, tiny_mo
             yield name, t
 
     with WeightSync(sync_config(group_name="stream"), [engine]) as sync:
-        sync.push(base.named_parameters(), "7")
-        sync.push(tensors(), "8")
+        sync.push(WeightExport(base.named_parameters()), 7)
+        sync.push(WeightExport(tensors()), 8)
     assert seen == [True]
     assert torch.equal(served(engine, named[-1][0], named[-1][1].shape[0]), named[-1][1].detach())
 
@@ -375,7 +377,7 @@ def test_an_adapter_push_into_sglang_reloads_it_and_versions_the_engine(engine, 
     of the saved directory through the router, then /update_weight_version: rollouts naming the
     adapter sample exactly the PEFT model and report the push's version."""
     with WeightSync(sync_config(group_name="base"), [engine]) as sync:  # earlier tests pushed other weights
-        sync.push(hf_model(tiny_model_dir).named_parameters(), "0")
+        sync.push(WeightExport(hf_model(tiny_model_dir).named_parameters()), 0)
     cfg = sync_config(transport="disk", pause_mode="abort", disk_dir=str(tmp_path / "pushes"))
     # Checks once, at the start: this engine's /health generates, and so fails while a push pauses it.
     with running_router(worker_urls=[engine], health_check_interval=600) as router:
@@ -384,12 +386,12 @@ def test_an_adapter_push_into_sglang_reloads_it_and_versions_the_engine(engine, 
             "the engine to turn healthy",
         )
         with WeightSync(cfg, [engine], adapter="run", router_url=router) as sync:
-            for version, seed in (("1", 1), ("2", 2)):
-                tensors, config = adapter(tiny_model_dir, tmp_path, seed)
-                sync.push_adapter(tensors, config, version)
+            for version in (1, 2):
+                tensors, config = adapter(tiny_model_dir, tmp_path, version)
+                sync.push(WeightExport(tensors.items(), config), version)
                 reply = greedy(router, lora_path="run")
-                want = hf_greedy(reference(tiny_model_dir, tmp_path / f"seed{seed}"))
-                assert (reply["output_ids"], reply["meta_info"]["weight_version"]) == (want, version)
+                want = hf_greedy(reference(tiny_model_dir, tmp_path / f"seed{version}"))
+                assert (reply["output_ids"], reply["meta_info"]["weight_version"]) == (want, str(version))
         assert [p.name for p in (tmp_path / "pushes").iterdir()] == ["run-2"]
 
 
@@ -402,7 +404,7 @@ def test_an_adapter_broadcast_into_sglang_is_refused_naming_the_fields(engine, t
         WeightSync(sync_config(), [engine], adapter="run", router_url=router) as sync,
     ):
         with pytest.raises(WeightSyncError, match=r"weight_sync.transport=disk and weight_sync.pause_mode=abort"):
-            sync.push_adapter({"x": torch.zeros(1)}, {}, "1")
+            sync.push(WeightExport([("x", torch.zeros(1))], {}), 1)
     overrides = ["model=/m", "data.source=task:max_digit", "launch.engine_kind=sglang", "trainer.lora.enabled=true"]
     with pytest.raises(
         SystemExit,

@@ -18,21 +18,21 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_quickstart
+from helpers import run_quickstart
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # ~8 minutes on a quiet machine
 
 STEPS, EVAL_PROMPTS = 30, 1024
 MODES = {  # name -> overrides; bound 1 retracts requests at a push, bound 2 aborts and resumes them
-    "sync": ["mode=sync"],
+    "sync": ["async_training=false"],
     "async-1": [
-        "mode=async",
+        "async_training=true",
         "buffer.max_staleness=1",
         "weight_sync.pause_mode=retract",
         "rollout.partial_rollout=false",
     ],
     "async-2": [
-        "mode=async",
+        "async_training=true",
         "buffer.max_staleness=2",
         "weight_sync.pause_mode=abort",
         "rollout.partial_rollout=true",
@@ -60,6 +60,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, quickstart_sft: Path) -> dict
     return out
 
 
+@pytest.mark.learning
 def test_async_learns_the_quickstart_as_well_as_sync(runs: dict[str, tuple[list[dict], Path]]) -> None:
     acc = {name: (rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]) for name, (rows, _) in runs.items()}
     befores = [before for before, _ in acc.values()]

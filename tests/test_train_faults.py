@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import assert_run_survives_an_engine_kill
+from helpers import assert_run_survives_an_engine_kill
 
 pytestmark = pytest.mark.slow
 

@@ -132,7 +132,7 @@ if point == "rollout":  # while the step's second group is being taken: the firs
 elif point == "train":  # the step's gradients applied, nothing pushed or saved
     wrap(TorchTrainer, "train_step", after=lambda self, groups, step, demos=None: step == at)
 elif point == "push":  # the engines paused, the broadcast not begun
-    wrap(WeightSync, "_push_buckets", before=lambda self, named, version: version == str(at))
+    wrap(WeightSync, "_push_buckets", before=lambda self, named, version: version == at)
 elif point == "checkpoint":  # the state written to the temporary directory, not yet renamed
     wrap(checkpoint, "_fsync_dir", before=lambda path: path.name.startswith(".tmp-step_%08d" % at))
 from slimish.train import main

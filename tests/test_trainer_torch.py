@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from slimish.config import load_run_config
-from slimish.trainer.base import lr_factor, micro_batches, shard, split_minibatches
+from slimish.trainer.backend import lr_factor
+from slimish.trainer.batch import micro_batches, shard, split_minibatches
 from slimish.trainer.torch_backend import TorchTrainer
 from slimish.types import Sample
 
-from conftest import torchrun_ranks  # noqa: E402
+from helpers import torchrun_ranks  # noqa: E402
 
 FEATURES = [
     "algorithm.kl_coef=0.1",
@@ -361,7 +362,7 @@ def test_bf16_logprobs_are_autocast_and_pushes_are_bf16(tiny_model_dir):
     goes to the engines (weights, or a LoRA adapter) is bf16, as bf16 engines hold them."""
     from transformers import AutoModelForCausalLM
 
-    from slimish.trainer.algorithms import logprobs_from_logits
+    from slimish.trainer.logprobs import logprobs_from_logits
 
     trainer = TorchTrainer(config(tiny_model_dir, "trainer.dtype=bfloat16"))
     samples = make_groups(0)[0]

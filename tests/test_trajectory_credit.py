@@ -2,7 +2,7 @@
 or fanned out into branches weighs in its group's baseline as one trajectory, for every
 estimator; infra-failed trajectories leave the loss and the baseline.
 
-The segments come from a real capture session (a real engine, the `openai` SDK, a harness that
+The segments come from a real gateway session (a real engine, the `openai` SDK, a harness that
 compacts its history mid-run); the advantages are computed by the path the trainer takes.
 """
 
@@ -19,12 +19,12 @@ import openai
 import pytest
 import torch
 
-from conftest import running_router
-from slimish.config import ADVANTAGES
+from helpers import running_router
+from slimish.trainer.config import ADVANTAGES
 from slimish.formats.model import ModelFormat
-from slimish.rollout.capture import CaptureServer
-from slimish.trainer.algorithms import credit_weights, trajectory_advantages
-from slimish.trainer.base import trajectory_index
+from slimish.gateway.server import Gateway
+from slimish.trainer.advantages import credit_weights, trajectory_advantages
+from slimish.trainer.batch import trajectory_index
 from slimish.types import Sample, SampleStatus
 
 OPENING = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about 7."}]
@@ -39,14 +39,14 @@ def router(engine) -> Iterator[str]:
 
 def captured(router: str, tok: Any, agent: Any) -> list[Sample]:
     async def main() -> list[Sample]:
-        capture = CaptureServer(router, ModelFormat(tok))
-        await capture.start()
+        gateway = Gateway(router, ModelFormat(tok))
+        await gateway.start()
         try:
-            client = openai.AsyncOpenAI(base_url=capture.session_base_url("s"), api_key="x", max_retries=0, timeout=60)
+            client = openai.AsyncOpenAI(base_url=gateway.session_base_url("s"), api_key="x", max_retries=0, timeout=60)
             await agent(client)
-            return capture.pop_samples("s", Sample(prompt=OPENING, group_id=0, index=0))
+            return gateway.pop_samples("s", Sample(prompt=OPENING, group_id=0, index=0))
         finally:
-            await capture.stop()
+            await gateway.stop()
 
     return asyncio.run(main())
 
@@ -130,7 +130,7 @@ def test_a_subagent_is_a_branch_whose_shared_turn_is_trained_once(router: str, t
 INFRA_PLUGIN = """
 import sys
 from rollout_plugins import math
-from slimish.rollout.harness import HarnessLimits, run_harness
+from slimish.gateway.harness import HarnessLimits, run_harness
 from slimish.types import SampleStatus
 
 async def rollout(ctx, sample):
@@ -150,7 +150,7 @@ def test_a_harness_killed_by_its_budget_is_infra_failed_and_the_run_goes_on(
     """Two RL steps in which one trajectory of every group is killed by its time budget: those are
     absent from the loss and the baseline (groups of 3 train), counted, and the run goes on."""
     from slimish.metrics import read_metrics
-    from conftest import ROOT
+    from helpers import ROOT
 
     plugin = tmp_path / "infra_plugin.py"
     plugin.write_text(INFRA_PLUGIN)

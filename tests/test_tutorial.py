@@ -30,6 +30,7 @@ def test_the_example_file_is_the_pages_code() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 @pytest.mark.timeout(900)
 def test_the_tutorial_task_trains_from_its_page(tmp_path: Path) -> None:
     """The page's code saved where its config says, its config as its command names it, and its

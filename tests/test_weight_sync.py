@@ -21,11 +21,13 @@ import httpx
 import pytest
 import torch
 
-from conftest import metric_total, running_engines, wait_for
-from slimish.config import WeightSyncConfig, load_run_config
+from helpers import generate, metric_total, running_engines, wait_for
+from slimish.config import load_run_config
+from slimish.trainer.config import WeightSyncConfig
 from slimish.distributed import init_custom_process_group
 from slimish.launch.local import engine_process
 from slimish.net import free_port
+from slimish.trainer.backend import WeightExport
 from slimish.trainer.torch_backend import TorchTrainer
 from slimish.trainer.weight_sync import WeightSync, WeightSyncError
 from slimish.rollout.api import sample_from_reply
@@ -35,6 +37,7 @@ WAIT_S = 120.0
 BF16 = {"model.layers.0.mlp.down_proj.weight", "model.norm.weight"}  # sent as bf16 to fp32 params
 PROMPT = [5, 17, 42, 99, 7]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+ASK = {"input_ids": PROMPT, "sampling_params": GREEDY, "return_logprob": True}
 
 
 @functools.cache
@@ -82,12 +85,6 @@ def hf_greedy(model: torch.nn.Module) -> list[int]:
     return out[0, len(PROMPT) :].tolist()
 
 
-def generate(url: str, input_ids: list[int] = PROMPT, params: dict = GREEDY) -> dict:
-    r = post(url, "/generate", {"input_ids": input_ids, "sampling_params": params, "return_logprob": True})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def served(url: str, name: str, rows: int) -> torch.Tensor:
     r = post(url, "/get_weights_by_name", {"name": name, "truncate_size": rows})
     assert r.status_code == 200, r.text
@@ -118,15 +115,15 @@ def seeded(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
 @pytest.mark.parametrize("flattened, seed", [(False, 1), (True, 2)], ids=["default", "flattened_bucket"])
 def test_push_all_parameters(engines, sync, tiny_model_dir, flattened, seed):
     reference = hf_model(tiny_model_dir)
-    before = generate(engines[0])["output_ids"]
+    before = generate(engines[0], **ASK)["output_ids"]
     tensors = seeded(reference, seed)
     sync.cfg.flattened = flattened
     try:
-        timings = sync.push(tensors, f"v{seed}")
+        timings = sync.push(WeightExport(tensors), seed)
     finally:
         sync.cfg.flattened = False
     assert timings["buckets"] > 2 and timings["bytes"] == sum(t.numel() * t.element_size() for _, t in tensors)
-    assert sync.sessions is True  # the built-in engine has begin/end_weight_update
+    assert sync.engines.sessions is True  # the built-in engine has begin/end_weight_update
 
     params = dict(reference.named_parameters())
     with torch.no_grad():  # the reference now holds what was pushed (bf16 ones widened, as the engine does)
@@ -136,10 +133,10 @@ def test_push_all_parameters(engines, sync, tiny_model_dir, flattened, seed):
     assert expected != before
     for url in engines:
         assert_serves(url, reference)
-        out = generate(url)
+        out = generate(url, **ASK)
         assert out["output_ids"] == expected
-        assert out["meta_info"]["weight_version"] == f"v{seed}"
-        assert model_info(url)["weight_version"] == f"v{seed}"
+        assert out["meta_info"]["weight_version"] == str(seed)
+        assert model_info(url)["weight_version"] == str(seed)
 
 
 def test_a_drain_push_lets_the_running_generation_finish_on_its_weights(engines, sync, tiny_model_dir):
@@ -149,16 +146,17 @@ def test_a_drain_push_lets_the_running_generation_finish_on_its_weights(engines,
     url = engines[0]
     before = model_info(url)["weight_version"]
     with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(generate, url, PROMPT, {"temperature": 0.0, "max_new_tokens": 200, "ignore_eos": True})
+        long = {"temperature": 0.0, "max_new_tokens": 200, "ignore_eos": True}
+        running = pool.submit(generate, url, **{**ASK, "sampling_params": long})
         wait_for(lambda: metric_total(url, "sglang:num_running_reqs") >= 1, "the generation to run")
         sync.cfg.pause_mode = "drain"
         try:
-            sync.push(seeded(hf_model(tiny_model_dir), 9), "drained")
+            sync.push(WeightExport(seeded(hf_model(tiny_model_dir), 9)), 9)
         finally:
             sync.cfg.pause_mode = "retract"
         meta = running.result(timeout=WAIT_S)["meta_info"]
     assert [span["version"] for span in meta["weight_versions"]] == [before] and meta["completion_tokens"] == 200
-    assert model_info(url)["weight_version"] == "drained"
+    assert model_info(url)["weight_version"] == "9"
 
 
 def test_refused_bucket_fails_the_push(engines, sync, tiny_model_dir):
@@ -169,13 +167,13 @@ def test_refused_bucket_fails_the_push(engines, sync, tiny_model_dir):
     try:
         second.connect()
         with pytest.raises(WeightSyncError, match="does not match the parameter's shape"):
-            second.push([("model.norm.weight", torch.zeros(3))], "bad")
-        assert model_info(engines[0])["weight_version"] != "bad"
-        assert generate(engines[0])["meta_info"]["finish_reason"]["type"] == "length"  # generation resumed
+            second.push(WeightExport([("model.norm.weight", torch.zeros(3))]), 666)
+        assert model_info(engines[0])["weight_version"] != "666"
+        assert generate(engines[0], **ASK)["meta_info"]["finish_reason"]["type"] == "length"  # generation resumed
     finally:
         started = time.monotonic()
         second.close()
-    assert time.monotonic() - started < second.timeout / 4
+    assert time.monotonic() - started < second.cfg.timeout_s / 4
 
 
 def test_second_group_and_destroy(engines, sync):
@@ -193,15 +191,34 @@ def test_second_group_and_destroy(engines, sync):
 def test_disk_transport(engines, tiny_model_dir, tiny_model_dir_other_seed, tmp_path):
     other = hf_model(tiny_model_dir_other_seed)
     with WeightSync(sync_config(transport="disk", disk_dir=str(tmp_path)), engines) as disk:
-        timings = disk.push(other.named_parameters(), "disk1")
+        timings = disk.push(WeightExport(other.named_parameters()), 11)
         assert timings["bytes"] > 0
         for url in engines:
             assert_serves(url, other)
-            out = generate(url)
+            out = generate(url, **ASK)
             assert out["output_ids"] == hf_greedy(other)
-            assert out["meta_info"]["weight_version"] == "disk1"
-        disk.push(hf_model(tiny_model_dir).named_parameters(), "disk2")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights-disk2"]  # the previous push is removed
+            assert out["meta_info"]["weight_version"] == "11"
+        disk.push(WeightExport(hf_model(tiny_model_dir).named_parameters()), 12)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights-12"]  # the previous push is removed
+
+
+def test_a_push_takes_an_int_version_and_an_export_of_its_kind():
+    """The version is an int inside slimish (a string only on SGLang's wire); an adapter export
+    needs a WeightSync made for that adapter, an HF one a WeightSync made without: each refused
+    before anything is sent (nothing listens at these addresses)."""
+    nowhere = "http://127.0.0.1:9"
+    weights, adapter = WeightExport([("w", torch.zeros(1))]), WeightExport([("w", torch.zeros(1))], {"r": 4})
+    full, lora = WeightSync(sync_config(), [nowhere]), WeightSync(sync_config(), [nowhere], "k", "a", nowhere)
+    try:
+        with pytest.raises(TypeError, match="weight version: expected an int .*got str '3'"):
+            full.push(weights, "3")
+        with pytest.raises(WeightSyncError, match="an adapter export, but this WeightSync was made without an adapter"):
+            full.push(adapter, 3)
+        with pytest.raises(WeightSyncError, match="an HF weights export, but this WeightSync was made for adapter 'a'"):
+            lora.push(weights, 3)
+    finally:
+        full.close()
+        lora.close()
 
 
 def test_update_from_disk_errors(engines, tmp_path):
@@ -220,7 +237,7 @@ def rollouts(url: str, prompts: list[list[int]], n: int, seed: int) -> list[list
         group = []
         for k in range(n):
             params = {"temperature": 1.0, "max_new_tokens": 8, "sampling_seed": seed * 1000 + g * 10 + k}
-            out = generate(url, prompt, params)
+            out = generate(url, input_ids=prompt, sampling_params=params, return_logprob=True)
             s = sample_from_reply(prompt, out, group_id=g, index=k)
             s.reward = float(out["output_ids"][0] % 2 == 0)
             group.append(s)
@@ -236,7 +253,7 @@ def mismatch(trainer: TorchTrainer, samples: list[Sample]) -> float:
 def test_trainer_step_push_and_fresh_rollouts(engines, sync, tiny_model_dir):
     cfg = load_run_config(None, [f"model={tiny_model_dir}", "data.source=unused", "trainer.lr=1e-2"])
     trainer = TorchTrainer(cfg)
-    sync.push(trainer.hf_tensors(), "0")  # the engines served other weights in earlier tests
+    sync.push(trainer.export(), 0)  # the engines served other weights in earlier tests
     prompts = [[3, 14, 15, 92], [6, 53, 58, 97, 93], [2, 38, 46]]
     groups = rollouts(engines[0], prompts, n=4, seed=1)
     metrics = trainer.train_step(groups, step=1)
@@ -244,7 +261,7 @@ def test_trainer_step_push_and_fresh_rollouts(engines, sync, tiny_model_dir):
     assert metrics["train/grad_norm"] > 0
 
     initial = hf_model(tiny_model_dir)
-    sync.push(trainer.hf_tensors(), "1")
+    sync.push(trainer.export(), 1)
     assert not torch.equal(trainer.model.lm_head.weight, initial.lm_head.weight)  # the step moved the weights
     for url in engines:
         assert_serves(url, trainer.model)
@@ -312,10 +329,10 @@ def test_trainer_killed_mid_broadcast_leaves_torn_weights_that_the_engine_refuse
         assert http().get(url + "/health").status_code == 503
         assert http().get(engines[1] + "/health").status_code == 200  # not in that group
 
-        sync.push(list(model.named_parameters()), "whole")  # every parameter again, by the module's group
+        sync.push(WeightExport(list(model.named_parameters())), 21)  # every parameter again, by the module's group
         assert http().get(url + "/health").status_code == 200
         assert_serves(url, model)
-        assert generate(url)["meta_info"]["weight_version"] == "whole"
+        assert generate(url, **ASK)["meta_info"]["weight_version"] == "21"
         assert post(url, "/destroy_weights_update_group", {"group_name": "dying"}).json()["success"]
     finally:
         if child.is_alive():
@@ -336,10 +353,10 @@ def test_an_engine_started_to_await_weights_serves_only_after_a_full_push(tiny_m
         model = hf_model(tiny_model_dir)
         named = list(model.named_parameters())
         with WeightSync(sync_config(group_name="late"), [proc.url]) as late:
-            late.push(named[:-1], "partial")  # all but one parameter: still not whole
+            late.push(WeightExport(named[:-1]), 6)  # all but one parameter: still not whole
             assert http().get(proc.url + "/health").status_code == 503
-            late.push(named, "7")
+            late.push(WeightExport(named), 7)
         assert http().get(proc.url + "/health").status_code == 200
-        assert generate(proc.url)["meta_info"]["weight_version"] == "7"
+        assert generate(proc.url, **ASK)["meta_info"]["weight_version"] == "7"
     finally:
         proc.stop()

@@ -46,7 +46,9 @@ import torch
 import torch.distributed as dist
 from smoke import importable, random_prompts, rollouts, served_differs, served_version  # same directory
 
-from slimish.config import EngineConfig, WeightSyncConfig, load_run_config
+from slimish.config import load_run_config
+from slimish.engine.config import EngineConfig
+from slimish.trainer.config import WeightSyncConfig
 from slimish.launch.local import engine_process
 from slimish.launch.sglang import sglang_process
 from slimish.tiny_model import make_tiny_model
@@ -181,7 +183,7 @@ def main() -> int:
             line = f"step {step}: rollout {t1 - t0:.2f} s, train {t2 - t1:.2f} s, mismatch {metrics.get('train/mismatch', 0):.4f}"
             for name in names[0]:
                 if rank == 0:
-                    push = syncs[name].push(trainer.hf_tensors(), str(step))
+                    push = syncs[name].push(trainer.export(), step)
                     line += f", push {name} {push['seconds']:.2f} s ({push['gb_per_s']:.2f} GB/s)"
                 else:
                     for _ in trainer.hf_tensors():  # this rank's part of rank 0's gather

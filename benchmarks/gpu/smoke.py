@@ -124,8 +124,10 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from slimish.config import LaunchConfig, RunConfig, WeightSyncConfig, load_run_config  # noqa: E402
-from slimish.launch import lora_launch  # noqa: E402
+from slimish.config import RunConfig, load_run_config  # noqa: E402
+from slimish.launch.config import LaunchConfig  # noqa: E402
+from slimish.trainer.config import WeightSyncConfig  # noqa: E402
+from slimish.launch.commands import lora_launch  # noqa: E402
 from slimish.launch.local import engines_only, local_servers  # noqa: E402
 from slimish.metrics import read_metrics  # noqa: E402
 from slimish.rollout.api import sample_from_reply  # noqa: E402
@@ -414,7 +416,7 @@ def trainer_checks(report: Report, setup: Setup, url: str, name: str, versions: 
         )
         with WeightSync(setup.sync_config(name), [url]) as sync:
             first = next(versions)
-            sync.push(trainer.hf_tensors(), str(first))
+            sync.push(trainer.export(), first)
             before = {k: t[: rows or t.shape[0]].clone() for k, t in trainer.hf_tensors()}
             report.progress(f"{name}: pushed version {first}; rollouts and one train step")
             groups = rollouts(url, random_prompts(first, prompts), n, first * 1000, tokens)
@@ -425,7 +427,7 @@ def trainer_checks(report: Report, setup: Setup, url: str, name: str, versions: 
                 detail += f"; {fused} linear_qkv.layer_norm_weight (TE's fused pre-norms)"
             report.check(step, ok, f"{detail}; {sum(map(len, groups))} samples from the {setup.engine}")
             second = next(versions)
-            pushed = sync.push(trainer.hf_tensors(), str(second))
+            pushed = sync.push(trainer.export(), second)
             after = dict(trainer.hf_tensors())
             bad = served_differs(url, after, rows, setup.dtype)
             version = served_version(url)
@@ -502,12 +504,12 @@ def lora_checks(report: Report, setup: Setup) -> None:
             trainer = make_trainer(cfg)
             sync_cfg = setup.lora_sync_config()
             with WeightSync(sync_cfg, [url], adapter=adapter, router_url=servers.router_url) as sync:
-                sync.push_adapter(trainer.adapter_tensors(), trainer.adapter_config(), "1")
+                sync.push(trainer.export(), 1)
                 report.progress("lora: adapter version 1 pushed; rollouts and one train step")
                 groups = rollouts(url, random_prompts(1, prompts), n, 1000, tokens, lora=adapter)
                 ok, detail = step_detail(trainer.train_step(groups, 1))
                 report.check("lora_step", ok, f"{detail}; {sum(map(len, groups))} samples under adapter {adapter!r}")
-                pushed = sync.push_adapter(trainer.adapter_tensors(), trainer.adapter_config(), "2")
+                pushed = sync.push(trainer.export(), 2)
                 samples = [
                     s for g in rollouts(url, random_prompts(2, prompts), n, 2000, tokens, lora=adapter) for s in g
                 ]

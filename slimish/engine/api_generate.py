@@ -48,31 +48,24 @@ def build_generate_router(engine: Engine) -> APIRouter:
     @router.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         req = await parse(request, AbortReq)
-        await engine.run(lambda: engine.scheduler.abort(req.rid, req.abort_all))
+        await engine.abort(req.rid, req.abort_all)
         return Response(status_code=200)
 
     @router.post("/pause_generation")
     async def pause_generation(request: Request) -> JSONResponse:
         req = await parse(request, PauseGenerationReq)
-        await engine.run(lambda: engine.scheduler.pause(req.mode))
+        await engine.pause(req.mode)
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
     @router.post("/continue_generation")
     async def continue_generation(request: Request) -> JSONResponse:
         await parse(request, ContinueGenerationReq)
-        await engine.run(engine.scheduler.resume)
+        await engine.resume()
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> PlainTextResponse:
-        def flush() -> bool:  # like SGLang, refuse while requests are in flight
-            s = engine.scheduler
-            if s.running or s.waiting:
-                return False
-            s.runner.flush_cache()
-            return True
-
-        if not await engine.run(flush):
+        if not await engine.flush_cache():
             return PlainTextResponse("Cache not flushed because there are pending requests.\n", status_code=400)
         return PlainTextResponse(FLUSH_OK)
 

@@ -12,9 +12,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 import slimish
-from slimish.config import EngineConfig
-from slimish.engine.engine import Engine, Item
+from slimish.engine.config import EngineConfig
+from slimish.engine.engine import Engine
 from slimish.engine.http import BadRequest, parse
+from slimish.engine.items import Item
 from slimish.engine.profiler import ProfileError
 from slimish.engine.scheduler import LogprobWish
 from slimish.formats.template import TemplateError
@@ -43,10 +44,9 @@ def _health_routes(router: APIRouter, engine: Engine) -> None:
 
     @router.get("/health_generate")
     async def health_generate() -> Response:
-        s = engine.scheduler
         if engine.weights.torn:
             return Response(status_code=503)
-        if s.running or s.waiting:
+        if any(engine.in_flight()):
             return Response(status_code=200)
         item = Item(
             [0], SamplingParams(max_new_tokens=1, temperature=0.0), f"health-{time.monotonic_ns()}", LogprobWish()
@@ -69,7 +69,7 @@ def _info_routes(router: APIRouter, engine: Engine, cfg: EngineConfig) -> None:
             "served_model_name": engine.served_model_name,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": engine.scheduler.weight_version,
+            "weight_version": engine.weight_version,
             "load_format": None,
             "reasoning_parser": engine.format.reasoning_parser,
             "tool_call_parser": engine.format.tool_call_parser,
@@ -83,7 +83,7 @@ def _info_routes(router: APIRouter, engine: Engine, cfg: EngineConfig) -> None:
     @router.get("/server_info")
     @router.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
-        s = engine.scheduler
+        running, waiting = engine.in_flight()
         args = {k: v for k, v in vars(cfg).items() if k not in ("api_key", "admin_api_key")}
         capacity = engine.context_length * cfg.max_running_requests
         ranks = {"dp_size": 1, "attn_dp_size": 1, "tp_size": 1, "pp_size": 1}
@@ -94,7 +94,7 @@ def _info_routes(router: APIRouter, engine: Engine, cfg: EngineConfig) -> None:
             "world_size": 1,
             "startup_time": engine.started_at,
             "effective_max_running_requests_per_dp": cfg.max_running_requests,
-            "last_gen_throughput": s.last_gen_throughput,
+            "last_gen_throughput": engine.last_gen_throughput,
             "memory_usage": {
                 "weight": round(weight_gb, 3),
                 "kvcache": 0.0,
@@ -102,8 +102,8 @@ def _info_routes(router: APIRouter, engine: Engine, cfg: EngineConfig) -> None:
                 "token_capacity_swa": None,
                 "graph": {},
             },
-            "#running-req": len(s.running),
-            "#queue-req": len(s.waiting),
+            "#running-req": running,
+            "#queue-req": waiting,
         }
         return {
             **args,
@@ -126,7 +126,7 @@ def _info_routes(router: APIRouter, engine: Engine, cfg: EngineConfig) -> None:
 
     @router.get("/metrics")
     async def prometheus() -> Response:
-        return Response(engine.metrics.render(engine.scheduler), media_type=CONTENT_TYPE_LATEST)
+        return Response(engine.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
 
 def _models_routes(router: APIRouter, engine: Engine) -> None:

@@ -4,14 +4,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from slimish.engine.engine import Engine, RequestError
+from slimish.engine.engine import Engine
 from slimish.engine.http import control, parse
+from slimish.engine.items import RequestError
 from slimish.engine.weights import Tensors
 from slimish.protocol import (
     BeginWeightUpdateReq,
@@ -19,8 +20,6 @@ from slimish.protocol import (
     GetWeightsByNameReq,
     GetWeightVersionReq,
     InitWeightsUpdateGroupReq,
-)
-from slimish.protocol import (
     MemoryOccupationReq,
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDistributedReq,
@@ -31,6 +30,7 @@ from slimish.protocol import (
 def build_weights_router(engine: Engine) -> APIRouter:
     router = APIRouter()
     _broadcast_routes(router, engine)
+    _session_routes(router, engine)
     _update_routes(router, engine)
     return router
 
@@ -65,9 +65,8 @@ def _broadcast_routes(router: APIRouter, engine: Engine) -> None:
                 finally:  # its slot holds what arrived whole; a torn adapter is refused anyway
                     engine.lora.refresh(req.lora_name)
 
-        return await apply_update(
-            engine, req, load, "Succeeded to update parameter online.", fail, lora_name=req.lora_name
-        )
+        update = engine.load_weights(load, req.weight_version, req.lora_name, req.abort_all_requests)
+        return await reply_to_update(engine, update, req, "Succeeded to update parameter online.", fail, req.lora_name)
 
     @router.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> JSONResponse:
@@ -79,11 +78,11 @@ def _broadcast_routes(router: APIRouter, engine: Engine) -> None:
         return control(True, "Succeeded to destroy custom process group.")
 
 
-def _update_routes(router: APIRouter, engine: Engine) -> None:
-    # The 0.5.23 begin/end weight-update session. Begin and end run as SGLang's do, under its writer
-    # lock unless paused: they wait until no request runs (sglang 0.5.23:
-    # python/sglang/srt/managers/tokenizer_control_mixin.py:471), which is what drains a
-    # `weight_sync.pause_mode=drain` push.
+def _session_routes(router: APIRouter, engine: Engine) -> None:
+    """The 0.5.23 begin/end weight-update session. Begin and end run as SGLang's do, under its
+    writer lock unless paused: they wait until no request runs (sglang 0.5.23:
+    python/sglang/srt/managers/tokenizer_control_mixin.py:471), which is what drains a
+    `weight_sync.pause_mode=drain` push."""
     session = {"open": False}
 
     def toggle(opening: bool) -> bool:
@@ -91,23 +90,6 @@ def _update_routes(router: APIRouter, engine: Engine) -> None:
             return False
         session["open"] = opening
         return True
-
-    @router.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request) -> JSONResponse:
-        req = await parse(request, UpdateWeightsFromDiskReq)
-
-        def load() -> None:
-            engine.weights.update_from_disk(req.model_path)
-            engine.model_path = req.model_path
-
-        return await apply_update(
-            engine,
-            req,
-            load,
-            "Succeeded to update model weights.",
-            "Failed to update weights: {exc}. Rolled back to the previous weights.",
-            num_paused_requests=0,
-        )
 
     @router.post("/begin_weight_update")
     async def begin_weight_update(request: Request) -> JSONResponse:
@@ -122,16 +104,26 @@ def _update_routes(router: APIRouter, engine: Engine) -> None:
             return control(False, "no weight-update session is open; call begin_weight_update() first")
         return control(True, "Weight-update session closed.")
 
+
+def _update_routes(router: APIRouter, engine: Engine) -> None:
+    """Loading from disk, versioning, and reading weights and versions back."""
+
+    @router.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        req = await parse(request, UpdateWeightsFromDiskReq)
+        return await reply_to_update(
+            engine,
+            engine.load_weights_from_disk(req.model_path, req.weight_version, req.abort_all_requests),
+            req,
+            "Succeeded to update model weights.",
+            "Failed to update weights: {exc}. Rolled back to the previous weights.",
+            num_paused_requests=0,
+        )
+
     @router.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
         req = await parse(request, UpdateWeightVersionReq)
-
-        def apply() -> None:
-            if req.abort_all_requests:
-                engine.scheduler.abort(abort_all=True)
-            engine.scheduler.weight_version = req.new_version
-
-        await engine.run(apply)
+        await engine.set_weight_version(req.new_version, req.abort_all_requests)
         return JSONResponse(
             {"success": True, "message": f"Weight version updated to {req.new_version}", "new_version": req.new_version}
         )
@@ -153,7 +145,7 @@ def _update_routes(router: APIRouter, engine: Engine) -> None:
         body = await parse(request, GetWeightVersionReq)
         name = request.query_params.get("lora_name", body.lora_name)
         try:
-            version = engine.scheduler.weight_version if name is None else engine.adapter(name, "lora_name").version
+            version = engine.weight_version if name is None else engine.adapter(name, "lora_name").version
         except RequestError as exc:
             return control(False, str(exc))
         return JSONResponse({"weight_version": version, "lora_name": name})
@@ -171,40 +163,15 @@ def adapter_tensors(engine: Engine, name: str) -> Tensors:
     return Tensors(adapter.tensors, f"a tensor of lora adapter {name!r}", adapter.torn)
 
 
-async def apply_update(
-    engine: Engine, req: Any, load: Callable[[], None], ok: str, fail: str, lora_name: str | None = None, **extra: Any
+async def reply_to_update(
+    engine: Engine, update: Awaitable[None], req: Any, ok: str, fail: str, lora_name: str | None = None, **extra: Any
 ) -> JSONResponse:
-    """Abort if asked; load while no request runs (SGLang's writer lock) or while paused; version
-    the base model, or only the adapter `lora_name`."""
-    if req.abort_all_requests:
-        await engine.run(lambda: engine.scheduler.abort(abort_all=True))
-
-    def load_and_version() -> None:
-        try:
-            load()
-        finally:  # even a failed load may have changed some parameters: no old KV may serve them
-            engine.scheduler.runner.flush_cache()
-        if req.weight_version is None:
-            return
-        if lora_name is None:
-            engine.scheduler.weight_version = req.weight_version
-        else:
-            engine.lora.get(lora_name).version = req.weight_version
-
-    def torn_error() -> str | None:
-        if lora_name is None:
-            return engine.weights.torn_error()
-        adapter = engine.lora.adapters.get(lora_name)  # None if unloaded meanwhile
-        return adapter.torn_error() if adapter is not None else None
-
+    """Await `update` (an `Engine.load_weights`) and reply as SGLang does; a failure that left the
+    weights torn says so."""
     try:
-        await engine.run(load_and_version, needs_idle=True)
+        await update
     except Exception as exc:
-        if (torn := torn_error()) is not None:  # paused requests must not resume on it
-            await engine.run(
-                lambda: engine.scheduler.abort(abort_all=lora_name is None, lora=lora_name, message=f"Abort: {torn}")
-            )
-            return control(False, f"{fail.format(exc=exc)} ({torn})", **extra)
-        return control(False, fail.format(exc=exc), **extra)
+        torn = engine.torn_error(lora_name)
+        return control(False, fail.format(exc=exc) + (f" ({torn})" if torn is not None else ""), **extra)
     note = f" Weight version updated to {req.weight_version}." if req.weight_version is not None else ""
     return control(True, ok + note, **extra)

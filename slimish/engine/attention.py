@@ -18,7 +18,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from slimish.config import DECODE_ATTENTION_BACKENDS, one_of
+from slimish.engine.config import DECODE_ATTENTION_BACKENDS
+from slimish.schema import one_of
 
 SDPA, MATMUL = DECODE_ATTENTION_BACKENDS
 _MATMUL_IMPL = "slimish_matmul_decode"  # the HF attention implementation name of `matmul`

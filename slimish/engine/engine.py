@@ -2,41 +2,41 @@
 their progress back into reply objects (docs/protocol.md 1.3).
 
 The HTTP layers (native `/generate` in server.py, OpenAI routes in openai_api.py) both go
-through `Engine.submit`, so validation, tokenisation and reply building exist once.
+through `Engine.submit`, so validation, tokenisation and reply building exist once (their pure
+parts in items.py and replies.py). The admin routes go through its methods too (abort, pause,
+`load_weights`, `set_weight_version`, `flush_cache`...): the scheduler and the runner are this
+class's alone, and every change of state runs on the scheduler thread, between steps.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 import uuid
 from collections import Counter
-from datetime import timedelta
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoTokenizer
 
-from slimish.config import EngineConfig
+from slimish.engine.config import EngineConfig
 from slimish.engine.grammar import GrammarError, Grammars, matcher
+from slimish.engine.items import Item, RequestError, check_limits, nth_copy
 from slimish.engine.lora import Adapter, AdapterError, AdapterRef, LoraManager, read_adapter
 from slimish.engine.metrics import Metrics
 from slimish.engine.prefix_cache import PrefixCache
 from slimish.engine.profiler import Profiler
+from slimish.engine.replies import native_reply, text_of
 from slimish.engine.runner import Runner, engine_device, load_model, use_device
-from slimish.engine.scheduler import LogprobWish, Request, Scheduler
+from slimish.engine.scheduler import LogprobWish, Scheduler, Sequence
 from slimish.engine.weights import WeightUpdater
 from slimish.formats.model import ModelFormat
 from slimish.protocol import GenerateReqInput, SamplingParams
-
-
-class RequestError(ValueError):
-    """Bad input found after schema validation; the message names the field."""
 
 
 class Unavailable(RuntimeError):
@@ -45,18 +45,6 @@ class Unavailable(RuntimeError):
 
 class Overloaded(RuntimeError):
     """The engine's queue is full (503 with `Retry-After`): retry later, or on another engine."""
-
-
-@dataclass
-class Item:
-    """One sequence to generate, as the HTTP layers describe it."""
-
-    input_ids: list[int]
-    params: SamplingParams
-    rid: str
-    wish: LogprobWish
-    grammar: Any = None  # the compiled grammar, set by `Engine.check`; each sequence gets its own matcher
-    lora: str | None = None  # a loaded LoRA adapter's name; None: the base model
 
 
 @dataclass
@@ -91,8 +79,11 @@ class Engine:
         self.adapter_users: Counter[str] = Counter()
         self.unloading: dict[str, asyncio.Event] = {}
         prefix_cache = None if cfg.disable_radix_cache else PrefixCache(cfg.page_size, cfg.radix_cache_max_tokens)
-        self.scheduler = Scheduler(
-            Runner(self.model, cfg.page_size, prefix_cache, self.lora, cfg.decode_attention_backend),
+        # The generation loop and the model's forward passes: private, the routes go through
+        # this class's methods (on the scheduler thread, between steps, where they change state).
+        self._runner = Runner(self.model, cfg.page_size, prefix_cache, self.lora, cfg.decode_attention_backend)
+        self._scheduler = Scheduler(
+            self._runner,
             max_running_requests=cfg.max_running_requests,
             max_prefill_tokens=cfg.max_prefill_tokens,
             share_prefills=not cfg.disable_radix_cache,
@@ -105,14 +96,14 @@ class Engine:
         self.capacity = cfg.max_running_requests + cfg.max_queued_requests
 
     def start(self) -> None:
-        self.scheduler.start()
+        self._scheduler.start()
 
     def stop(self) -> None:
-        self.scheduler.stop()
+        self._scheduler.stop()
 
     async def run(self, fn: Any, needs_idle: bool = False) -> Any:
         """Run `fn` on the scheduler thread (between steps) and await its result."""
-        return await asyncio.wrap_future(self.scheduler.call(fn, needs_idle))
+        return await asyncio.wrap_future(self._scheduler.call(fn, needs_idle))
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -162,7 +153,7 @@ class Engine:
                     rid = body.rid[i] if n == 1 else f"{body.rid[i]}-{j}"
                 else:
                     rid = f"{base}-{i * n + j}" if batch else base
-                items.append(Item(ids, _nth_copy(params[i], j), rid, wish, lora=body.per_item("lora_path", i)))
+                items.append(Item(ids, nth_copy(params[i], j), rid, wish, lora=body.per_item("lora_path", i)))
         for item in items:
             self.check(item)
         return items
@@ -200,53 +191,13 @@ class Engine:
             raise Unavailable(torn)
         if item.lora is not None:
             self.check_adapter(item.lora, "lora_path")
-        p, w, n_in, cfg = item.params, item.wish, len(item.input_ids), self.cfg
         try:
-            item.grammar = self.grammars.compile(p)  # compiled once per text (xgrammar's cache)
+            item.grammar = self.grammars.compile(item.params)  # compiled once per text (xgrammar's cache)
         except GrammarError as exc:
             raise RequestError(str(exc)) from None
-        if cfg.max_prompt_tokens is not None and n_in > cfg.max_prompt_tokens:
-            raise RequestError(
-                f"input_ids: the prompt has {n_in} tokens; this engine accepts at most {cfg.max_prompt_tokens} (--max-prompt-tokens)"
-            )
-        if cfg.max_new_tokens_cap is not None and p.max_new_tokens > cfg.max_new_tokens_cap:
-            raise RequestError(
-                f"sampling_params.max_new_tokens: {p.max_new_tokens} is over this engine's cap of {cfg.max_new_tokens_cap} (--max-new-tokens-cap)"
-            )
-        if n_in + p.max_new_tokens > self.context_length:
-            raise RequestError(
-                f"input_ids: the prompt ({n_in} tokens) plus sampling_params.max_new_tokens ({p.max_new_tokens}) "
-                f"exceeds the model's context length ({self.context_length} tokens)"
-            )
-        if p.sampling_seed is not None and not -(2**63) <= p.sampling_seed <= 2**64 - p.n:
-            raise RequestError(
-                f"sampling_params.sampling_seed: {p.sampling_seed} is outside [-2**63, 2**64 - n] (torch seeds are 64-bit)"
-            )
-        for rx in p.stop_regexes():
-            try:
-                re.compile(rx)
-            except re.error as exc:
-                raise RequestError(
-                    f"sampling_params.stop_regex: {rx!r} is not a valid regular expression ({exc})"
-                ) from None
-        if w.logprob_start_len > n_in:  # equal is allowed, as SGLang: no input logprobs
-            raise RequestError(
-                f"logprob_start_len: {w.logprob_start_len} is higher than the number of input tokens {n_in}; use a smaller logprob_start_len"
-            )
-        if w.top_logprobs_num < 0:
-            raise RequestError("top_logprobs_num: must be >= 0")
-        if any(not (k.isascii() and k.lstrip("-").isdigit()) for k in (p.logit_bias or {})):
-            raise RequestError("sampling_params.logit_bias: keys must be token ids written as strings")
-        for field, ids in (
-            ("token_ids_logprob", w.token_ids_logprob),
-            ("sampling_params.stop_token_ids", p.stop_token_ids),
-            ("sampling_params.logit_bias", [int(k) for k in p.logit_bias or {}]),
-        ):
-            for t in ids or []:
-                if not 0 <= t < self.vocab_size:
-                    raise RequestError(f"{field}: token id {t} is outside the vocabulary [0, {self.vocab_size})")
+        check_limits(item, self.cfg, self.vocab_size, self.context_length)
 
-    def submit(self, items: list[Item], stream: bool) -> AsyncIterator[tuple[list[Request], Update]]:
+    def submit(self, items: list[Item], stream: bool) -> AsyncIterator[tuple[list[Sequence], Update]]:
         """Schedule the items now (or raise Overloaded); iterate the result for their progress:
         every token when streaming, else only finishes.
 
@@ -265,7 +216,7 @@ class Engine:
         interval = max(1, self.cfg.stream_interval)
 
         def emitter(index: int):
-            def emit(req: Request, finished: bool) -> None:
+            def emit(req: Sequence, finished: bool) -> None:
                 if finished or (stream and len(req.output_ids) % interval == 0):
                     loop.call_soon_threadsafe(deliver, Update(index, len(req.output_ids), finished))
 
@@ -281,7 +232,7 @@ class Engine:
 
         stop_base = set(self.format.end_ids)
         reqs = [
-            Request(
+            Sequence(
                 rid=it.rid,
                 input_ids=it.input_ids,
                 params=it.params,
@@ -297,12 +248,12 @@ class Engine:
         self.unfinished += len(reqs)
         self.adapter_users.update(it.lora for it in items if it.lora is not None)
         for r in reqs:
-            self.scheduler.submit(r)
+            self._scheduler.submit(r)
         return self._progress(reqs, queue, stream)
 
     async def _progress(
-        self, reqs: list[Request], queue: asyncio.Queue[Update], stream: bool
-    ) -> AsyncIterator[tuple[list[Request], Update]]:
+        self, reqs: list[Sequence], queue: asyncio.Queue[Update], stream: bool
+    ) -> AsyncIterator[tuple[list[Sequence], Update]]:
         done = 0
         try:
             while done < len(reqs):
@@ -314,12 +265,12 @@ class Engine:
         finally:
             if done < len(reqs):  # the consumer left (client gone): abort the rest, and count them then
                 rids = {r.rid for r in reqs if r.finish_reason is None}
-                aborted = self.scheduler.call(lambda: self.scheduler.abort(rids=rids))
+                aborted = self._scheduler.call(lambda: self._scheduler.abort(rids=rids))
                 aborted.add_done_callback(lambda _: self.metrics.finished(reqs, stream))
 
-    async def generate(self, items: list[Item]) -> list[Request]:
+    async def generate(self, items: list[Item]) -> list[Sequence]:
         """Run to completion; the finished requests in item order."""
-        reqs: list[Request] = []
+        reqs: list[Sequence] = []
         async with aclosing(self.submit(items, stream=False)) as updates:
             async for reqs, _ in updates:
                 pass
@@ -361,11 +312,11 @@ class Engine:
         self.check_adapter(model, "model")
         return model
 
-    def version_of(self, req: Request) -> str:
+    def version_of(self, req: Sequence) -> str:
         """The version a reply reports: the base's, or the adapter's (its last one if unloaded since)."""
         if req.lora is not None and (self.lora is None or req.lora not in self.lora.adapters):
-            return req.versions[-1] if req.versions else self.scheduler.weight_version
-        return self.scheduler.version_of(req.lora)
+            return req.versions[-1] if req.versions else self._scheduler.weight_version
+        return self._scheduler.version_of(req.lora)
 
     async def load_adapter(self, ref: AdapterRef, version: str | None = None) -> None:
         """Read the adapter off the event loop, then add it on the scheduler thread (between steps),
@@ -393,83 +344,104 @@ class Engine:
         finally:
             del self.unloading[name]
 
+    # ---- control and state (the admin and info routes) -----------------------------------------
+
+    @property
+    def weight_version(self) -> str:
+        """The base model's weight version: SGLang's label, "default" until a push sets one."""
+        return self._scheduler.weight_version
+
+    def in_flight(self) -> tuple[int, int]:
+        """Sequences running and waiting now."""
+        return len(self._scheduler.running), len(self._scheduler.waiting)
+
+    @property
+    def last_gen_throughput(self) -> float:
+        return self._scheduler.last_gen_throughput
+
+    def render_metrics(self) -> bytes:
+        return self.metrics.render(self._scheduler)
+
+    async def abort(self, rid: str = "", abort_all: bool = False, message: str = "Abort by request.") -> None:
+        await self.run(lambda: self._scheduler.abort(rid, abort_all, message=message))
+
+    async def pause(self, mode: str) -> None:
+        await self.run(lambda: self._scheduler.pause(mode))
+
+    async def resume(self) -> None:
+        await self.run(self._scheduler.resume)
+
+    async def flush_cache(self) -> bool:
+        """Drop the prefix cache; refused (False) while sequences are in flight, as SGLang does."""
+
+        def flush() -> bool:
+            if self._scheduler.running or self._scheduler.waiting:
+                return False
+            self._runner.flush_cache()
+            return True
+
+        return await self.run(flush)
+
+    async def set_weight_version(self, version: str, abort_all: bool = False) -> None:
+        """Label the base model's weights `version`, aborting every sequence first if asked."""
+
+        def apply() -> None:
+            if abort_all:
+                self._scheduler.abort(abort_all=True)
+            self._scheduler.weight_version = version
+
+        await self.run(apply)
+
+    async def load_weights(
+        self, load: Callable[[], None], version: str | None = None, lora: str | None = None, abort_all: bool = False
+    ) -> None:
+        """Abort every sequence first if asked; run `load` while none runs (SGLang's writer lock)
+        or while paused; drop the KV cache, which even a failed load may have made stale; then
+        version the base model, or only the adapter `lora`. When a failed load left the weights
+        torn, the sequences on them are aborted (a paused one must not resume) before it raises."""
+        if abort_all:
+            await self.abort(abort_all=True)
+
+        def load_and_version() -> None:
+            try:
+                load()
+            finally:
+                self._runner.flush_cache()
+            if version is not None and lora is None:
+                self._scheduler.weight_version = version
+            elif version is not None:
+                self.lora.get(lora).version = version  # type: ignore[union-attr]
+
+        try:
+            await self.run(load_and_version, needs_idle=True)
+        except Exception:
+            if (torn := self.torn_error(lora)) is not None:
+                aborted = f"Abort: {torn}"
+                await self.run(lambda: self._scheduler.abort(abort_all=lora is None, lora=lora, message=aborted))
+            raise
+
+    async def load_weights_from_disk(self, path: str, version: str | None = None, abort_all: bool = False) -> None:
+        def load() -> None:
+            self.weights.update_from_disk(path)
+            self.model_path = path
+
+        await self.load_weights(load, version, abort_all=abort_all)
+
+    def torn_error(self, lora: str | None = None) -> str | None:
+        """Why the base model's weights (or the adapter `lora`'s) are torn by a failed push; None if whole."""
+        if lora is None:
+            return self.weights.torn_error()
+        adapter = self.lora.adapters.get(lora) if self.lora is not None else None  # None if unloaded meanwhile
+        return adapter.torn_error() if adapter is not None else None
+
     # ---- replies ------------------------------------------------------------------------------
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def text_of(self, req: Request, n: int, finished: bool) -> str:
-        """The text of the first `n` output tokens. As SGLang, a matched stop (token or string) is
-        cut from the text unless `no_stop_trim`; the ids always keep the stop token."""
-        ids = req.output_ids[:n]
-        reason = req.finish_reason if finished else None
-        if (
-            reason
-            and reason["type"] == "stop"
-            and isinstance(reason.get("matched"), int)
-            and not req.params.no_stop_trim
-        ):
-            ids = ids[:-1]
-        text = self.decode(ids, req.params.skip_special_tokens)
-        if finished and req.stop_text_at is not None:
-            text = text[: req.stop_text_at]
-        return text
+    def text_of(self, seq: Sequence, n: int, finished: bool) -> str:
+        return text_of(seq, n, finished, self.decode)
 
-    def reply(self, req: Request, n: int, finished: bool, text_in_logprobs: bool = False) -> dict[str, Any]:
-        """The docs/protocol.md 1.3 object for a request's first `n` tokens."""
-        ids = req.output_ids[:n]
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "finish_reason": req.finish_reason if finished else None,
-            "prompt_tokens": len(req.input_ids),
-            "completion_tokens": n,
-            "cached_tokens": req.cached_tokens,
-            "reasoning_tokens": 0,
-            "weight_version": self.version_of(req),
-            "weight_versions": _version_spans(req.versions[:n]),
-            "num_retractions": req.num_retractions,
-        }
-        if finished and req.finished_at is not None:
-            meta["e2e_latency"] = req.finished_at - req.created
-        w = req.wish
-        if w.return_logprob:
-            tok = self.decode if text_in_logprobs else None
-            triple = lambda lp, t: [lp, t, tok([t], False) if tok else None]  # noqa: E731
-            # Always present, as SGLang sends them: empty unless `logprob_start_len` is inside the prompt.
-            inputs = req.input_ids[w.logprob_start_len :] if req.input_logprobs is not None else []
-            meta["input_token_logprobs"] = [triple(lp, t) for lp, t in zip(req.input_logprobs or [], inputs)]
-            if w.top_logprobs_num > 0:
-                meta["input_top_logprobs"] = [
-                    None if e is None else [triple(lp, t) for lp, t in e] for e in req.input_top_logprobs or []
-                ]
-            if w.token_ids_logprob:
-                meta["input_token_ids_logprobs"] = [
-                    None if e is None else [triple(lp, t) for lp, t in e] for e in req.input_ids_logprobs or []
-                ]
-            meta["output_token_logprobs"] = [triple(lp, t) for lp, t in zip(req.output_logprobs[:n], ids)]
-            meta["output_token_logprobs_length"] = n
-            if w.top_logprobs_num > 0:
-                meta["output_top_logprobs"] = [[triple(lp, t) for lp, t in e] for e in req.output_top_logprobs[:n]]
-            if w.token_ids_logprob:
-                meta["output_token_ids_logprobs"] = [
-                    [triple(lp, t) for lp, t in e] for e in req.output_ids_logprobs[:n]
-                ]
-        return {"text": self.text_of(req, n, finished), "output_ids": ids, "meta_info": meta}
-
-
-def _nth_copy(params: SamplingParams, j: int) -> SamplingParams:
-    """Copy j of an `n > 1` request draws with seed + j: n samples, reproducible, not n clones."""
-    if params.sampling_seed is None or j == 0:
-        return params
-    return params.model_copy(update={"sampling_seed": params.sampling_seed + j})
-
-
-def _version_spans(versions: list[str]) -> list[dict[str, Any]]:
-    """Weight versions over output positions, as `[{"version", "start", "end"}]` (end exclusive)."""
-    spans: list[dict[str, Any]] = []
-    for i, v in enumerate(versions):
-        if spans and spans[-1]["version"] == v:
-            spans[-1]["end"] = i + 1
-        else:
-            spans.append({"version": v, "start": i, "end": i + 1})
-    return spans
+    def reply(self, seq: Sequence, n: int, finished: bool, text_in_logprobs: bool = False) -> dict[str, Any]:
+        """The docs/protocol.md 1.3 object for a sequence's first `n` tokens (replies.py)."""
+        return native_reply(seq, n, finished, self.decode, self.version_of(seq), text_in_logprobs)

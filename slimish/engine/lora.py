@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from slimish.config import EngineConfig
+from slimish.engine.config import EngineConfig
 from slimish.protocol import DEFAULT_WEIGHT_VERSION
 
 PEFT_PREFIX = "base_model.model."  # PEFT's name for the wrapped model, in front of every HF module path

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from slimish.engine.scheduler import Request, Scheduler
+from slimish.engine.scheduler import Scheduler, Sequence
 
 REQUEST_LABELS = ("model_name", "engine_type")
 SCHEDULER_LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank")
@@ -51,7 +51,7 @@ class Metrics:
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "Share of prompt tokens served from the prefix cache")
         self._prompt_seen = self._cached_seen = 0
 
-    def finished(self, reqs: list[Request], stream: bool) -> None:
+    def finished(self, reqs: list[Sequence], stream: bool) -> None:
         labels = {**self.labels, "is_streaming": str(stream).lower()}
         for r in reqs:
             self.prompt_tokens.labels(**labels).inc(len(r.input_ids))

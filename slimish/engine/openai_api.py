@@ -23,10 +23,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from slimish.engine.engine import Engine, Item, RequestError
-from slimish.engine.scheduler import LogprobWish
-from slimish.engine.scheduler import Request as Sequence
+from slimish.engine.engine import Engine
+from slimish.engine.items import Item, RequestError
+from slimish.engine.scheduler import LogprobWish, Sequence
 from slimish.formats.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
     OpenAIError,
     active_tools,
     check_tool_choice,
@@ -37,7 +39,7 @@ from slimish.formats.openai import (
     sampling_params_of,
 )
 from slimish.formats.template import TemplateError
-from slimish.protocol import ChatCompletionRequest, CompletionRequest, SamplingParams
+from slimish.protocol import SamplingParams
 
 
 def build_openai_router(engine: Engine) -> APIRouter:

@@ -25,8 +25,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from slimish.config import EngineConfig
 from slimish.engine.attention import use_decode_attention
+from slimish.engine.config import EngineConfig
 from slimish.engine.lora import LoraManager
 from slimish.engine.prefix_cache import PrefixCache
 

@@ -50,7 +50,7 @@ class LogprobWish:
 
 
 @dataclass
-class Request:
+class Sequence:
     """One sequence being generated. Lists only grow, so readers on other threads may slice them."""
 
     rid: str
@@ -58,7 +58,7 @@ class Request:
     params: SamplingParams
     stop_ids: set[int]
     wish: LogprobWish
-    emit: Callable[["Request", bool], None]  # (request, finished); called on the scheduler thread
+    emit: Callable[["Sequence", bool], None]  # (request, finished); called on the scheduler thread
     decode_text: Callable[[list[int], bool], str]  # (ids, skip_special_tokens) -> text
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -110,13 +110,13 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.share_prefills = share_prefills  # one prefill for identical prompts admitted together (n copies)
         self.on_step = on_step
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # row i of the batch is running[i]
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # row i of the batch is running[i]
         self.paused: str | None = None  # None, or the pause mode
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.last_gen_throughput = 0.0
-        self._inbox: deque[Request] = deque()
-        self._admitting: list[Request] = []
+        self._inbox: deque[Sequence] = deque()
+        self._admitting: list[Sequence] = []
         self._commands: deque[_Command] = deque()
         self._wake = threading.Condition()
         self._stopped = False
@@ -133,7 +133,7 @@ class Scheduler:
             self._wake.notify()
         self._thread.join(timeout=10)
 
-    def submit(self, req: Request) -> None:
+    def submit(self, req: Sequence) -> None:
         with self._wake:
             self._inbox.append(req)
             self._wake.notify()
@@ -240,10 +240,10 @@ class Scheduler:
 
     def _admit(self) -> None:
         budget = self.max_prefill_tokens
-        joined: list[Request] = []
+        joined: list[Sequence] = []
         self._admitting = joined  # off `waiting`, not yet `running`: a failing step must fail these too
         slabs: list[KVSlab] = []
-        held: list[Request] = []  # no adapter slot free this round
+        held: list[Sequence] = []  # no adapter slot free this round
         shared: dict[PrefillKey, PrefillOutput] = {}  # this round's prefills, by what makes them identical
         while self.waiting and len(self.running) + len(joined) < self.max_running:
             req = self.waiting[0]
@@ -268,14 +268,14 @@ class Scheduler:
             self.running += joined
         self._admitting = []
 
-    def _adapter_slot(self, req: Request, joined: list[Request]) -> bool:
+    def _adapter_slot(self, req: Sequence, joined: list[Sequence]) -> bool:
         """Whether `req`'s adapter has a slot next to the batch's (`--max-loras-per-batch`)."""
         lora = self.runner.lora
         if lora is None or req.lora is None:
             return True
         return lora.acquire(req.lora, {r.lora for r in [*self.running, *joined] if r.lora is not None})
 
-    def kv_namespace(self, req: Request) -> Hashable:
+    def kv_namespace(self, req: Sequence) -> Hashable:
         """What the KV of `req` depends on besides its tokens, so that the prefix cache and shared
         prefills never mix KV across namespaces: the weights (a weight load also flushes the
         cache) and the request's adapter, as loaded (`uid`: a reload under the same name is
@@ -286,18 +286,18 @@ class Scheduler:
         return (self.weight_version, adapter.uid, adapter.version)
 
     @staticmethod
-    def _logits_from(req: Request) -> int | None:
+    def _logits_from(req: Sequence) -> int | None:
         """The first prompt position whose logits the request needs (row j-1 scores token j)."""
         start = req.wish.logprob_start_len
         if req.output_ids or not (req.wish.return_logprob and 0 <= start < len(req.input_ids)):
             return None
         return max(start - 1, 0)
 
-    def _prefill_ids(self, req: Request) -> list[int]:
+    def _prefill_ids(self, req: Sequence) -> list[int]:
         """A retracted request resumes: its last output token is not in the cache yet."""
         return req.input_ids + req.output_ids[:-1] if req.output_ids else req.input_ids
 
-    def _prefill_key(self, req: Request) -> PrefillKey:
+    def _prefill_key(self, req: Sequence) -> PrefillKey:
         """(KV namespace, the ids to prefill, the first position whose logits are needed): what
         makes two prefills identical, and all a prefill needs."""
         return (self.kv_namespace(req), tuple(self._prefill_ids(req)), self._logits_from(req))
@@ -306,7 +306,7 @@ class Scheduler:
         namespace, ids, logits_from = key
         return len(ids) - self.runner.cached_prefix(namespace, list(ids), logits_from)
 
-    def _prefill(self, req: Request, key: PrefillKey, shared: dict[PrefillKey, PrefillOutput]) -> KVSlab | None:
+    def _prefill(self, req: Sequence, key: PrefillKey, shared: dict[PrefillKey, PrefillOutput]) -> KVSlab | None:
         """Prefill one request (or take an identical one's prefill from this round); its KV if it
         joins the batch."""
         namespace, ids, logits_from = key
@@ -347,7 +347,7 @@ class Scheduler:
 
     # ---- per-token bookkeeping ----------------------------------------------------------------
 
-    def _append(self, req: Request, token: int, logprobs: torch.Tensor) -> None:
+    def _append(self, req: Sequence, token: int, logprobs: torch.Tensor) -> None:
         req.output_ids.append(token)
         req.versions.append(self.version_of(req.lora))
         if req.grammar is not None:
@@ -365,7 +365,7 @@ class Scheduler:
         else:
             req.emit(req, False)
 
-    def _finish_reason(self, req: Request, token: int) -> dict[str, Any] | None:
+    def _finish_reason(self, req: Sequence, token: int) -> dict[str, Any] | None:
         p = req.params
         if token in req.stop_ids:  # sampling masks stop ids until min_new_tokens
             return {"type": "stop", "matched": token}
@@ -384,14 +384,14 @@ class Scheduler:
             return {"type": "length", "length": p.max_new_tokens}
         return None
 
-    def _finish(self, req: Request, reason: dict[str, Any]) -> None:
+    def _finish(self, req: Sequence, reason: dict[str, Any]) -> None:
         if req.finish_reason is not None:
             return
         req.finish_reason = reason
         req.finished_at = time.monotonic()
         req.emit(req, True)
 
-    def _input_logprobs(self, req: Request, logits: torch.Tensor) -> None:
+    def _input_logprobs(self, req: Sequence, logits: torch.Tensor) -> None:
         """Logprobs of prompt tokens from `logprob_start_len` on; the first token has none."""
         # row r of `logits` is position `first + r`, which predicts token `first + r + 1`
         lp = torch.log_softmax(logits / temperature_of(req.params), dim=-1)

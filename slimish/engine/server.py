@@ -18,19 +18,21 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 import slimish
-from slimish.config import EngineConfig, add_config_arguments, config_from_args
 from slimish.engine.api_generate import build_generate_router
 from slimish.engine.api_info import build_info_router
 from slimish.engine.api_lora import build_lora_router
 from slimish.engine.api_weights import build_weights_router
-from slimish.engine.engine import Engine, Overloaded, RequestError, Unavailable
+from slimish.engine.config import EngineConfig
+from slimish.engine.engine import Engine, Overloaded, Unavailable
 from slimish.engine.http import BadRequest, BodyLimit, BodyTooLarge, error_message
+from slimish.engine.items import RequestError
 from slimish.engine.openai_api import build_openai_router
+from slimish.flags import add_config_arguments, config_from_args
+from slimish.formats.openai import ChatCompletionRequest, CompletionRequest
 from slimish.protocol import (
+    WEIGHT_UPDATE_ROUTES,
     AbortReq,
     BeginWeightUpdateReq,
-    ChatCompletionRequest,
-    CompletionRequest,
     ContinueGenerationReq,
     DestroyWeightsUpdateGroupReq,
     DetokenizeRequest,
@@ -54,13 +56,7 @@ log = logging.getLogger(__name__)
 
 OPEN_ROUTES = {"/health", "/health_generate", "/ready", "/metrics"}
 ADMIN_ROUTES = {
-    "/init_weights_update_group",
-    "/update_weights_from_distributed",
-    "/destroy_weights_update_group",
-    "/update_weights_from_disk",
-    "/begin_weight_update",
-    "/end_weight_update",
-    "/update_weight_version",
+    *WEIGHT_UPDATE_ROUTES,
     "/pause_generation",
     "/continue_generation",
     "/flush_cache",

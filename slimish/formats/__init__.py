@@ -1,6 +1,6 @@
 """Model formats: how each model family writes a conversation in tokens and how to read its replies.
 
-One place, imported by the engine's OpenAI routes, `ctx.chat`, the capture endpoint and SFT alike
+One place, imported by the engine's OpenAI routes, `ctx.chat`, the agent gateway and SFT alike
 (the rollout side never imports `slimish.engine` for this):
 
 - `template.py`: chat rendering with the tokenizer's template (message normalisation, tool-call

@@ -2,7 +2,7 @@
 
 The engine builds one for the model it serves, the rollout process one for the run's model; both
 render prompts with the same `ChatTemplate`, stop on the same end tokens and split replies with
-the same parsers, so `/v1/chat/completions`, `ctx.chat` and the capture endpoint agree.
+the same parsers, so `/v1/chat/completions`, `ctx.chat` and the agent gateway agree.
 
 Parsers are chosen by SGLang's names (`--tool-call-parser`, `--reasoning-parser`; the same keys in
 the run config). Not given, they are detected from the chat template; "none" turns one off.
@@ -23,7 +23,7 @@ OFF = "none"
 
 
 @dataclass
-class Reply:
+class ParsedReply:
     """A model reply split as OpenAI's chat message wants it."""
 
     content: str
@@ -48,7 +48,7 @@ class ReplyStream:
         self._reasoning = fmt.reasoning.stream(fmt.opens_reasoning(prompt)) if fmt.reasoning and reasoning else None
         self._tools = fmt.tools.stream(tools) if fmt.tools and tools else None
 
-    def feed(self, delta: str, last: bool = False) -> Reply:
+    def feed(self, delta: str, last: bool = False) -> ParsedReply:
         """The parts of `delta` that can be shown now; with `last`, everything held back too."""
         reasoning, content = self._reasoning.feed(delta) if self._reasoning else ("", delta)
         if last and self._reasoning:
@@ -60,7 +60,7 @@ class ReplyStream:
             if last:
                 rest, more = self._tools.finish()
                 content, calls = content + rest, calls + more
-        return Reply(content, reasoning or None, calls)
+        return ParsedReply(content, reasoning or None, calls)
 
 
 class ModelFormat:
@@ -122,7 +122,7 @@ class ModelFormat:
         i = tail.rfind(self.reasoning.start)
         return i >= 0 and tail.find(self.reasoning.end, i) < 0
 
-    def reply(self, text: str, prompt: list[int], tools: list[dict] | None, reasoning: bool = True) -> Reply:
+    def reply(self, text: str, prompt: list[int], tools: list[dict] | None, reasoning: bool = True) -> ParsedReply:
         """A whole reply: reasoning split out (unless `reasoning` is False: SGLang's
         `separate_reasoning`), then tool calls parsed from the rest when the request offered tools."""
         split = self.reasoning is not None and reasoning
@@ -130,7 +130,7 @@ class ModelFormat:
         calls: list[dict[str, Any]] = []
         if self.tools is not None and tools:
             content, calls = self.tools.parse(content, tools)
-        return Reply(content, thought, calls)
+        return ParsedReply(content, thought, calls)
 
     def reply_stream(self, prompt: list[int], tools: list[dict] | None, reasoning: bool = True) -> ReplyStream:
         return ReplyStream(self, prompt, tools, reasoning)

@@ -1,24 +1,137 @@
-"""OpenAI chat shapes shared by the engine's `/v1/chat/completions` and the capture endpoint:
-request parsing with field-naming 400s, and the reply's message and finish reason.
+"""OpenAI shapes shared by the engine's `/v1/completions` and `/v1/chat/completions`, the router and
+the agent gateway: the request bodies (docs/protocol.md 3), their parsing with field-naming 400s,
+and the reply's message and finish reason.
 
-Both servers answer the same SDKs, so they must agree to the field; the capture endpoint lives in
+Both servers answer the same SDKs, so they must agree to the field; the agent gateway lives in
 the rollout process and must not import the engine (torch, the scheduler) to get them.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+import json
+from typing import Any, Literal, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from slimish.formats.model import Reply
+from slimish.formats.model import ParsedReply
 from slimish.formats.template import TemplateError
-from slimish.protocol import ChatCompletionRequest, CompletionRequest, SamplingParams, describe_validation_error
+from slimish.protocol import SamplingParams, describe_validation_error
 from slimish.serving import load_json
 
 M = TypeVar("M", bound=BaseModel)
+
+
+# --------------------------------------------------------------------------------------------
+# OpenAI-compatible (docs/protocol.md 3). Lax types: SDKs send floats and ints freely.
+# --------------------------------------------------------------------------------------------
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`, turned into a grammar as SGLang does (`sampling_fields`)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: dict[str, Any] | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # SGLang also takes it at the top
+
+    @model_validator(mode="after")
+    def _has_schema(self) -> "ResponseFormat":
+        if (
+            self.type == "json_schema"
+            and self.schema_ is None
+            and not isinstance((self.json_schema or {}).get("schema"), dict)
+        ):
+            raise ValueError("json_schema.schema is required for a json_schema response format request")
+        return self
+
+    def sampling_fields(self) -> dict[str, str]:
+        if self.type == "json_schema":
+            return {"json_schema": json.dumps(self.schema_ if self.schema_ is not None else self.json_schema["schema"])}
+        if self.type == "json_object":
+            return {"json_schema": '{"type": "object"}'}
+        if self.type == "structural_tag":
+            return {"structural_tag": json.dumps(self.model_dump(by_alias=True, exclude_none=True))}
+        return {}
+
+
+class _OpenAISampling(BaseModel):
+    """Fields the two OpenAI request kinds share, with SGLang's extras."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    return_token_ids: bool = False
+    rid: str | None = None
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def sampling_params(self, max_new_tokens: int) -> SamplingParams:
+        grammar = {"regex": self.regex, "ebnf": self.ebnf, "json_schema": getattr(self, "json_schema", None)}
+        if self.response_format is not None:
+            grammar.update(self.response_format.sampling_fields())
+        return SamplingParams(
+            **{name: text for name, text in grammar.items() if text is not None},
+            max_new_tokens=max_new_tokens,
+            temperature=float(self.temperature),
+            top_p=float(self.top_p),
+            top_k=self.top_k,
+            min_p=float(self.min_p),
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            no_stop_trim=self.no_stop_trim,
+            skip_special_tokens=self.skip_special_tokens,
+            min_new_tokens=self.min_tokens,
+            repetition_penalty=float(self.repetition_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            presence_penalty=float(self.presence_penalty),
+            logit_bias=self.logit_bias,
+            sampling_seed=self.seed,
+        )
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    json_schema: str | None = None
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True  # SGLang: reasoning in `reasoning_content` (False: left in `content`)
+    return_prompt_token_ids: bool = False
+    return_meta_info: bool = False
 
 
 class OpenAIError(Exception):
@@ -87,7 +200,7 @@ def active_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     return body.tools if body.tools and body.tool_choice != "none" else None
 
 
-def reply_message(reply: Reply) -> dict[str, Any]:
+def reply_message(reply: ParsedReply) -> dict[str, Any]:
     """The choice's `message`, in SGLang's shape (every field present, null when empty)."""
     return {
         "role": "assistant",

@@ -1,7 +1,7 @@
 """Chat rendering with the tokenizer's own template, and the model's end tokens.
 
 Every path that turns messages into ids (the engine's `/v1/chat/completions`, `ctx.chat`, the
-capture endpoint, SFT) renders through `ChatTemplate`, so one conversation has one rendering.
+agent gateway, SFT) renders through `ChatTemplate`, so one conversation has one rendering.
 
 Messages arrive in OpenAI's shape and are normalised as SGLang does before the template sees them:
 null fields dropped, text parts joined. Tool-call `arguments` are the one field templates disagree
@@ -162,7 +162,7 @@ def end_token_ids(tokenizer: Any, model_path: str | None = None) -> list[int]:
     """The ids a model ends its turn with: `generation_config.json`'s `eos_token_id` (an int or a
     list: Llama 3 stops on `<|eot_id|>`, `<|eom_id|>` and `<|end_of_text|>`; GLM on the next turn's
     `<|user|>` / `<|observation|>`), then the tokenizer's EOS. One source for the engine's stop set,
-    `ctx.chat` and capture, so every path agrees on where a turn ended."""
+    `ctx.chat` and the gateway, so every path agrees on where a turn ended."""
     path = model_path or getattr(tokenizer, "name_or_path", None)
     eos: Any = None
     if path:

@@ -3,43 +3,17 @@ actors across a cluster (`launch.mode: ray`); built-in, SGLang or external engin
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from slimish.launch.commands import teacher_launch_config
 from slimish.launch.local import Servers, engines_only, local_servers
+from slimish.launch.workers import named_workers, registered
 
 if TYPE_CHECKING:
-    from slimish.config import LaunchConfig, LoraConfig
-
-
-def lora_launch(launch: "LaunchConfig", lora: "LoraConfig") -> "LaunchConfig":
-    """`launch` with the flags engines it starts need to serve the run's adapter (`trainer.lora`):
-    LoRA on, its rank, its target modules (SGLang's flag names, for the built-in engine too). A
-    flag the user set already is left as set."""
-    if not lora.enabled:
-        return launch
-    flags = {
-        "enable_lora": ["true"],
-        "max_lora_rank": [str(lora.rank)],
-        "lora_target_modules": list(lora.target_modules),
-    }
-    given = {pair.split("=", 1)[0].lstrip("-").replace("-", "_") for pair in launch.engine_flag}
-    given_sglang = {
-        arg.split("=", 1)[0].removeprefix("--sglang-").lstrip("-").replace("-", "_") for arg in launch.sglang_args
-    }
-    engine_flag = [f"{name}={v}" for name, values in flags.items() if name not in given for v in values]
-    sglang_args = [
-        arg
-        for name, values in flags.items()
-        if name not in given_sglang
-        for arg in ["--" + name.replace("_", "-"), *(v for v in values if name != "enable_lora")]
-    ]
-    return dataclasses.replace(
-        launch, engine_flag=[*launch.engine_flag, *engine_flag], sglang_args=[*launch.sglang_args, *sglang_args]
-    )
+    from slimish.launch.config import LaunchConfig
 
 
 def start_servers(
@@ -54,23 +28,6 @@ def start_servers(
     return local_servers(launch, model, log_dir, first_gpu)
 
 
-def teacher_launch_config(launch: "LaunchConfig") -> "LaunchConfig":
-    """The teacher's engines (`launch.teacher`) as a launch of their own, on this machine."""
-    from slimish.config import LaunchConfig
-
-    t = launch.teacher
-    return LaunchConfig(
-        router_url=t.router_url,
-        engines=t.engines,
-        engine_kind=t.engine_kind,
-        engine_flag=list(t.engine_flag),
-        sglang_args=list(t.sglang_args),
-        policy=launch.policy,
-        api_key=launch.api_key,
-        start_timeout=launch.start_timeout,
-    )
-
-
 @contextmanager
 def teacher_servers(
     launch: "LaunchConfig", log_dir: str | Path, policy_router: str, first_gpu: int = 0
@@ -80,8 +37,6 @@ def teacher_servers(
     or the server at `teacher.router_url`; with `teacher.served_name`, its engines (started, or
     already there) behind `policy_router` by that name. Never part of the policy's `Servers`, so
     weight sync never reaches it."""
-    from slimish.launch.named import named_workers, registered
-
     t = launch.teacher
     own = teacher_launch_config(launch)
     if t.served_name is None:

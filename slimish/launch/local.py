@@ -6,20 +6,20 @@ start, wait for and stop servers the same way: bounded waits, no orphans.
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import httpx
-
-from slimish.launch.process import ServerProcess, start_all
+from slimish.launch.commands import engine_argv, engine_command
+from slimish.launch.plan import engine_gpus
+from slimish.launch.workers import existing_engine_urls
 from slimish.net import connect_host, free_port
+from slimish.processes import ServerProcess, start_all
 
 if TYPE_CHECKING:
-    from slimish.config import LaunchConfig
+    from slimish.launch.config import LaunchConfig
 
 
 def engine_process(
@@ -32,66 +32,6 @@ def engine_process(
     """A built-in engine child bound to `host`; `flags` as `engine_argv` writes them."""
     port = port or free_port(host)
     return ServerProcess(engine_argv(model, host, port, flags), port=port, host=connect_host(host), log_path=log_path)
-
-
-def engine_command(
-    launch: "LaunchConfig", model: str | Path, host: str, port: int | str, gpus: tuple[int, ...] = ()
-) -> tuple[str, list[str]]:
-    """One engine of `launch.engine_kind` (builtin or sglang) as `python -m MODULE ARGV`: the
-    module and the arguments. `gpus`: its GPUs on its node (slimish/launch/plan.py
-    `engine_gpus`) where the launcher places it; none under Ray, whose bundle sets the GPUs the
-    engine sees, and none for a CPU engine."""
-    if launch.engine_kind == "sglang":
-        from slimish.launch.sglang import MODULE, sglang_argv
-
-        return MODULE, sglang_argv(model, host, port, launch.sglang_args, launch.api_key, gpus[0] if gpus else None)
-    flags = engine_flags(launch.engine_flag)
-    if gpus and flags.get("device") == "cuda":
-        flags["device"] = f"cuda:{gpus[0]}"
-    if owned := {"model", "host", "port"} & set(flags):
-        raise ValueError(
-            f"launch.engine_flag: {', '.join(sorted(owned))} set by the launcher (the run's model; "
-            "127.0.0.1, or the node's address under launch.mode=ray; a free port); remove it"
-        )
-    if launch.api_key:
-        flags.setdefault("api_key", launch.api_key)
-    return "slimish.cli", engine_argv(model, host, port, flags)
-
-
-def engine_argv(model: str | Path, host: str, port: int | str, flags: dict[str, object]) -> list[str]:
-    """`slimish engine`'s arguments; `flags` as it reads them: `--flag value`
-    (`max_running_requests=8`), a list `--flag v1 v2 ...` (`lora_paths=[...]`), and a boolean
-    field a bare flag as SGLang's: `--enable-lora` for True, `--no-enable-lora` for False. A
-    boolean may also be the text of a NAME=VALUE pair (`launch.engine_flag: [enable_lora=true]`)."""
-    from slimish.config import EngineConfig
-
-    hints, argv = (
-        typing.get_type_hints(EngineConfig),
-        ["engine", "--model", str(model), "--host", host, "--port", str(port)],
-    )
-    for key, value in flags.items():
-        flag = key.replace("_", "-")
-        if hints.get(key) is bool:
-            on = value if isinstance(value, bool) else {"true": True, "false": False}.get(str(value).lower())
-            if on is None:
-                raise ValueError(f"engine flag {key}: true or false, got {value!r}")
-            argv.append(f"--{flag}" if on else f"--no-{flag}")
-        else:
-            argv += [f"--{flag}", *map(str, value if isinstance(value, list) else [value])]
-    return argv
-
-
-def engine_flags(pairs: list[str], field: str = "launch.engine_flag") -> dict[str, object]:
-    """NAME=VALUE pairs (`field`, for errors) by name; a NAME given again adds a value: a list
-    flag's values. `--max-running-requests=8` and `max_running_requests=8` are the same."""
-    values: dict[str, list[str]] = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        name = name.strip().lstrip("-").replace("-", "_")
-        if not sep or not name:
-            raise ValueError(f"{field}: expected NAME=VALUE, got {pair!r}")
-        values.setdefault(name, []).append(value)
-    return {name: v[0] if len(v) == 1 else v for name, v in values.items()}
 
 
 def engine_server(
@@ -127,8 +67,8 @@ def router_process(launch: "LaunchConfig", worker_urls: list[str], log_dir: Path
         str(port),
         "--policy",
         launch.policy,
-        "--workers",
-        str(launch.router_workers),
+        "--processes",
+        str(launch.router_processes),
         "--worker-urls",
         *worker_urls,
     ]
@@ -186,8 +126,6 @@ def local_servers(
 def local_engines(launch: "LaunchConfig", model: str | Path, log_dir: Path, first_gpu: int = 0) -> list[ServerProcess]:
     """`launch.engines` engines of `launch.engine_kind` for this machine, not started (none for
     external ones), each on its own GPUs from `first_gpu` on (slimish/launch/plan.py)."""
-    from slimish.launch.plan import engine_gpus
-
     if launch.engine_kind == "external":
         return []
     return [
@@ -210,36 +148,3 @@ def engines_only(
     finally:
         for proc in engines:
             proc.stop()
-
-
-def admin_headers(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def existing_engine_urls(url: str, api_key: str | None = None, skip_model: str | None = None) -> list[str]:
-    """A router's workers (`GET /list_workers`) less those registered under `skip_model` (the
-    teacher's, never pushed to), or `[url]` when `url` is an engine itself."""
-    r = httpx.get(url.rstrip("/") + "/list_workers", headers=admin_headers(api_key), timeout=10.0)
-    if r.status_code == 404:
-        return [url.rstrip("/")]
-    r.raise_for_status()
-    if skip_model is None:
-        return list(r.json()["urls"])
-    from slimish.launch.named import named_workers
-
-    skipped = named_workers(url, skip_model, api_key)
-    return [u for u in r.json()["urls"] if u.rstrip("/") not in skipped]
-
-
-def replace_worker(router_url: str, old: str | None, new: str, api_key: str | None = None) -> None:
-    """Swap `old` for `new` in a router's worker list with the sglang-router 0.3 registry routes
-    (`GET|POST /workers`, `DELETE /workers/<id>`), which the slimish router serves as well."""
-    with httpx.Client(base_url=router_url.rstrip("/"), headers=admin_headers(api_key), timeout=10.0) as http:
-        listed = http.get("/workers")
-        listed.raise_for_status()
-        ids = {w["url"].rstrip("/"): w["id"] for w in listed.json()["workers"]}
-        old, new = (old or "").rstrip("/"), new.rstrip("/")
-        if old in ids and old != new:
-            http.delete(f"/workers/{ids[old]}").raise_for_status()
-        if new not in ids:  # one still listed comes back by the router's health checks
-            http.post("/workers", json={"url": new}).raise_for_status()

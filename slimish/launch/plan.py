@@ -25,12 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from slimish.launch.local import engine_command, engine_flags
+from slimish.launch.commands import engine_command, engine_flags, lora_launch, teacher_launch_config
 from slimish.launch.sglang import flag_value, sglang_tp
 
 if TYPE_CHECKING:
     from megatron_bridge.config import BridgeConfig
-    from slimish.config import EngineConfig, LaunchConfig, RunConfig
+    from slimish.config import RunConfig
+    from slimish.engine.config import EngineConfig
+    from slimish.launch.config import LaunchConfig
 
 GIB = float(1 << 30)
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
@@ -131,7 +133,7 @@ def engine_gpus(launch: "LaunchConfig", first_gpu: int) -> list[tuple[int, ...]]
     engine from `--base-gpu-id` in launch.sglang_args when given, else from `first_gpu`; one each
     for built-in engines with device=cuda (device=cuda:K keeps them all on K). Empty for CPU and
     external engines, and under Ray (the bundle's GPUs are the engine's)."""
-    from slimish.config import EngineConfig
+    from slimish.engine.config import EngineConfig
 
     if launch.engine_kind == "external":
         return []
@@ -226,8 +228,6 @@ def check_sglang_sizes(args: list[str], m: "BridgeConfig") -> None:
 
 def teacher_launch(cfg: "RunConfig") -> "LaunchConfig | None":
     """The teacher's own engines (on-policy distillation), when the run starts them."""
-    from slimish.launch import teacher_launch_config
-
     t = cfg.launch.teacher
     return teacher_launch_config(cfg.launch) if cfg.algorithm.opd.coef > 0 and t.model and not t.router_url else None
 
@@ -261,7 +261,7 @@ def builtin_engine_config(launch: "LaunchConfig", model: str) -> "EngineConfig":
     """The built-in engine's settings from launch.engine_flag, validated as `slimish engine` would."""
     from omegaconf import OmegaConf
 
-    from slimish.config import EngineConfig
+    from slimish.engine.config import EngineConfig
 
     hints = typing.get_type_hints(EngineConfig)
     flags = {
@@ -322,8 +322,6 @@ Use = tuple[str, list[Part], str]  # who, what it holds, a note on the figure
 def describe(cfg: "RunConfig", m: "BridgeConfig", source: Path, machine: Machine) -> list[str]:
     """The plan as lines of text; raises ValueError (naming the field) when a size does not
     divide, a GPU is missing, or a GPU's memory does not hold what is put on it."""
-    from slimish.launch import lora_launch
-
     t, launch, teacher = cfg.trainer, lora_launch(cfg.launch, cfg.trainer.lora), teacher_launch(cfg)
     first = first_free_gpu(cfg, cuda=True)
     check_sizes(cfg, m)

@@ -20,11 +20,12 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slimish.launch.local import Servers, await_weights_on_relaunch, engine_server, replace_worker, router_process
-from slimish.launch.process import ServerProcess
+from slimish.launch.local import Servers, await_weights_on_relaunch, engine_server, router_process
+from slimish.launch.workers import replace_worker
+from slimish.processes import ServerProcess
 
 if TYPE_CHECKING:
-    from slimish.config import LaunchConfig
+    from slimish.launch.config import LaunchConfig
 
 ACTOR_NAME = "slimish-engine-{index}"  # ray list actors; a replacement gets a `-r<n>` suffix
 CALL_TIMEOUT = 60.0  # an actor that does not answer a status call within this is replaced

@@ -12,11 +12,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from slimish.launch.local import engine_flags, engine_process
-from slimish.launch.process import ServerProcess, start_all
-from slimish.config import RouterConfig, ServeConfig, add_config_arguments, config_from_args
-from slimish.router.app import add_arguments as add_router_arguments
-from slimish.router.app import serve_forever
+from slimish.flags import add_config_arguments, config_from_args
+from slimish.launch.commands import engine_flags
+from slimish.launch.config import ServeConfig
+from slimish.launch.local import engine_process
+from slimish.processes import ServerProcess, start_all
+from slimish.router.cli import add_arguments as add_router_arguments
+from slimish.router.cli import serve_forever
+from slimish.router.config import RouterConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

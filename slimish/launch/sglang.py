@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slimish.launch.process import ServerProcess
 from slimish.net import connect_host, free_port
+from slimish.processes import ServerProcess
 
 MODULE = "sglang.launch_server"
 # /health answers from the server's state instead of running a one-token generation, which waits

@@ -18,18 +18,21 @@ import copy
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from transformers import AutoTokenizer
 
 from slimish.client import Client
-from slimish.config import RolloutConfig, RunConfig
+from slimish.rollout.config import RolloutConfig
 from slimish.formats.model import ModelFormat
 from slimish.formats.tokens import ChatTokens, same_message
+from slimish.gateway.server import Gateway
 from slimish.protocol import GenerateResponse, version_number
-from slimish.rollout.capture import CaptureServer
 from slimish.rollout.teacher import Teacher
 from slimish.types import GenerateResult, Sample, SampleStatus, status_of
+
+if TYPE_CHECKING:
+    from slimish.config import RunConfig
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -107,8 +110,8 @@ class RolloutRuntime:
         self.sampling_params = default_sampling_params(cfg.rollout)
         # The model's chat format (template, end tokens, parsers): the same object the engine builds.
         self.format = ModelFormat(tokenizer, cfg.model, cfg.rollout.tool_call_parser, cfg.rollout.reasoning_parser)
-        self.capture: CaptureServer | None = None  # the agent gateway, started by the first session
-        self._capture_lock = asyncio.Lock()
+        self.gateway: Gateway | None = None  # the agent gateway, started by the first session
+        self._gateway_lock = asyncio.Lock()
         self.key = uuid.uuid4().hex[:8]  # this run's part of every routing key
         # trainer.lora: every generate call of the run (training, evaluation, the gateway) names
         # the run's adapter; the teacher's calls go through their own client and never do.
@@ -130,11 +133,11 @@ class RolloutRuntime:
             )
         return cls(cfg, Client(router_url, api_key=cfg.launch.api_key), tokenizer, teacher)
 
-    async def get_capture(self) -> CaptureServer:
-        async with self._capture_lock:
-            if self.capture is None:
+    async def get_gateway(self) -> Gateway:
+        async with self._gateway_lock:
+            if self.gateway is None:
                 r = self.cfg.rollout
-                capture = CaptureServer(
+                gateway = Gateway(
                     self.client.base_url,
                     self.format,
                     self.cfg.launch.api_key,
@@ -144,14 +147,14 @@ class RolloutRuntime:
                     r.realign_tokens,
                     self.lora,
                 )
-                await capture.start()
-                self.capture = capture
-        return self.capture
+                await gateway.start()
+                self.gateway = gateway
+        return self.gateway
 
     async def close(self) -> None:
-        if self.capture is not None:
-            await self.capture.stop()
-            self.capture = None
+        if self.gateway is not None:
+            await self.gateway.stop()
+            self.gateway = None
         if self.teacher is not None:
             await self.teacher.close()
         await self.client.close()
@@ -374,49 +377,49 @@ class RolloutContext:
     async def openai_base_url(self) -> str:
         """`base_url` for `openai.AsyncOpenAI` (Chat Completions and Responses): every call
         through it is captured for this sample."""
-        gateway, session = await self._gateway()
+        gateway, session = await self._gateway_session()
         return gateway.session_base_url(session)
 
     async def anthropic_base_url(self) -> str:
         """`base_url` for `anthropic.AsyncAnthropic` (Messages): captured for this sample."""
-        gateway, session = await self._gateway()
+        gateway, session = await self._gateway_session()
         return gateway.session_url(session)
 
     async def agent_env(self) -> dict[str, str]:
         """Environment variables that point an unmodified agent program at this sample's session:
         `OPENAI_BASE_URL` / `ANTHROPIC_BASE_URL` name the gateway, the API keys name the session
         (many harnesses take nothing but a base URL and a key from the environment)."""
-        from slimish.rollout.harness import gateway_env
+        from slimish.gateway.harness import gateway_env
 
-        gateway, session = await self._gateway()
+        gateway, session = await self._gateway_session()
         return gateway_env(gateway.url, session)
 
-    async def _gateway(self) -> tuple[CaptureServer, str]:
+    async def _gateway_session(self) -> tuple[Gateway, str]:
         """The rollout process's gateway, started on first use, and this sample's session on it."""
         sample = self._need_sample("the gateway")
-        capture = await self.runtime.get_capture()
+        gateway = await self.runtime.get_gateway()
         if self._session is None:
             self._session = f"{sample.group_id}-{sample.index}-{uuid.uuid4().hex[:12]}"
-            capture.session_sampling[self._session] = dict(
+            gateway.session_sampling[self._session] = dict(
                 self.sampling_params
             )  # what this call samples with (eval: its temperature)
-        return capture, self._session
+        return gateway, self._session
 
     def captured_samples(self) -> list[Sample]:
         """The exact-token samples of this context's gateway session (one per leaf of its tree)."""
         sample = self._need_sample("captured_samples")
-        if self._session is None or self.runtime.capture is None:
+        if self._session is None or self.runtime.gateway is None:
             raise ValueError(
                 "ctx.captured_samples: no gateway session; call `await ctx.openai_base_url()` (or "
                 "anthropic_base_url, agent_env) and use it first"
             )
-        return self.runtime.capture.pop_samples(self._session, sample)
+        return self.runtime.gateway.pop_samples(self._session, sample)
 
     def release(self) -> None:
         """Forget the gateway sessions (this sample's, its siblings') the rollout function never
         collected (it raised, or was cut off)."""
-        if self._session is not None and self.runtime.capture is not None and self.sample is not None:
-            self.runtime.capture.pop_samples(self._session, self.sample)
+        if self._session is not None and self.runtime.gateway is not None and self.sample is not None:
+            self.runtime.gateway.pop_samples(self._session, self.sample)
         for sibling in self._siblings:
             sibling.release()
 

@@ -21,7 +21,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from slimish.config import DataConfig
+from slimish.rollout.config import DataConfig
+from slimish.plugins import load_function
 
 TASK_PREFIX = "task:"
 
@@ -57,8 +58,6 @@ def load_rows(source: str, cfg: DataConfig, split: str = "train", flag: str | No
 def _call(source: str, cfg: DataConfig, split: str, flag: str, where: str) -> list[Any]:
     """The rows a function source yields for `split`, loaded (and its signature checked) now;
     each must be what a JSONL line holds (a JSON object), since rows are saved and logged."""
-    from slimish.rollout.loader import load_function  # here: the loader imports the rollout side
-
     out = load_function(source, "data", flag)(cfg, split)
     if isinstance(out, (str, bytes, Mapping)) or not isinstance(out, Iterable):
         raise ValueError(

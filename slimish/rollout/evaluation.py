@@ -12,15 +12,19 @@ function failed counts as not correct.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from slimish.config import RunConfig
+from slimish.plugins import Loader, load_function
 from slimish.rollout.data import load_rows
-from slimish.rollout.loader import load_function
+from slimish.rollout.pipeline import Pipeline, new_sample
 from slimish.types import Sample, SampleStatus, trajectories
+
+if TYPE_CHECKING:
+    from slimish.config import RunConfig
 
 
 @dataclass
@@ -36,9 +40,15 @@ class EvalSet:
         return "eval/" if self.name is None else f"eval/{self.name}/"
 
 
-def eval_sets(cfg: RunConfig, rollout_fn: Callable[..., Any], reward_fn: Callable[..., Any] | None) -> list[EvalSet]:
+def eval_sets(
+    cfg: RunConfig,
+    rollout_fn: Callable[..., Any],
+    reward_fn: Callable[..., Any] | None,
+    load: Loader = load_function,
+) -> list[EvalSet]:
     """The run's evaluation sets, rows read and functions loaded and checked now (at start-up);
-    a set's functions default to the run's."""
+    a set's functions default to the run's. `load` loads a set's own (`slimish train` passes
+    slimish.compat's, which also adapts `slime:` specs)."""
     e = cfg.eval
     sets = []
     if e.source is not None:
@@ -52,13 +62,33 @@ def eval_sets(cfg: RunConfig, rollout_fn: Callable[..., Any], reward_fn: Callabl
             EvalSet(
                 d.name,
                 load_rows(d.source, cfg.data, "test", flag=f"{where}.source")[: d.n_prompts or e.n_prompts],
-                load_function(d.rollout_fn, "rollout", f"{where}.rollout_fn") if d.rollout_fn else rollout_fn,
-                load_function(d.reward_fn, "reward", f"{where}.reward_fn") if d.reward_fn else reward_fn,
+                load(d.rollout_fn, "rollout", f"{where}.rollout_fn") if d.rollout_fn else rollout_fn,
+                load(d.reward_fn, "reward", f"{where}.reward_fn") if d.reward_fn else reward_fn,
                 d.n_samples_per_prompt or e.n_samples_per_prompt,
                 params,
             )
         )
     return sets
+
+
+async def evaluate(pipeline: Pipeline, eval_set: EvalSet) -> dict[str, float]:
+    """One held-out set: every prompt, n samples each, through `pipeline` with the set's functions
+    and sampling params (and the run's sample hook and reward post-process); its metrics named
+    `eval/...`. Nothing is trained or counted in the run's rollout counters."""
+
+    async def group_of(i: int, row: dict[str, Any]) -> list[Sample]:
+        row = {**row, "metadata": {**row["metadata"], "eval": True}}
+        todo = [new_sample(row, i, j) for j in range(eval_set.n_samples_per_prompt)]
+        runs = (pipeline.run_sample(s, None, eval_set.sampling_params, eval_set.rollout_fn) for s in todo)
+        group = [s for out, _ in await asyncio.gather(*runs) for s in out]
+        scored = [s for s in group if s.status != SampleStatus.FAILED]
+        if scored:
+            await pipeline.score(scored, eval_set.reward_fn)
+        return group
+
+    groups = await asyncio.gather(*(group_of(i, r) for i, r in enumerate(eval_set.rows)))
+    metrics = summarize(list(groups), eval_set.n_samples_per_prompt, pipeline.cfg.reward_key)
+    return {eval_set.prefix() + k: v for k, v in metrics.items()}
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:

@@ -1,29 +1,19 @@
 """Built-in verifiers, and the marker for group-form reward functions.
 
 A reward function is `async def fn(ctx, sample) -> float` (or a dict of named rewards, with
-`rollout.reward_key` choosing the one advantages use); `@group_reward` marks the group form.
+`rollout.reward_key` choosing the one advantages use); `@group_reward` marks the group form (it is
+defined with the loader that reads the mark, slimish.plugins).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
+from slimish.plugins import group_reward, is_group_reward
 from slimish.rollout.tasks import extract_boxed, get_task
 from slimish.types import Sample
 
 __all__ = ["extract_boxed", "final_turn_text", "group_reward", "is_group_reward", "math_reward", "overlong_penalty"]
-
-
-def group_reward(fn: Callable[..., Awaitable[list[Any]]]) -> Callable[..., Awaitable[list[Any]]]:
-    """Marks `async def fn(ctx, samples) -> list[float | dict]` as a reward over a whole finished
-    group (one reward per sample, in order), e.g. a pairwise judge or a group-relative score."""
-    fn.__slimish_group_reward__ = True  # type: ignore[attr-defined]
-    return fn
-
-
-def is_group_reward(fn: Any) -> bool:
-    return getattr(fn, "__slimish_group_reward__", False) is True
 
 
 def final_turn_text(tokenizer: Any, sample: Sample) -> str:

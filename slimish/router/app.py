@@ -2,17 +2,15 @@
 
 `slimish router --worker-urls URL...` serves SGLang's native `/generate`, the OpenAI routes,
 sglang-router 0.3.x's worker registry (and the legacy `/add_worker` family slime uses), fan-out
-control for the trainer, and health/metrics. One process, one event loop; with `--workers N`,
+control for the trainer, and health/metrics. One process, one event loop; with `--processes N`,
 N such processes on one port (scaleout.py), each built here as a follower of the parent's
 registry (shared.py). The serving routes run straight on wire.py's server; the rest on FastAPI.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import logging
 import socket
 import time
 from contextlib import asynccontextmanager
@@ -26,27 +24,26 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from slimish.config import RouterConfig, add_config_arguments, config_from_args
+from slimish.formats.openai import ChatCompletionRequest, CompletionRequest
 from slimish.protocol import (
     ROUTING_KEY_HEADER,
+    WEIGHT_UPDATE_ROUTES,
     AddWorkerReq,
-    ChatCompletionRequest,
-    CompletionRequest,
     GenerateReqInput,
     describe_validation_error,
 )
+from slimish.router import wire
+from slimish.router.config import RouterConfig
 from slimish.router.gate import apply_cap, check_key, check_prompt_length, parse_object, prompt_of, read_body
 from slimish.router.lora import adapters_of, lora_routes
 from slimish.router.metrics import RouterMetrics
 from slimish.router.policy import RouteInfo, make_policy
 from slimish.router.proxy import PROCESS_HEADER, Proxy, RouterError, error_response
-from slimish.router import wire
-from slimish.router.shared import Follower
-from slimish.serving import document_bodies, warn_if_exposed
+from slimish.router.shared import RegistryFollower
 from slimish.router.workers import Worker, WorkerRegistry
+from slimish.serving import document_bodies
 
-log = logging.getLogger("slimish.router")
-HotRoute = Callable[[wire.Request, wire.Connection], Awaitable[None]]
+HotRoute = Callable[[wire.ClientRequest, wire.Connection], Awaitable[None]]
 
 SERVING_POST = ("/generate", "/v1/completions", "/v1/chat/completions")
 SERVING_GET = ("/v1/models", "/model_info", "/get_model_info", "/server_info", "/get_server_info")
@@ -58,13 +55,7 @@ ENGINE_ADMIN = {
             "/pause_generation",
             "/continue_generation",
             "/abort_request",
-            "/init_weights_update_group",
-            "/update_weights_from_distributed",
-            "/destroy_weights_update_group",
-            "/update_weights_from_disk",
-            "/begin_weight_update",
-            "/end_weight_update",
-            "/update_weight_version",
+            *WEIGHT_UPDATE_ROUTES,
         ),
         ("POST",),
     ),
@@ -83,8 +74,8 @@ ENGINE_ADMIN = {
 }
 
 
-def create_app(cfg: RouterConfig, follower: Follower | None = None) -> "Router":
-    """The router; with `follower`, one of `--workers N` processes: it serves the serving and
+def create_app(cfg: RouterConfig, follower: RegistryFollower | None = None) -> "Router":
+    """The router; with `follower`, one of `--processes N` processes: it serves the serving and
     health routes itself over the parent's registry, and passes every other route to the parent."""
     workers = WorkerRegistry(cfg)
     refresh = follower.attach(workers) if follower is not None else None
@@ -153,7 +144,7 @@ def _serving_routes(
     """The hot paths: each forwarded to a worker chosen by the policy."""
 
     def serve_post(route: str) -> HotRoute:
-        async def handler(request: wire.Request, out: wire.Connection) -> None:
+        async def handler(request: wire.ClientRequest, out: wire.Connection) -> None:
             started = time.perf_counter()
             try:
                 check_key(request, cfg.api_key, "--api-key")
@@ -184,7 +175,7 @@ def _serving_routes(
         return handler
 
     def serve_get(route: str) -> HotRoute:
-        async def handler(request: wire.Request, out: wire.Connection) -> None:
+        async def handler(request: wire.ClientRequest, out: wire.Connection) -> None:
             started = time.perf_counter()
             try:
                 check_key(request, cfg.api_key, "--api-key")
@@ -347,7 +338,7 @@ class Router:
 
     Here too the concurrency limit: `active` counts serving requests from arrival until their
     reply (a stream's last byte) is written; checked and counted with no await between, so the
-    limit is exact (per process with `--workers N`). `refresh`, in a follower, first takes the
+    limit is exact (per process with `--processes N`). `refresh`, in a follower, first takes the
     parent's registry if it changed."""
 
     def __init__(
@@ -370,7 +361,7 @@ class Router:
         self.lifespan = app.router.lifespan_context(app)  # kept: `app` may be wrapped (scaleout.py)
         self.active = 0
 
-    async def handle(self, request: wire.Request, out: wire.Connection) -> None:
+    async def handle(self, request: wire.ClientRequest, out: wire.Connection) -> None:
         if self.refresh is not None:
             self.refresh()
         if not ((hit := self.routes.get(request.path)) and request.method in hit[1]):
@@ -392,33 +383,3 @@ class Router:
         """Serve on `sockets` (wire.serve's keywords: ready, stop, signals), once: the startup
         health checks run before the first request is taken."""
         await wire.serve(self.handle, sockets, max_body=self.cfg.max_body_bytes, lifespan=self.lifespan, **kw)
-
-
-# ---- CLI: `slimish router` ----------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser, worker_urls: bool = True) -> None:
-    """All router flags; without `--worker-urls` and `--workers` for `slimish serve`, whose
-    router runs inside its own process in front of the engines it starts."""
-    add_config_arguments(parser, RouterConfig, skip=() if worker_urls else ("worker_urls", "workers"))
-
-
-def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM or Ctrl-C: requests in flight finish first (exit 0)."""
-    cfg = config_from_args(RouterConfig, args)
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    warn_if_exposed("router", cfg.host, cfg.api_key)
-    if cfg.workers > 1:
-        from slimish.router.scaleout import serve
-
-        return serve(cfg)
-    serve_forever(cfg, lambda url: log.info("slimish router serving on %s", url))
-    return 0
-
-
-def serve_forever(cfg: RouterConfig, announce: Callable[[str], None]) -> None:
-    """One router process on --host/--port until SIGTERM or Ctrl-C, when requests in flight finish
-    first; `announce(url)` once it takes requests (after the startup health checks)."""
-    sock = wire.bind(cfg.host, cfg.port, reuse_port=False)
-    url = f"http://{cfg.host}:{sock.getsockname()[1]}"
-    wire.run(create_app(cfg).serve([sock], signals=True, ready=lambda: announce(url)))

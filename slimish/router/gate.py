@@ -13,7 +13,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from slimish.protocol import CompletionRequest, SamplingParams
+from slimish.formats.openai import CompletionRequest
+from slimish.protocol import SamplingParams
 from slimish.router import wire
 from slimish.router.proxy import RouterError
 
@@ -21,7 +22,7 @@ GENERATE_DEFAULT_MAX_NEW_TOKENS: int = SamplingParams.model_fields["max_new_toke
 COMPLETIONS_DEFAULT_MAX_TOKENS: int = CompletionRequest.model_fields["max_tokens"].default
 
 
-def check_key(request: Request | wire.Request, key: str | None, flag: str) -> None:
+def check_key(request: Request | wire.ClientRequest, key: str | None, flag: str) -> None:
     if key is None:
         return
     got = request.headers.get("authorization", "")

@@ -15,11 +15,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-
-from slimish.config import RouterConfig
 from pydantic import ValidationError
 
 from slimish.protocol import LoadLoraAdapterReq, LoraUpdateResult, UnloadLoraAdapterReq, describe_validation_error
+from slimish.router.config import RouterConfig
 from slimish.router.gate import parse_object, read_body
 from slimish.router.proxy import Proxy, RouterError
 from slimish.router.workers import Worker, WorkerRegistry

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from hashlib import blake2b
 from typing import Protocol, Sequence
 
-from slimish.config import RouterConfig
+from slimish.router.config import RouterConfig
 from slimish.router.workers import Worker
 
 
@@ -66,7 +66,7 @@ class RoundRobin:
 
 def rendezvous(workers: Sequence[Worker], key: bytes) -> Worker:
     """The worker `key` belongs to: highest hash of (key, worker URL). A pure function of the key
-    and the worker set, so every router process picks the same one (`--workers N`), and a
+    and the worker set, so every router process picks the same one (`--processes N`), and a
     worker leaving or joining moves only the keys it wins or held. blake2b, not `hash()`:
     `hash()` of text differs between processes."""
     digest = blake2b(key, digest_size=16).digest()
@@ -110,7 +110,7 @@ class CacheAware:
         self.cfg = cfg
         self._owner = _LRU(cfg.cache_max_blocks)
         self._fallback = LeastInflight()
-        self._shared = cfg.workers > 1
+        self._shared = cfg.processes > 1
 
     def prefix_keys(self, prompt: str | list[int]) -> list[int]:
         size = self.cfg.cache_block_size * (4 if isinstance(prompt, str) else 1)
@@ -154,7 +154,7 @@ class Session:
     Without a key, least_inflight decides. A key whose worker is gone (unhealthy, removed, or
     just failed this request) is pinned anew.
 
-    With several router processes (`--workers N`) a pin kept in one process would not be seen by
+    With several router processes (`--processes N`) a pin kept in one process would not be seen by
     the others, so the key's worker is the rendezvous hash of the key over the routable workers:
     the same in every process, and it moves only when that worker leaves.
     """
@@ -164,7 +164,7 @@ class Session:
     def __init__(self, cfg: RouterConfig) -> None:
         self._pins = _LRU(cfg.max_sessions)
         self._fallback = LeastInflight()
-        self._shared = cfg.workers > 1
+        self._shared = cfg.processes > 1
 
     def pick(self, workers: Sequence[Worker], info: RouteInfo) -> Worker:
         if info.routing_key is None:

@@ -19,15 +19,15 @@ from typing import Any
 import aiohttp
 from starlette.responses import Response
 
-from slimish.config import RouterConfig
+from slimish.router.config import RouterConfig
 from slimish.router.metrics import RouterMetrics
 from slimish.router.policy import Policy, RouteInfo
-from slimish.router.upstream import ConnectFailed, Disconnected, Reply, Upstream
+from slimish.router.upstream import ConnectFailed, Disconnected, Upstream, WorkerReply
 from slimish.router.wire import Connection, error_body
 from slimish.router.workers import Worker, WorkerRegistry, describe_exc
 
 WORKER_HEADER = "x-slimish-worker"  # which worker served the reply: for logs and tests
-PROCESS_HEADER = "x-slimish-router-process"  # with --workers N, which router process (0..N-1) did
+PROCESS_HEADER = "x-slimish-router-process"  # with --processes N, which router process (0..N-1) did
 
 
 class RouterError(Exception):
@@ -218,7 +218,7 @@ class Proxy:
     ) -> None:
         self.metrics.sent(worker.url)
         worker.inflight += 1
-        reply: Reply | None = None
+        reply: WorkerReply | None = None
         timeout = self.cfg.request_timeout
         try:
             reply = await self.upstream.send(worker.url, method, route, body, headers, timeout)
@@ -252,7 +252,13 @@ class Proxy:
         out.reply(reply.status, data, said)
 
     async def _relay(
-        self, out: Connection, route: str, started: float, worker: Worker, reply: Reply, headers: list[tuple[str, str]]
+        self,
+        out: Connection,
+        route: str,
+        started: float,
+        worker: Worker,
+        reply: WorkerReply,
+        headers: list[tuple[str, str]],
     ) -> None:
         """An upstream SSE stream passed through chunk by chunk; a worker failing mid-stream ends
         it with an error event naming the worker."""

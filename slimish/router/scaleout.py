@@ -1,4 +1,4 @@
-"""`slimish router --workers N`: N router processes serving one port, and the parent that keeps
+"""`slimish router --processes N`: N router processes serving one port, and the parent that keeps
 them one router.
 
 Why: one Python event loop tops out near 1,700 req/s; the hot path (parse, pick, forward) has no
@@ -27,10 +27,10 @@ from multiprocessing.connection import wait
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 
-from slimish.config import RouterConfig
-from slimish.launch.process import die_with_parent
+from slimish.processes import die_with_parent
 from slimish.router.app import create_app
-from slimish.router.shared import Follower, Publisher
+from slimish.router.config import RouterConfig
+from slimish.router.shared import RegistryFollower, RegistryPublisher
 from slimish.router.wire import bind, run
 
 log = logging.getLogger("slimish.router")
@@ -39,9 +39,9 @@ log = logging.getLogger("slimish.router")
 def serve(cfg: RouterConfig) -> int:
     """Run until SIGTERM / Ctrl-C (0) or until a router process dies (1)."""
     if not hasattr(socket, "SO_REUSEPORT"):
-        raise SystemExit("--workers: more than one router process needs SO_REUSEPORT (Linux, BSD, macOS)")
+        raise SystemExit("--processes: more than one router process needs SO_REUSEPORT (Linux, BSD, macOS)")
     if cfg.port == 0:
-        raise SystemExit(f"--port 0: with --workers {cfg.workers} every process must bind the same port; name one")
+        raise SystemExit(f"--port 0: with --processes {cfg.processes} every process must bind the same port; name one")
     bind(cfg.host, cfg.port, reuse_port=False).close()  # taken by anyone, even another slimish router: say so now
     state_dir = Path(tempfile.mkdtemp(prefix="slimish-router-"))
     try:
@@ -54,7 +54,7 @@ async def _supervise(cfg: RouterConfig, state: Path) -> int:
     ctx = mp.get_context("spawn")
     version = ctx.RawValue("Q", 0)
     router = create_app(cfg)
-    publisher = Publisher(router.workers, state, version)
+    publisher = RegistryPublisher(router.workers, state, version)
     publisher.publish()
     router.app = publisher.wrap(router.app)  # type: ignore[assignment]
     control = bind("127.0.0.1", 0, reuse_port=False)
@@ -73,7 +73,7 @@ async def _supervise(cfg: RouterConfig, state: Path) -> int:
             name=f"slimish-router-{i}",
             daemon=True,
         )
-        for i in range(cfg.workers)
+        for i in range(cfg.processes)
     ]
     for child in children:
         child.start()
@@ -106,4 +106,4 @@ def _child(cfg: RouterConfig, index: int, parent_url: str, state: str, version: 
         return
     logging.basicConfig(level=cfg.log_level.upper(), format=f"%(asctime)s %(name)s[{index}] %(levelname)s %(message)s")
     sock = bind(cfg.host, cfg.port, reuse_port=True)
-    run(create_app(cfg, Follower(index, parent_url, Path(state), version)).serve([sock], signals=True))
+    run(create_app(cfg, RegistryFollower(index, parent_url, Path(state), version)).serve([sock], signals=True))

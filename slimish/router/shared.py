@@ -1,4 +1,4 @@
-"""One worker registry for several router processes (`--workers N`): the parent publishes it,
+"""One worker registry for several router processes (`--processes N`): the parent publishes it,
 the children that serve the port follow it.
 
 Why this mechanism: the parent owns every fact that must be one for all processes (the
@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from slimish.config import RouterConfig
+from slimish.router.config import RouterConfig
 from slimish.router.gate import read_body
 from slimish.router.proxy import Proxy, RouterError
 from slimish.router.workers import WorkerRegistry, describe_exc
@@ -41,7 +41,7 @@ FROM_PARENT = ("content-type", "retry-after")
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH"]
 
 
-class Publisher:
+class RegistryPublisher:
     """The parent's side: the registry to the file, and the counter bumped, whenever it changed."""
 
     def __init__(self, workers: WorkerRegistry, path: Path, version: Synchronized) -> None:
@@ -74,7 +74,7 @@ class Publisher:
         return publishing
 
 
-class Follower:
+class RegistryFollower:
     """A child's side: the parent's registry, reloaded when the counter moved; and the routes the
     child does not serve, passed to the parent."""
 

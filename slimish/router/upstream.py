@@ -34,8 +34,9 @@ class Disconnected(Exception):
     """The worker closed or broke the connection before its reply was complete."""
 
 
-class Reply(asyncio.Protocol):
-    """One connection to a worker, and the reply being read on it."""
+class WorkerReply(asyncio.Protocol):
+    """A worker's reply to one request, read on a connection to it (pooled: the next request on the
+    same connection gets a fresh object, so the parser and state start clean)."""
 
     def __init__(self, pool: "_Pool") -> None:
         self.pool = pool
@@ -132,7 +133,7 @@ class Reply(asyncio.Protocol):
                 return
             await self._wait(timeout)
 
-    async def exchange(self, message: bytes, timeout: float) -> "Reply":
+    async def exchange(self, message: bytes, timeout: float) -> "WorkerReply":
         """Write the request `message`; return once the reply's status and headers are in (the
         connection is closed if they are not: nothing else can be sent on it)."""
         self._streaming = True  # wake at the headers
@@ -167,9 +168,9 @@ class _Pool:
         self.host, self.port, self.ssl = parts.hostname, parts.port, parts.scheme == "https"
         self.host_header = parts.netloc.encode("latin-1")
         self.loop, self.keepalive_timeout = loop, keepalive_timeout
-        self.idle: list[tuple[float, Reply]] = []
+        self.idle: list[tuple[float, WorkerReply]] = []
 
-    def take(self) -> Reply | None:
+    def take(self) -> WorkerReply | None:
         while self.idle:
             since, conn = self.idle.pop()
             if time.monotonic() - since < self.keepalive_timeout and not conn.transport.is_closing():  # type: ignore[union-attr]
@@ -177,19 +178,20 @@ class _Pool:
             conn.transport.close()  # type: ignore[union-attr]
         return None
 
-    def put(self, used: Reply) -> None:
-        fresh = Reply(self)  # a reply object per request: the parser and state start clean
+    def put(self, used: WorkerReply) -> None:
+        fresh = WorkerReply(self)  # a reply object per request: the parser and state start clean
         fresh.transport, fresh.parser = used.transport, httptools.HttpResponseParser(fresh)
         used.transport.set_protocol(fresh)  # type: ignore[union-attr]
         self.idle.append((time.monotonic(), fresh))
 
-    def forget(self, conn: Reply) -> None:
+    def forget(self, conn: WorkerReply) -> None:
         self.idle = [(t, c) for t, c in self.idle if c is not conn]
 
-    async def connect(self, timeout: float) -> Reply:
+    async def connect(self, timeout: float) -> WorkerReply:
         try:
             _, conn = await asyncio.wait_for(
-                self.loop.create_connection(lambda: Reply(self), self.host, self.port, ssl=self.ssl or None), timeout
+                self.loop.create_connection(lambda: WorkerReply(self), self.host, self.port, ssl=self.ssl or None),
+                timeout,
             )
         except asyncio.TimeoutError:
             raise ConnectFailed(f"cannot connect within {timeout:g} s", timed_out=True) from None
@@ -207,7 +209,7 @@ class Upstream:
 
     async def send(
         self, url: str, method: str, path: str, body: bytes | None, headers: dict[str, str], timeout: float
-    ) -> Reply:
+    ) -> WorkerReply:
         """Send a request to the worker at `url`; the reply once its status and headers are in
         (read its body with `read` or `chunks`, then `release` it). Raises ConnectFailed,
         Disconnected, or asyncio.TimeoutError when the headers, or `read`'s whole body, are not in

@@ -39,7 +39,9 @@ PHRASES = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 
 @dataclass(slots=True)
-class Request:
+class ClientRequest:
+    """A client's request as the server parsed it: the body whole, read to the size limit."""
+
     method: str
     path: str  # percent-decoded, without the query
     raw_path: bytes
@@ -49,7 +51,7 @@ class Request:
     client: tuple[str, int] | None
 
 
-Handler = Callable[[Request, "Connection"], Awaitable[None]]
+Handler = Callable[[ClientRequest, "Connection"], Awaitable[None]]
 
 
 class Connection(asyncio.Protocol):
@@ -61,7 +63,7 @@ class Connection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.disconnected = server.loop.create_future()  # done when the client has gone
-        self._pending: deque[tuple[Request, bool]] = deque()
+        self._pending: deque[tuple[ClientRequest, bool]] = deque()
         self._task: asyncio.Task | None = None
         self._idle: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future | None = None
@@ -141,7 +143,7 @@ class Connection(asyncio.Protocol):
             return
         raw, _, query = self._url.partition(b"?")
         peer = self.transport.get_extra_info("peername")  # type: ignore[union-attr]
-        request = Request(
+        request = ClientRequest(
             self.parser.get_method().decode("latin-1"),
             unquote(raw.decode("latin-1")),
             raw,
@@ -327,7 +329,7 @@ def run(main: Awaitable[Any]) -> Any:
 # ---- the rest of the routes: FastAPI, through a buffered ASGI bridge ---------------------------
 
 
-async def asgi(app: Callable, request: Request, out: Connection) -> None:
+async def asgi(app: Callable, request: ClientRequest, out: Connection) -> None:
     """`request` through an ASGI app, its reply collected and written whole (admin routes: small
     bodies, no streams)."""
     scope = {

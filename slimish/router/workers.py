@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from slimish.config import RouterConfig
+from slimish.router.config import RouterConfig
 from slimish.router.upstream import ConnectFailed, Disconnected
 
 log = logging.getLogger("slimish.router")
@@ -111,7 +111,7 @@ class WorkerRegistry:
         self._workers.pop(worker.id, None)
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """What another router process needs to route like this one (`--workers N`), as JSON."""
+        """What another router process needs to route like this one (`--processes N`), as JSON."""
         return [
             {
                 "id": w.id,

@@ -1,207 +1,65 @@
-"""What every trainer backend shares: the RL and SFT steps, from samples to metrics.
+"""The RL and SFT steps every trainer backend shares: from samples to metrics.
 
 A step's logic does not depend on how the model is run: advantages and the loss normaliser are
 computed on the whole batch (every rank is handed the same full batch), then each data-parallel
-rank trains on its share, balanced by tokens, in micro-batches of at most
-`trainer.micro_batch_tokens` padded tokens. Each micro-batch's loss is its share of the global
-batch's loss (algorithms.py), so any split, over ranks or micro-batches, gives the gradient of
-the full batch. The backends (torch_backend.py, megatron_backend.py) supply the forward and
-backward of those micro-batches, the optimiser step, the reduction over data-parallel ranks and
-the model state; `Trainer` lists these as the methods a backend implements.
-
-Micro-batches are right-padded rows, not one packed row: real tokens come before the padding, so
-a causal model computes them exactly as it would unpadded, with no attention mask, and attention
-stays quadratic in each sample's length instead of in the micro-batch's.
+rank trains on its share (batch.py). Each micro-batch's loss is its share of the global batch's
+loss (losses.py), so any split, over ranks or micro-batches, gives the gradient of the full batch.
+The backends supply the forward and backward of those micro-batches, the optimiser step, the
+reduction over data-parallel ranks and the model state: `Backend` (backend.py) lists them.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 
 from slimish.buffer import group_version
-from slimish.config import RunConfig
-from slimish.rollout.loader import load_function
-from slimish.trainer.algorithms import (
-    credit_weights,
+from slimish.plugins import load_function
+from slimish.trainer.advantages import (
     explained_variance,
     gae_advantages,
+    masked_whiten,
+    segment_credit,
+    trajectory_advantages,
+)
+from slimish.trainer.backend import Backend
+from slimish.trainer.batch import (
+    STAT_KEYS,
+    Batch,
+    check_samples,
+    mismatch,
+    shard,
+    split_minibatches,
+    trajectory_index,
+)
+from slimish.trainer.losses import (
     kl_penalty,
     loss_normalizer,
-    masked_whiten,
     opd_advantages,
     rl_loss,
     sequence_kl,
     sft_loss,
     teacher_log_ratio,
-    trajectory_advantages,
     value_loss,
 )
 from slimish.types import Sample
 
-# Additive statistics summed over micro-batches, updates and ranks (rl_loss's, plus ours).
-STAT_KEYS = (
-    "loss/policy",
-    "loss/kl",
-    "loss/entropy",
-    "tokens",
-    "clip_low",
-    "clip_high",
-    "dual_clip",
-    "ratio",
-    "tis",
-    "kl",
-    "entropy",
-    "mismatch",
-    "mismatch_tokens",
-    "mismatch_fresh",
-    "mismatch_fresh_tokens",
-    "teacher_kl",
-    "loss/value",
-    "value_clip",
-    "loss/ptx",
-)
-
-# (sample indices, response logprobs [B, R], entropies [B, R] or None) -> (loss share, stats)
-LossFn = Callable[[list[int], Tensor, Tensor | None], tuple[Tensor, dict[str, Tensor]]]
+if TYPE_CHECKING:
+    from slimish.config import RunConfig
 
 
-# -- pure helpers ---------------------------------------------------------------------------------
+class Trainer(Backend):
+    """The RL and SFT steps of every backend, on the methods `Backend` declares. `train_step` and
+    `sft_step` are called on every rank."""
 
-
-def mismatch(logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, fresh: list[float]) -> dict[str, Tensor]:
-    """Sums of |trainer - engine logprob| over trained tokens, and token counts, over all rows
-    and over the `fresh` ones (1.0: made by the weights the step starts from)."""
-    per_row, tokens = ((logprobs - rollout_logprobs).abs() * mask).sum(-1), mask.sum(-1)
-    is_fresh = torch.tensor(fresh, dtype=per_row.dtype, device=per_row.device)
-    return {
-        "mismatch": per_row.sum(),
-        "mismatch_tokens": tokens.sum(),
-        "mismatch_fresh": (per_row * is_fresh).sum(),
-        "mismatch_fresh_tokens": (tokens * is_fresh).sum(),
-    }
-
-
-def lr_factor(schedule: str, warmup: int, total: int, step: int) -> float:
-    """LR multiplier for optimiser step `step` (0-based) of `total`: linear warmup over `warmup`
-    steps, then constant, or cosine / linear decay reaching 0 after the last step."""
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    if schedule == "linear":
-        return 1.0 - progress
-    raise ValueError(f"trainer.lr_schedule: expected constant, cosine or linear, got {schedule!r}")
-
-
-def shard(lengths: list[int], world: int) -> list[list[int]]:
-    """Sample indices per rank, balanced by tokens: longest first, each to the least-loaded rank."""
-    loads, out = [0] * world, [[] for _ in range(world)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        r = min(range(world), key=lambda r: (loads[r], r))
-        out[r].append(i)
-        loads[r] += lengths[i]
-    return out
-
-
-def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices in micro-batches of at most `budget` padded tokens (rows x longest); sorted by
-    length so that rows of a micro-batch pad little. A longer sample goes alone."""
-    out: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
-
-
-def split_minibatches(n: int, parts: int) -> list[list[int]]:
-    """0..n-1 in `parts` contiguous, near-equal chunks (none empty)."""
-    parts = min(parts, n)
-    bounds = [round(k * n / parts) for k in range(parts + 1)]
-    return [list(range(bounds[k], bounds[k + 1])) for k in range(parts)]
-
-
-def check_samples(samples: list[Sample]) -> None:
-    for s in samples:
-        s.check()
-        if s.prompt_length < 1:
-            raise ValueError(
-                f"sample {s.group_id}/{s.index}: needs at least one prompt token, got tokens of length {len(s.tokens)}"
-            )
-
-
-def response_index(batch: list[Sample], first: int) -> Tensor:
-    """`[B, R]` positions, in logits that start at position `first`, of the logits that predict
-    each sample's response tokens (position p predicts token p + 1); 0 past a sample's end."""
-    index = torch.zeros(len(batch), max(s.response_length for s in batch), dtype=torch.long)
-    for row, s in enumerate(batch):
-        index[row, : s.response_length] = torch.arange(s.response_length) + (s.prompt_length - 1 - first)
-    return index
-
-
-# -- the shared steps -----------------------------------------------------------------------------
-
-
-@dataclass
-class _Batch:
-    """A rollout batch made ready for its optimiser steps (`Trainer._prepare`)."""
-
-    samples: list[Sample]
-    minis: list[list[int]]  # sample indices of each update
-    shares: list[list[int]]  # this rank's part of each update
-    trajectory: list[int]  # each sample's trajectory
-    fresh: list[float]  # 1 where made by the weights this step starts from
-    old: dict[int, Tensor]  # this rank's samples: the log-probs the ratio is taken against
-    ref: dict[int, Tensor] | None  # and the reference policy's, with KL on
-    teacher: dict[int, Tensor] | None  # and the teacher's, with on-policy distillation on
-    advantages: Tensor  # the task advantage: [B], or [B, R] per token (gae)
-    raw_rewards: Tensor  # before KL in the reward, for the metrics
-    stats: dict[str, float]  # summed loss statistics, this rank's
-    values: Tensor | None = None  # gae: the critic's values [B, R] before the updates
-    returns: Tensor | None = None  # gae: what the critic is trained towards [B, R]
-    critic_only: bool = False  # critic.warmup_steps: this step trains the critic alone
-    critic_metrics: dict[str, float] = field(default_factory=dict)
-    demos: list[Sample] = field(default_factory=list)  # algorithm.ptx_coef's demonstrations
-
-
-class Trainer(ABC):
-    """The RL and SFT steps of every backend. A backend's `__init__` sets the attributes below
-    (`_setup` does the common ones) and implements the abstract methods.
-
-    Collective calls: `train_step`, `sft_step`, `logprobs`, `hf_tensors`, `state_dict` and
-    `save_hf` are called on every rank; `hf_tensors` and `state_dict` are complete on rank 0."""
-
-    cfg: RunConfig
-    rank: int  # global rank
-    dp_rank: int  # which share of a batch this rank trains on
-    dp_size: int
-    device: torch.device
-    tokenizer: Any
-    pad_id: int
-    temperature: float
-    cpu_threads: int
     credit_fn: Callable[..., list[float]] | None  # algorithm.segment_credit as a function
     advantage_fn: Callable[[Tensor, Tensor], Tensor] | None  # algorithm.advantage as a function
     policy_loss_fn: Callable[..., Tensor] | None  # algorithm.loss as a function
-    ref: Any  # the frozen reference model, None until needed
-    critic: Any = None  # the value model (algorithm.advantage=gae), None without
-    optimizer: Any
-    sft_optimizer: Any
 
     def _setup(self, cfg: RunConfig, tokenizer: Any, local_ranks: int) -> None:
         self.cfg = cfg
@@ -209,27 +67,14 @@ class Trainer(ABC):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0  # greedy: T = 1
         self.sft_optimizer = None
-        engines_idle = cfg.mode == "sync" or cfg.buffer.max_staleness == 0  # while this trains
+        engines_idle = not cfg.async_training  # while this trains
         cores = max(1, (os.cpu_count() or 1) // local_ranks) if engines_idle else torch.get_num_threads()
         self.cpu_threads = cfg.trainer.cpu_threads or cores
-        credit = cfg.algorithm.segment_credit
-        self.credit_fn = (
-            load_function(credit, "credit") if ":" in credit else None
-        )  # checked now, not at the first step
-        advantage, loss = cfg.algorithm.advantage, cfg.algorithm.loss
+        credit, advantage, loss = cfg.algorithm.segment_credit, cfg.algorithm.advantage, cfg.algorithm.loss
+        # the user's functions, loaded and checked now, not at the first step
+        self.credit_fn = load_function(credit, "credit") if ":" in credit else None
         self.advantage_fn = load_function(advantage, "advantage") if ":" in advantage else None
         self.policy_loss_fn = load_function(loss, "policy_loss") if ":" in loss else None
-
-    @contextmanager
-    def _threads(self) -> Iterator[None]:
-        """`trainer.cpu_threads` intra-op threads for one step on CPU, then back to what it was."""
-        before = torch.get_num_threads()
-        if self.device.type == "cpu":
-            torch.set_num_threads(self.cpu_threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
 
     # -- RL ----------------------------------------------------------------------------------
 
@@ -284,7 +129,7 @@ class Trainer(ABC):
             )
         return metrics
 
-    def _prepare(self, groups: list[list[Sample]], step: int) -> "_Batch":
+    def _prepare(self, groups: list[list[Sample]], step: int) -> Batch:
         """Everything the updates need before the first one: this rank's shares, old and reference
         log-probs (and the mismatch they show), KL in the reward, advantages."""
         algo, tc = self.cfg.algorithm, self.cfg.trainer
@@ -337,7 +182,7 @@ class Trainer(ABC):
                 rewards,
                 torch.tensor(trajectory),
                 torch.tensor(group),
-                torch.tensor(self._credit(samples, trajectory)),
+                torch.tensor(segment_credit(algo.segment_credit, self.credit_fn, samples, trajectory)),
                 algo.advantage_eps,
             )
         teacher = None
@@ -345,7 +190,7 @@ class Trainer(ABC):
             teacher = {i: self._teacher_logprobs(samples[i]) for i in mine}
             if not algo.opd.task_reward:  # pure distillation: the teacher's signal alone
                 advantages = torch.zeros_like(advantages)
-        return _Batch(
+        return Batch(
             samples, minis, shares, trajectory, fresh, old, ref, teacher, advantages, raw_rewards, stats, **critic
         )
 
@@ -361,7 +206,7 @@ class Trainer(ABC):
         """PPO with a critic: the critic's values of every sample (each rank computes its own
         and an all-reduce gathers them), the outcome reward on each sample's last trained token
         (minus kl_coef x per-token KL with kl_in_reward), GAE, and advantages whitened over the
-        batch's trained tokens; with the `_Batch` fields the critic's update needs. Trajectories
+        batch's trained tokens; with the `Batch` fields the critic's update needs. Trajectories
         and segment credit do not apply: each sample is its own episode."""
         algo = self.cfg.algorithm
         width = max(s.response_length for s in samples)
@@ -394,7 +239,7 @@ class Trainer(ABC):
             "critic_metrics": metrics,
         }
 
-    def _update(self, b: "_Batch") -> tuple[list[float], list[float]]:
+    def _update(self, b: Batch) -> tuple[list[float], list[float]]:
         """The optimiser steps, one per minibatch; the grad norms and learning rates they used.
         Loss statistics accumulate into `b.stats`. With a critic, it takes a step on each
         minibatch too (its grad norms go to `b.critic_metrics`); during `critic.warmup_steps` only
@@ -467,7 +312,7 @@ class Trainer(ABC):
             b.critic_metrics["critic/grad_norm"] = sum(critic_norms) / len(critic_norms)
         return grad_norms, lrs
 
-    def _critic_update(self, b: "_Batch", share: list[int], n_tokens: int) -> float:
+    def _critic_update(self, b: Batch, share: list[int], n_tokens: int) -> float:
         """One critic optimiser step on a minibatch (this rank's `share`, `n_tokens` trained tokens
         in all): the clipped value loss against `b.returns`; its grad norm."""
         assert b.values is not None and b.returns is not None
@@ -487,24 +332,6 @@ class Trainer(ABC):
         for key, value in self._accumulate_values([b.samples[i] for i in share], share, loss_fn).items():
             b.stats[key] += value
         return self._critic_step()
-
-    def _credit(self, samples: list[Sample], trajectory: list[int]) -> list[float]:
-        """Each sample's share of its trajectory's advantage (`algorithm.segment_credit`)."""
-        if self.credit_fn is None:
-            return credit_weights(self.cfg.algorithm.segment_credit, trajectory)
-        weights = [0.0] * len(samples)
-        members: dict[int, list[int]] = {}
-        for i, t in enumerate(trajectory):
-            members.setdefault(t, []).append(i)
-        for idx in members.values():
-            shares = self.credit_fn([samples[i] for i in idx])
-            if len(shares) != len(idx):
-                raise ValueError(
-                    f"algorithm.segment_credit {self.cfg.algorithm.segment_credit}: returned {len(shares)} shares for a trajectory of {len(idx)} samples"
-                )
-            for i, share in zip(idx, shares):
-                weights[i] = float(share)
-        return weights
 
     def _metrics(
         self,
@@ -585,148 +412,3 @@ class Trainer(ABC):
             return loss, {"nll": loss.detach(), "tokens": mask.sum()}
 
         return self._accumulate([samples[i] for i in share], share, loss_fn, entropy=False)
-
-    # -- micro-batches and tensors of samples --------------------------------------------------
-
-    def _micro_groups(self, batch: list[Sample]) -> list[list[int]]:
-        """`batch` positions in micro-batches, samples without response tokens left out."""
-        budget = self.cfg.trainer.micro_batch_tokens
-        groups = [
-            [k for k in mb if batch[k].response_length > 0]
-            for mb in micro_batches([len(s.tokens) for s in batch], budget)
-        ]
-        return [g for g in groups if g]
-
-    def _input_ids(self, batch: list[Sample]) -> Tensor:
-        """`[B, longest]` token ids, right-padded with the pad id, on the device."""
-        ids = torch.full((len(batch), max(len(s.tokens) for s in batch)), self.pad_id, dtype=torch.long)
-        for row, s in enumerate(batch):
-            ids[row, : len(s.tokens)] = torch.tensor(s.tokens)
-        return ids.to(self.device)
-
-    def _rollout_logprobs(self, s: Sample) -> Tensor:
-        return torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
-
-    def _teacher_logprobs(self, s: Sample) -> Tensor:
-        if s.teacher_logprobs is None:
-            raise ValueError(
-                f"sample {s.group_id}/{s.index}: no teacher_logprobs; algorithm.opd.coef > 0 needs every trained sample "
-                "scored by the teacher (launch.teacher), which the rollout manager does"
-            )
-        return torch.tensor(s.teacher_logprobs, dtype=torch.float32, device=self.device)
-
-    def _mask(self, s: Sample, trained: bool = True) -> Tensor:
-        """The tokens trained on (`Sample.train_mask`: none when `exclude_from_loss`), or with
-        `trained=False` the tokens the policy made (`loss_mask`)."""
-        return torch.tensor(s.train_mask if trained else s.loss_mask, dtype=torch.float32, device=self.device)
-
-    def _pad(self, rows: list[Tensor]) -> Tensor:
-        return pad_sequence(rows, batch_first=True)
-
-    # -- what a backend implements ---------------------------------------------------------------
-
-    @abstractmethod
-    def logprobs(self, samples: list[Sample], model: Any = None) -> list[Tensor]:
-        """Per-sample logprobs of the response tokens under `model` (default: the policy), at the
-        rollout temperature, as the engine reports them."""
-
-    @abstractmethod
-    def _accumulate(
-        self, batch: list[Sample], idx: list[int], loss_fn: LossFn, entropy: bool | None
-    ) -> dict[str, float]:
-        """Backward of this rank's share `batch` (`idx`: the samples' batch indices, which
-        `loss_fn` takes) in `_micro_groups`; the summed stats. Afterwards every rank holds the
-        gradient of the whole batch's loss: each data-parallel rank must take part, even with
-        nothing to train on. `entropy`: with gradient (True), measured (None) or not (False)."""
-
-    def _values(self, samples: list[Sample]) -> list[Tensor]:
-        """Per-sample critic values `[R]` of the states before each response token (no gradient)."""
-        raise NotImplementedError(f"algorithm.advantage=gae: {type(self).__name__} has no critic")
-
-    def _accumulate_values(
-        self,
-        batch: list[Sample],
-        idx: list[int],
-        loss_fn: Callable[[list[int], Tensor], tuple[Tensor, dict[str, Tensor]]],
-    ) -> dict[str, float]:
-        """`_accumulate` for the critic: `loss_fn` takes the batch indices and values `[B, R]`."""
-        raise NotImplementedError(f"algorithm.advantage=gae: {type(self).__name__} has no critic")
-
-    def _critic_step(self) -> float:
-        """The critic's optimiser step (clipped to `trainer.grad_clip`); its grad norm."""
-        raise NotImplementedError(f"algorithm.advantage=gae: {type(self).__name__} has no critic")
-
-    @abstractmethod
-    def _optimizer_step(self, optimizer: Any) -> float:
-        """Clip to `trainer.grad_clip` (0: no clipping), step, zero the grads; the global grad norm."""
-
-    @abstractmethod
-    def _new_optimizer(self, lr: float) -> Any:
-        """An optimiser over the policy at a constant `lr` (the SFT warm start's)."""
-
-    @abstractmethod
-    def _all_reduce(self, t: Tensor) -> Tensor:
-        """Sum over data-parallel ranks, in place; every rank gets the result."""
-
-    @abstractmethod
-    def _frozen_copy(self) -> Any:
-        """A frozen model holding the policy's current weights (the KL reference)."""
-
-    @abstractmethod
-    def _updates_done(self) -> int:
-        """RL optimiser steps taken (the schedule's position)."""
-
-    @abstractmethod
-    def _lr(self) -> float:
-        """The learning rate of the next RL optimiser step."""
-
-    @abstractmethod
-    def _scheduler_step(self) -> None:
-        """Advance the RL learning-rate schedule by one optimiser step."""
-
-    @abstractmethod
-    def hf_tensors(self) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, full tensor) of every parameter, a tied one once: what the engines' weight
-        loaders take. Complete on rank 0; other ranks may yield nothing (but must iterate)."""
-
-    def adapter_tensors(self) -> dict[str, Tensor]:
-        """trainer.lora: the adapter's tensors under their PEFT state-dict names (what is pushed)."""
-        raise NotImplementedError(f"trainer.lora: {type(self).__name__} has no adapters")
-
-    def adapter_config(self) -> dict[str, Any]:
-        """trainer.lora: the adapter's `adapter_config.json` (what the engines load it with)."""
-        raise NotImplementedError(f"trainer.lora: {type(self).__name__} has no adapters")
-
-    def join_export(self) -> None:
-        """A follower rank's part of an export (weight push or HF save): run the collectives
-        `hf_tensors` takes part in, keeping none of the tensors (rank 0 has them all)."""
-        for _ in self.hf_tensors():
-            pass
-
-    @abstractmethod
-    def state_dict(self) -> dict[str, Any]:
-        """Model, optimiser and schedule (and a copied reference): what a resume needs."""
-
-    @abstractmethod
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned on rank 0 (every rank is given it)."""
-
-    @abstractmethod
-    def save_hf(self, path: str) -> None:
-        """An HF model directory (weights, config, tokenizer) that `from_pretrained` loads; rank 0 writes it."""
-
-
-def trajectory_index(groups: list[list[Sample]]) -> tuple[list[int], list[int]]:
-    """Per sample (groups flattened), its trajectory's index 0..T-1; per trajectory, its group's.
-    A sample without a trajectory id is a trajectory of its own."""
-    trajectory: list[int] = []
-    group_of: list[int] = []
-    for g, samples in enumerate(groups):
-        seen: dict[Any, int] = {}
-        for k, s in enumerate(samples):
-            key = s.trajectory_id if s.trajectory_id is not None else ("sample", k)
-            if key not in seen:
-                seen[key] = len(group_of)
-                group_of.append(g)
-            trajectory.append(seen[key])
-    return trajectory, group_of

@@ -21,7 +21,7 @@ from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_
 from safetensors.torch import save_file
 from torch import Tensor
 
-from slimish.config import LoraConfig
+from slimish.trainer.config import LoraConfig
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,10 +40,14 @@ from megatron_bridge.hf_io import save_hf
 from megatron_bridge.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_bridge.model import build_model, load_hf_weights
 from megatron_bridge.weights import export_hf
-from slimish.config import RunConfig
 from slimish.net import free_port
-from slimish.trainer.base import LossFn, Trainer, lr_factor, micro_batches, response_index
+from slimish.trainer.backend import LossFn, lr_factor
+from slimish.trainer.base import Trainer
+from slimish.trainer.batch import micro_batches, response_index
 from slimish.types import Sample
+
+if TYPE_CHECKING:
+    from slimish.config import RunConfig
 
 cpu.apply()
 

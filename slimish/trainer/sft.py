@@ -12,13 +12,15 @@ import dataclasses
 import functools
 import random
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from slimish.config import RunConfig
 from slimish.formats.model import ModelFormat
 from slimish.rollout.data import TASK_PREFIX, load_rows
 from slimish.rollout.tasks import get_task
 from slimish.types import Sample
+
+if TYPE_CHECKING:
+    from slimish.config import RunConfig
 
 
 @dataclasses.dataclass

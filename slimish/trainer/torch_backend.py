@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,9 +29,10 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
-from slimish.config import RunConfig
-from slimish.trainer.algorithms import chunked_logprobs, entropy_from_logits, logprobs_from_logits
-from slimish.trainer.base import LossFn, Trainer, lr_factor, micro_batches, response_index
+from slimish.trainer.backend import LossFn, lr_factor
+from slimish.trainer.base import Trainer
+from slimish.trainer.batch import micro_batches, response_index
+from slimish.trainer.logprobs import chunked_logprobs, entropy_from_logits, logprobs_from_logits
 from slimish.trainer.lora import (
     AdaptersOff,
     adapter_config,
@@ -41,6 +42,9 @@ from slimish.trainer.lora import (
     load_adapter_tensors,
 )
 from slimish.types import Sample
+
+if TYPE_CHECKING:
+    from slimish.config import RunConfig
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -11,14 +11,15 @@ at once only while paused, and otherwise under a writer lock that waits for ever
 generation, including those a retract or in_place pause parks (a begin arriving before its pause
 would wait forever). `drain` opens the session before it pauses instead: that wait is the drain,
 and the retract pause after it holds generation until continue, so no request runs between
-buckets on half-updated weights (a disk push is one call, which waits the same way). Only the last bucket carries the weight version and flushes
-the engines' cache, and never under `in_place` (SGLang refuses a flush, and so the update, while
-the parked batch runs). The tensors are bucketed as the iterator yields them, never all held at
-once. `transport: disk` writes the tensors as a safetensors file and posts
-`/update_weights_from_disk` instead (no group; the engines must see the directory).
+buckets on half-updated weights (a disk push is one call, which waits the same way). Only the
+last bucket carries the weight version and flushes the engines' cache, and never under `in_place`
+(SGLang refuses a flush, and so the update, while the parked batch runs). The tensors are bucketed
+as the iterator yields them, never all held at once. `transport: disk` writes the tensors as a
+safetensors file and posts `/update_weights_from_disk` instead (no group; the engines must see the
+directory).
 
-With `trainer.lora` (`push_adapter`) only the run's adapter travels, never the base weights. The
-first push saves it as a PEFT adapter directory and creates it on every engine with
+With `trainer.lora` (an adapter `WeightExport`) only the run's adapter travels, never the base
+weights. The first push saves it as a PEFT adapter directory and creates it on every engine with
 `/load_lora_adapter` through the router (which fans out, and so learns where it is; an adapter of
 that name left loaded by an earlier incarnation of the run is unloaded first), then broadcasts it
 with `lora_name`, which versions that adapter alone; later pushes only broadcast (always as
@@ -31,25 +32,20 @@ there an adapter push is a disk reload under an abort pause (SGLang's unload wai
 adapter's requests, which a retract pause would park forever, and a request arriving between
 unload and load would reload the old directory), and `/update_weight_version` versions the engine.
 
-The trainer is sync code; the HTTP side is the async `Client`, run on a private event-loop
-thread so that the calls to all engines are in flight together while this thread broadcasts.
+The trainer hands a push one `WeightExport` (backend.py: what to send, decided there) and the
+version as an int; the calls to the engines around the tensors are engine_control.py's.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import itertools
 import shutil
-import sys
 import tempfile
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -57,40 +53,20 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from slimish.client import Client, ServerError
-from slimish.config import SGLANG_LORA, WeightSyncConfig
-from slimish.trainer.lora import ADAPTER_WEIGHTS, write_adapter_dir
 from slimish.distributed import (
     ProcessGroup,
     destroy_custom_process_group,
     dtype_name,
     flattened_layout,
-    init_custom_process_group,
     parse_dtype,
 )
-from slimish.loop_thread import LoopThread
-from slimish.net import free_port
-from slimish.protocol import InitWeightsUpdateGroupReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq
+from slimish.protocol import UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, wire_version
+from slimish.trainer.backend import WeightExport
+from slimish.trainer.config import SGLANG_LORA, WeightSyncConfig
+from slimish.trainer.engine_control import EngineControl, WeightSyncError, in_thread
+from slimish.trainer.lora import ADAPTER_WEIGHTS, write_adapter_dir
 
 T = TypeVar("T")
-
-
-class WeightSyncError(RuntimeError):
-    pass
-
-
-def _in_thread(fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
-    """`fn(*args)` on a daemon thread: one left blocked in a rendezvous must not hold up exit."""
-    future: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="weight-sync-join", daemon=True).start()
-    return future
 
 
 @dataclass
@@ -165,8 +141,8 @@ class WeightSync:
         adapter: str | None = None,
         router_url: str | None = None,
     ) -> None:
-        """`adapter` (trainer.lora's name): pushes are `push_adapter`s of that adapter, created
-        through `router_url`."""
+        """`adapter`: the name the engines serve the run's adapter under (`trainer.lora`), which
+        its pushes need (an adapter `WeightExport`), created through `router_url`."""
         if not engine_urls:
             raise ValueError("engine_urls: weight sync needs at least one engine")
         if adapter is not None and router_url is None:
@@ -177,18 +153,13 @@ class WeightSync:
         self.urls = [u.rstrip("/") for u in engine_urls]
         self.wire_dtype = parse_dtype(cfg.dtype) if cfg.dtype else None
         self.backend = cfg.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.timeout = cfg.timeout_s
-        self._loop = LoopThread("weight-sync-http")
-        self.clients = [Client(u, api_key=api_key, timeout=cfg.timeout_s) for u in self.urls]
-        self.group: ProcessGroup | None = None
-        self.sessions: bool | None = None  # engines have begin/end_weight_update; None until probed
+        self.engines = EngineControl(self.urls, api_key, cfg.timeout_s, router_url)
+        self.group: ProcessGroup | None = None  # the weight-update group, once connected
         self._buffers: dict[str, torch.Tensor] = {}  # per-name wire-dtype copies, reused across pushes
         self._flat: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2  # double buffer
         self._disk_root: Path | None = None
         self._disk_last: Path | None = None
-        self.router = Client(router_url, api_key=api_key, timeout=cfg.timeout_s) if router_url else None
         self._adapter_loaded = False  # by this run's first adapter push
-        self.adapter_versions: bool | None = None  # engines version each adapter; None until probed
         self._closed = False
         self.broken: str | None = None  # why the group became unusable
 
@@ -198,49 +169,7 @@ class WeightSync:
         """Form the group with every engine (distributed transport); blocks until all joined."""
         if self.cfg.transport == "disk" or self.group is not None:
             return
-        infos = self._all(lambda c: c.server_info())
-        for url, info in zip(self.urls, infos):
-            # SGLang's update group holds one replica's one stage: an engine's ranks are rank_offset
-            # + tp_rank, and it asserts dp_size == 1 (sglang 0.5.23:
-            # python/sglang/srt/model_executor/model_runner_components/weight_updater.py:124,
-            # python/sglang/srt/managers/tokenizer_control_mixin.py:451).
-            sizes = {key: int(info.get(key) or 1) for key in ("dp_size", "pp_size")}
-            if any(size != 1 for size in sizes.values()):
-                raise WeightSyncError(
-                    f"{url}: {', '.join(f'{k}={v}' for k, v in sizes.items() if v != 1)}: a weight-update "
-                    "group reaches one data-parallel replica of one pipeline stage; start engines with "
-                    "dp_size=1 and pp_size=1 (more engines instead of data parallelism), or use "
-                    "weight_sync.transport=disk"
-                )
-        tp = [int(info.get("tp_size", 1)) for info in infos]
-        world = 1 + sum(tp)
-        port = free_port(self.cfg.master_address)
-        offsets = [1 + sum(tp[:e]) for e in range(len(tp))]
-        reqs = [
-            InitWeightsUpdateGroupReq(
-                master_address=self.cfg.master_address,
-                master_port=port,
-                rank_offset=off,
-                world_size=world,
-                group_name=self.group_name,
-                backend=self.backend,
-            )
-            for off in offsets
-        ]
-        # The engines block in their init until rank 0 joins, so join while their calls are in
-        # flight; on a thread, so that an engine refusing at once fails this at once.
-        joined = self._start(lambda c, r: c.init_weights_update_group(r), reqs)
-        group = _in_thread(
-            init_custom_process_group,
-            self.backend,
-            f"tcp://{self.cfg.master_address}:{port}",
-            world,
-            0,
-            self.group_name,
-            timedelta(seconds=self.timeout),
-        )
-        self._check(self._wait(joined), "/init_weights_update_group")
-        self.group = group.result(timeout=self.timeout)
+        self.group = self.engines.form_group(self.cfg.master_address, self.group_name, self.backend)
 
     def close(self) -> None:
         """Destroy the group on the engines and here; idempotent. Engines gone already are fine."""
@@ -249,38 +178,43 @@ class WeightSync:
         self._closed = True
         try:
             if self.group is not None:
-                try:
-                    self._all(lambda c: c.destroy_weights_update_group(self.group_name))
-                except Exception:  # an engine that is gone has no group left to destroy
-                    pass
+                self.engines.destroy_group(self.group_name)
                 group, self.group = [self.group], None
                 if self.broken:
                     # A send that no engine will receive is still pending in the group, and its
                     # destructor waits for it until the timeout: let a daemon thread do that (the
                     # list hands it the last reference, so the destructor runs there).
-                    _in_thread(lambda: destroy_custom_process_group(group.pop()))
+                    in_thread(lambda: destroy_custom_process_group(group.pop()))
                 else:
                     destroy_custom_process_group(group.pop())
-            self._wait(self._start(lambda c, _: c.close(), [None] * len(self.clients)))
-            if self.router is not None:
-                self._loop.submit(self.router.close()).result(timeout=self.timeout)
         finally:
-            self._loop.close()
-            if self._disk_root is not None and self.cfg.disk_dir is None:
-                shutil.rmtree(self._disk_root, ignore_errors=True)
+            try:
+                self.engines.close()
+            finally:
+                if self._disk_root is not None and self.cfg.disk_dir is None:
+                    shutil.rmtree(self._disk_root, ignore_errors=True)
 
     # -- a push ------------------------------------------------------------------------------
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> dict[str, float]:
-        """Every engine serves these weights and reports `version` once this returns.
+    def push(self, export: WeightExport, version: int) -> dict[str, float]:
+        """Every engine serves `export` and reports `version` once this returns: the policy's
+        weights, or with an adapter export the run's adapter (the base and other adapters
+        untouched).
 
         Returns timings: `seconds` (the whole push), `seconds_transfer` (the buckets or the
         disk write and load), `bytes` (one engine's share), `gb_per_s` (bytes / seconds_transfer)
         and `buckets`."""
-        if self.adapter is not None:
+        wire_version(version)  # an int, refused here before anything is sent
+        if (export.adapter_config is not None) != (self.adapter is not None):
             raise WeightSyncError(
-                f"push: this run trains adapter {self.adapter!r}; its pushes are push_adapter (never the base weights)"
+                f"push: an {'adapter' if export.adapter_config is not None else 'HF weights'} export, but this "
+                f"WeightSync was made {f'for adapter {self.adapter!r}' if self.adapter else 'without an adapter name'}"
             )
+        if export.adapter_config is not None:
+            return self._push_adapter(dict(export.tensors), export.adapter_config, version)
+        return self._push_weights(export.tensors, version)
+
+    def _push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         named = ((name, t.detach()) for name, t in named_tensors)
         try:
             first = next(named, None)
@@ -298,18 +232,15 @@ class WeightSync:
                 deque(named, maxlen=0)
             raise
 
-    def push_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: str) -> dict[str, float]:
-        """trainer.lora: every engine serves the run's adapter as `tensors` (its PEFT state-dict
-        names) and reports `version` for it once this returns; the base and other adapters are
-        untouched. `config` is its `adapter_config.json`. Returns `push`'s timings."""
-        if self.adapter is None:
-            raise WeightSyncError("push_adapter: this WeightSync was made without an adapter name")
+    def _push_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: int) -> dict[str, float]:
+        """The run's adapter as `tensors` (its PEFT state-dict names), `config` its
+        `adapter_config.json`; `push`'s timings."""
         if not tensors:
-            raise ValueError("push_adapter: no tensors")
+            raise ValueError("push: no adapter tensors")
         named = [(name, t.detach()) for name, t in tensors.items()]
         disk = self.cfg.transport == "disk"
         self._check_group()  # before the adapter is loaded for a broadcast that could not follow
-        if not self._adapter_versions():
+        if not self.engines.versions_each_adapter():
             return self._push_sglang_adapter(tensors, config, version)
         if disk or not self._adapter_loaded:
             # Not paused: the unload waits for the adapter's running requests, which a pause would
@@ -322,29 +253,8 @@ class WeightSync:
                 return timings(seconds, seconds, nbytes, 1)
         return self._push(lambda: self._push_buckets(named, version, lora_name=self.adapter))
 
-    def _adapter_versions(self) -> bool:
-        """Whether the engines version each adapter (slimish's `/get_weight_version` and
-        `lora_name` on a broadcast) rather than only the whole server, as SGLang 0.5.23 does
-        (it has no such route: 404). Asked once."""
-        if self.adapter_versions is None:
-
-            async def probe(c: Client) -> bool:
-                try:
-                    await c.get_weight_version()
-                except ServerError as exc:
-                    if exc.status == 404:
-                        return False
-                    raise
-                return True
-
-            found = self._all(probe)
-            if len(set(found)) != 1:
-                raise WeightSyncError(f"engines disagree on /get_weight_version support: {dict(zip(self.urls, found))}")
-            self.adapter_versions = found[0]
-        return self.adapter_versions
-
     def _push_sglang_adapter(
-        self, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: str
+        self, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: int
     ) -> dict[str, float]:
         """SGLang 0.5.23 (module docstring): under the push's abort pause, the adapter directory
         is unloaded and loaded through the router, then every engine takes `version`."""
@@ -354,10 +264,7 @@ class WeightSync:
         def reload() -> tuple[int, int]:
             path = write_adapter_dir(self._disk_dir() / f"{self.adapter}-{version}", config, tensors)
             nbytes = self._load_adapter(path, None)
-            self._check(
-                self._all(lambda c: c.update_weight_version(version, abort_all_requests=False)),
-                "/update_weight_version",
-            )
+            self.engines.set_version(version)
             return nbytes, 1
 
         return self._push(reload)
@@ -368,7 +275,7 @@ class WeightSync:
         started = time.perf_counter()
         sending = False
         try:
-            self._prepare()
+            self.engines.pause(self.cfg.pause_mode, begin=self._session_push())
             t0, sending = time.perf_counter(), True
             nbytes, buckets = send()
             transfer = time.perf_counter() - t0
@@ -379,7 +286,11 @@ class WeightSync:
                 self.broken = str(exc) or type(exc).__name__
             raise
         finally:
-            self._finish()
+            # under `drain` generation was paused only once a session drained it
+            self.engines.resume(
+                end=self._session_push() and bool(self.engines.sessions),
+                resume=self.cfg.pause_mode != "drain" or self._session_push(),
+            )
         return timings(time.perf_counter() - started, transfer, nbytes, buckets)
 
     def _check_group(self) -> None:
@@ -393,67 +304,12 @@ class WeightSync:
     def _session_push(self) -> bool:
         """Whether a push opens a weight-update session: a broadcast of the base weights, to
         engines that have sessions (older SGLang has none; None until the first push)."""
-        return self.cfg.transport == "distributed" and self.sessions is not False and self.adapter is None
+        return self.cfg.transport == "distributed" and self.engines.sessions is not False and self.adapter is None
 
-    def _pauses(self) -> bool:
-        """Whether a push pauses generation: always but under `drain`, which pauses once its
-        session has drained the running requests."""
-        return self.cfg.pause_mode != "drain" or self._session_push()
-
-    def _prepare(self) -> None:
-        """Pause, then open a weight-update session (under `drain` the other way round: module
-        docstring), on every engine at once; the first push finds out whether the engines have
-        sessions."""
-        mode, begin = self.cfg.pause_mode, self._session_push()
-
-        async def prepare(c: Client) -> bool | None:
-            if mode != "drain":
-                await c.pause(mode)
-            opened = await c.begin_weight_update() if begin else None
-            if mode == "drain" and opened:
-                await c.pause("retract")  # drained: generation waits for the push from here on
-            return opened
-
-        opened = self._all(prepare)
-        if begin and self.sessions is None:
-            if len(set(opened)) != 1:
-                raise WeightSyncError(
-                    f"engines disagree on /begin_weight_update support: {dict(zip(self.urls, opened))}"
-                )
-            self.sessions = opened[0]
-        if begin and mode == "drain" and not self.sessions:
-            raise WeightSyncError(
-                "weight_sync.pause_mode=drain: the engines have no /begin_weight_update (SGLang before 0.5.23), "
-                "whose wait for the running requests is the drain; use retract"
-            )
-
-    def _finish(self) -> None:
-        """Close the session (it is per engine, not per group: always), then continue generation,
-        on every engine at once (a continue first would let end wait for every generation it
-        resumed). Generation continues even if the end failed. When an error is already on its
-        way out, a failure here does not replace it."""
-        end = self._session_push() and bool(self.sessions)
-        resume = self._pauses()
-
-        async def finish(c: Client) -> None:
-            try:
-                closed = await c.end_weight_update() if end else None
-            finally:
-                if resume:
-                    await c.resume()
-            if closed is not None and not closed.success:
-                raise WeightSyncError(f"/end_weight_update failed: {closed.message}")
-
-        if sys.exc_info()[1] is None:
-            self._all(finish)
-            return
-        try:
-            self._all(finish)
-        except Exception:
-            pass
+    # -- the transports ------------------------------------------------------------------------
 
     def _push_buckets(
-        self, named: Iterable[tuple[str, torch.Tensor]], version: str, lora_name: str | None = None
+        self, named: Iterable[tuple[str, torch.Tensor]], version: int, lora_name: str | None = None
     ) -> tuple[int, int]:
         """The buckets of `named` as it yields them (the next packed while this one is on the
         wire). An adapter always goes flattened: it is many small tensors (4 per adapted module),
@@ -472,18 +328,19 @@ class WeightSync:
                 group_name=self.group_name,
                 load_format="flattened_bucket" if flattened else None,
                 flush_cache=last and flush,
-                weight_version=version if last else None,
+                weight_version=wire_version(version) if last else None,
                 lora_name=lora_name,
             )
-            replies = self._start(lambda c, r: c.update_weights_from_distributed(r), [req] * len(self.clients))
+            replies = self.engines.start(lambda c, r: c.update_weights_from_distributed(r), [req] * len(self.urls))
             works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in payload]
             if not last:  # overlaps the engines' receive and load of this bucket
                 following = next(buckets)
                 payload = self._pack(following[0], (k + 1) % 2, flattened)
             # Replies come after the engines received everything, so waiting on them first
             # turns an engine's refusal into an error here instead of a broadcast that hangs.
-            self._check(
-                self._wait(replies), f"/update_weights_from_distributed (bucket {k + 1}{', the last' if last else ''})"
+            self.engines.check(
+                self.engines.wait(replies),
+                f"/update_weights_from_distributed (bucket {k + 1}{', the last' if last else ''})",
             )
             for work in works:
                 work.wait()
@@ -523,7 +380,7 @@ class WeightSync:
             self._disk_root.mkdir(parents=True, exist_ok=True)
         return self._disk_root
 
-    def _push_disk(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> int:
+    def _push_disk(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         target = self._disk_dir() / f"weights-{version}"
         target.mkdir(exist_ok=True)
         state = {}
@@ -532,40 +389,18 @@ class WeightSync:
             state[name] = t.to("cpu", dtype).contiguous()
         save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
         req = UpdateWeightsFromDiskReq(
-            model_path=str(target), weight_version=version, flush_cache=self.cfg.pause_mode != "in_place"
+            model_path=str(target), weight_version=wire_version(version), flush_cache=self.cfg.pause_mode != "in_place"
         )
-        self._check(self._all(lambda c: c.update_weights_from_disk(req)), "/update_weights_from_disk")
+        self.engines.check(self.engines.all(lambda c: c.update_weights_from_disk(req)), "/update_weights_from_disk")
         self._written(target)
         return sum(t.numel() * t.element_size() for t in state.values())
 
-    def _load_adapter(self, path: Path, version: str | None) -> int:
-        """Create the run's adapter from the directory `path` on every engine (the router fans the
-        calls out): unloaded first, so that a restarted run or a disk push replaces it. A disk
-        push versions it with `weight_version` on the load (a slimish extension: the load is its
-        only call), checked on every engine. Returns the bytes of its weights file."""
-        assert self.router is not None and self.adapter is not None
-        name, router = self.adapter, self.router
-
-        async def reload() -> None:
-            try:
-                await router.unload_lora_adapter(name)
-            except ServerError:  # not loaded yet: the usual first push
-                pass
-            await router.load_lora_adapter(name, str(path), weight_version=version)
-
-        try:
-            self._loop.submit(reload()).result(timeout=self.timeout)
-        except ServerError as exc:
-            raise WeightSyncError(f"/load_lora_adapter {name!r} from {path} failed: {exc.message}") from exc
+    def _load_adapter(self, path: Path, version: int | None) -> int:
+        """Create the run's adapter from the directory `path` on every engine (versioned with the
+        load when `version` is given: a disk push); the bytes of its weights file."""
+        assert self.adapter is not None
+        self.engines.load_adapter(self.adapter, path, version)
         self._adapter_loaded = True
-        if version is not None:
-            served = self._all(lambda c: c.get_weight_version(name))
-            if any(v != version for v in served):
-                raise WeightSyncError(
-                    f"adapter {name!r} loaded from disk as version {version}, but the engines report "
-                    f"{dict(zip(self.urls, served))}: they ignore `weight_version` on /load_lora_adapter "
-                    "(a slimish extension; SGLang engines need the broadcast push)"
-                )
         self._written(path)
         return (path / ADAPTER_WEIGHTS).stat().st_size
 
@@ -575,32 +410,7 @@ class WeightSync:
             shutil.rmtree(self._disk_last, ignore_errors=True)
         self._disk_last = target
 
-    # -- HTTP on the loop thread -------------------------------------------------------------
-
-    def _start(self, call, args: list[Any]) -> concurrent.futures.Future:
-        """`call(client, arg)` on every engine at once; the future holds their results in order."""
-
-        async def gather() -> list[Any]:
-            return await asyncio.gather(*(call(c, a) for c, a in zip(self.clients, args)), return_exceptions=True)
-
-        return self._loop.submit(gather())
-
-    def _wait(self, future: concurrent.futures.Future) -> list[Any]:
-        results = future.result(timeout=self.timeout)
-        failed = [(url, r) for url, r in zip(self.urls, results) if isinstance(r, BaseException)]
-        if failed:
-            raise WeightSyncError("; ".join(f"{url}: {exc}" for url, exc in failed)) from failed[0][1]
-        return results
-
-    def _all(self, call) -> list[Any]:
-        return self._wait(self._start(lambda c, _: call(c), [None] * len(self.clients)))
-
-    def _check(self, results: list[Any], route: str) -> None:
-        bad = [(url, r.message) for url, r in zip(self.urls, results) if not r.success]
-        if bad:
-            raise WeightSyncError(f"{route} failed: " + "; ".join(f"{url}: {msg}" for url, msg in bad))
-
-    def __enter__(self) -> "WeightSync":
+    def __enter__(self) -> WeightSync:
         self.connect()
         return self
 

@@ -14,7 +14,7 @@ import os
 import sys
 
 from sglang.server_args import parse
-from slimish.config import EngineConfig
+from slimish.engine.config import EngineConfig
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -323,10 +323,16 @@ class StrictSGLang:
     def engine(self) -> Any:
         return self.inner.state.engine
 
+    @property
+    def scheduler(self) -> Any:
+        """The built-in engine's scheduler, which its routes never touch: SGLang's one version per
+        server and its idle rule differ from the built-in engine's, so the double applies them there."""
+        return self.engine._scheduler
+
     def serve_one_version(self) -> None:
         """Every request, an adapter's too, is labelled with the server's weight version
         (tokenizer_manager.py:2511)."""
-        scheduler = self.engine.scheduler
+        scheduler = self.scheduler
         scheduler.version_of = lambda lora: scheduler.weight_version
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -381,9 +387,7 @@ class StrictSGLang:
                 try:
                     await asyncio.wait_for(self.lock.wait_unlocked(), 1.0)
                 except asyncio.TimeoutError:
-                    await self.engine.run(
-                        lambda: self.engine.scheduler.abort(abort_all=True, message="Abort by pause_generation.")
-                    )
+                    await self.engine.abort(abort_all=True, message="Abort by pause_generation.")
         await self.send_reply(send, reply)
 
     async def continue_generation(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
@@ -459,7 +463,7 @@ class StrictSGLang:
         if int(self.server_args.get("dp_size") or 1) != 1:
             return await respond(send, 500, b"Internal Server Error", b"text/plain; charset=utf-8")
         if req.get("abort_all_requests"):
-            await self.engine.run(lambda: self.engine.scheduler.abort(abort_all=True))
+            await self.engine.abort(abort_all=True)
         route = scope["path"].lstrip("/")
         async with self.exclusive():
             if not self.session:
@@ -472,7 +476,7 @@ class StrictSGLang:
         """tokenizer_manager.py:2288-2322: no session needed; the flush rule holds."""
         req = json.loads(body or b"{}") or {}
         if req.get("abort_all_requests"):
-            await self.engine.run(lambda: self.engine.scheduler.abort(abort_all=True))
+            await self.engine.abort(abort_all=True)
         async with self.exclusive(hold_pause_cond=False):
             await self.update_and_flush(scope, body, receive, send, req, num_paused_requests=0)
 
@@ -489,12 +493,12 @@ class StrictSGLang:
     async def idle(self) -> bool:
         """scheduler.py:5337 `is_fully_idle(ignore_waiting=paused)`: nothing running and, unless
         paused, nothing waiting (the built-in engine's retract moves running to waiting)."""
-        s = self.engine.scheduler
+        s = self.scheduler
         return await self.engine.run(lambda: not s.running and (s.paused is not None or not s.waiting))
 
     async def flush_cache(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         """http_server.py:1025-1040, scheduler.py:5518: refused (400) unless idle."""
-        s = self.engine.scheduler
+        s = self.scheduler
 
         def flush() -> bool:
             if s.running or (s.paused is None and s.waiting):

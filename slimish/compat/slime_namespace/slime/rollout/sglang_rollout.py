@@ -16,7 +16,7 @@ from typing import Any
 from slime.utils.http_utils import post
 from slime.utils.types import Sample
 
-from slimish.compat.slime import current_context
+from slimish.compat.slime.calls import current_context
 
 
 class _Unbounded:

@@ -1,8 +1,8 @@
-"""slime.utils.http_utils: `post` and `get`, run by slimish (slimish.compat.slime.post): requests to
+"""slime.utils.http_utils: `post` and `get`, run by slimish (slimish.compat.slime.calls.post): requests to
 the router carry the sample's routing key and the router's API key, and `/generate` replies are
 recorded for the sample being generated."""
 
-from slimish.compat.slime import get, post
+from slimish.compat.slime.calls import get, post
 
 
 def init_http_client(args=None) -> None:

@@ -1,4 +1,4 @@
-"""`slimish router --workers N`: several router processes on one port behave as one router.
+"""`slimish router --processes N`: several router processes on one port behave as one router.
 
 Real `slimish router` processes on free loopback ports in front of two real built-in engines.
 Every `httpx.post` / `httpx.get` here opens a new connection, so SO_REUSEPORT spreads the
@@ -21,15 +21,15 @@ import httpx
 import psutil
 import pytest
 
-from slimish.config import RouterConfig
-from slimish.launch.process import ServerProcess
+from slimish.router.config import RouterConfig
+from slimish.processes import ServerProcess
 from slimish.net import free_port
 from slimish.protocol import ROUTING_KEY_HEADER
 from slimish.router.policy import rendezvous
 from slimish.router.proxy import PROCESS_HEADER, WORKER_HEADER
 from slimish.router.workers import Worker
 
-from conftest import running_engines, wait_for
+from helpers import generate_response, running_engines, wait_for
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 2, "ignore_eos": True}
 ADMIN = {"Authorization": "Bearer adm"}
@@ -44,11 +44,11 @@ def urls(tiny_model_dir, tmp_path_factory) -> Iterator[list[str]]:
 
 @contextmanager
 def router(tmp_path, worker_urls: list[str], *flags: str) -> Iterator[ServerProcess]:
-    """A `slimish router --workers 2` process, returned once every router process serves."""
+    """A `slimish router --processes 2` process, returned once every router process serves."""
     port = free_port()
     argv = [
         "router",
-        "--workers",
+        "--processes",
         str(PROCESSES),
         "--port",
         str(port),
@@ -74,14 +74,6 @@ def router(tmp_path, worker_urls: list[str], *flags: str) -> Iterator[ServerProc
         proc.stop()
 
 
-def generate(url: str, input_ids: list[int], headers: dict | None = None) -> httpx.Response:
-    r = httpx.post(
-        url + "/generate", json={"input_ids": input_ids, "sampling_params": GREEDY}, headers=headers, timeout=60
-    )
-    assert r.status_code == 200, r.text
-    return r
-
-
 def test_sessions_and_prefixes_stick_across_processes(urls, tmp_path):
     pool = [Worker(u) for u in urls]
     owner = {f"agent-{i}": rendezvous(pool, f"agent-{i}".encode()).url for i in range(64)}
@@ -89,7 +81,13 @@ def test_sessions_and_prefixes_stick_across_processes(urls, tmp_path):
     agents += [k for k in owner if k not in agents][:2]
     with router(tmp_path, urls, "--policy", "session") as r:
         replies = {
-            agent: [generate(r.url, [5, 6, 7], {ROUTING_KEY_HEADER: agent}) for _ in range(8)] for agent in agents
+            agent: [
+                generate_response(
+                    r.url, headers={ROUTING_KEY_HEADER: agent}, input_ids=[5, 6, 7], sampling_params=GREEDY
+                )
+                for _ in range(8)
+            ]
+            for agent in agents
         }
     for agent, theirs in replies.items():
         served = {x.headers[WORKER_HEADER] for x in theirs}
@@ -98,7 +96,10 @@ def test_sessions_and_prefixes_stick_across_processes(urls, tmp_path):
     assert len(processes) == PROCESSES, "all on one router process: not a cross-process test"
 
     with router(tmp_path, urls, "--policy", "cache_aware") as r:
-        replies = {tuple(p): [generate(r.url, p) for _ in range(8)] for p in ([9] * 40, list(range(100, 140)))}
+        replies = {
+            tuple(p): [generate_response(r.url, input_ids=p, sampling_params=GREEDY) for _ in range(8)]
+            for p in ([9] * 40, list(range(100, 140)))
+        }
     assert all(len({x.headers[WORKER_HEADER] for x in theirs}) == 1 for theirs in replies.values())
     assert len({x.headers[PROCESS_HEADER] for theirs in replies.values() for x in theirs}) == PROCESSES
 
@@ -121,7 +122,9 @@ def test_registry_and_fan_outs_are_one_across_processes(urls, tmp_path):
             lambda: all(x.json()["healthy_workers"] == 2 for x in everywhere("/readiness")),
             "the added engine to be routable",
         )
-        assert {generate(r.url, [1, 2]).headers[WORKER_HEADER] for _ in range(8)} == set(urls)
+        assert {
+            generate_response(r.url, input_ids=[1, 2], sampling_params=GREEDY).headers[WORKER_HEADER] for _ in range(8)
+        } == set(urls)
 
         for _ in range(4):  # each through whichever process takes it: one result per engine
             fan = httpx.post(r.url + "/flush_cache", headers=ADMIN, timeout=60)
@@ -134,7 +137,9 @@ def test_registry_and_fan_outs_are_one_across_processes(urls, tmp_path):
         gone = httpx.post(r.url + "/remove_worker", params={"url": urls[0]}, headers=ADMIN)
         assert gone.status_code == 200, gone.text
         assert all([w["worker"] for w in x.json()["workers"]] == [urls[1]] for x in everywhere("/get_loads"))
-        assert {generate(r.url, [1, 2]).headers[WORKER_HEADER] for _ in range(8)} == {urls[1]}
+        assert {
+            generate_response(r.url, input_ids=[1, 2], sampling_params=GREEDY).headers[WORKER_HEADER] for _ in range(8)
+        } == {urls[1]}
 
 
 def test_a_named_worker_is_named_in_every_process(urls, tmp_path):
@@ -151,7 +156,7 @@ def test_a_named_worker_is_named_in_every_process(urls, tmp_path):
             httpx.post(r.url + "/generate", json={"input_ids": [1, 2], "model": "teacher", "sampling_params": GREEDY})
             for _ in range(8)
         ]
-        plain = [generate(r.url, [1, 2]) for _ in range(8)]
+        plain = [generate_response(r.url, input_ids=[1, 2], sampling_params=GREEDY) for _ in range(8)]
     assert {x.headers[WORKER_HEADER] for x in named} == {urls[1]} and {x.headers[WORKER_HEADER] for x in plain} == {
         urls[0]
     }
@@ -161,18 +166,19 @@ def test_a_named_worker_is_named_in_every_process(urls, tmp_path):
 def test_least_inflight_balances_with_per_process_counts(urls, tmp_path):
     """Each process rotates its own ties: the engines' shares differ by at most one per process."""
     with router(tmp_path, urls, "--policy", "least_inflight") as r:
-        replies = [generate(r.url, [3, 4]) for _ in range(40)]
+        replies = [generate_response(r.url, input_ids=[3, 4], sampling_params=GREEDY) for _ in range(40)]
     by_process = Counter(x.headers[PROCESS_HEADER] for x in replies)
     by_engine = Counter(x.headers[WORKER_HEADER] for x in replies)
     assert len(by_process) == PROCESSES, by_process
     assert set(by_engine) == set(urls) and abs(by_engine[urls[0]] - by_engine[urls[1]]) <= PROCESSES, by_engine
 
 
-def test_a_run_starts_its_router_with_launch_router_workers(urls, tmp_path):
-    from slimish.config import LaunchConfig
+def test_a_run_starts_its_router_with_launch_router_processes(urls, tmp_path):
+    from slimish.launch.config import LaunchConfig
     from slimish.launch.local import router_process
 
-    with router_process(LaunchConfig(router_workers=PROCESSES, policy="round_robin"), urls, tmp_path).start(60) as proc:
+    launch = LaunchConfig(router_processes=PROCESSES, policy="round_robin")
+    with router_process(launch, urls, tmp_path).start(60) as proc:
         seen: set[str] = set()
         wait_for(
             lambda: seen.add(httpx.get(proc.url + "/v1/models").headers[PROCESS_HEADER]) or len(seen) == PROCESSES,
@@ -191,13 +197,13 @@ def test_router_processes_die_with_the_parent(urls, tmp_path):
         assert not alive, f"orphaned router processes: {alive}"
 
 
-def test_bad_workers_and_port_are_refused_naming_the_flag():
-    with pytest.raises(ValueError, match="workers must be >= 1"):
-        RouterConfig(workers=0)
+def test_bad_processes_and_port_are_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="processes must be >= 1"):
+        RouterConfig(processes=0)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         for port, says in ((taken.getsockname()[1], "cannot listen"), (0, "every process must bind the same port")):
-            argv = [sys.executable, "-m", "slimish.cli", "router", "--workers", "2", "--port", str(port)]
+            argv = [sys.executable, "-m", "slimish.cli", "router", "--processes", "2", "--port", str(port)]
             done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
             assert done.returncode != 0 and f"--port {port}: " in done.stderr and says in done.stderr, done.stderr

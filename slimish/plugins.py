@@ -4,7 +4,8 @@ filter functions and every hook), imported and checked before any server starts.
 A wrong path, a missing function, a plain `def` where `async def` is needed or a wrong number of
 parameters fails here, at start-up, with a message that says which and how to fix it, instead of
 as a failed sample an hour into a run. A spec starting `slime:` names a function written in
-slime's signatures (`slimish.compat.slime` adapts it).
+slime's signatures: `slimish.compat.load_function` adapts it (the run's start-up loads through
+it); this module only refuses such a spec, saying where it belongs.
 
 Kinds, the config value (or flag) that names each, and the shape it must have:
 - rollout (`--rollout-fn`): `async def fn(ctx, sample) -> Sample | list[Sample]`; marked with
@@ -46,20 +47,25 @@ import importlib.util
 import inspect
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
-
-from slimish.config import RolloutConfig
-from slimish.rollout.rewards import is_group_reward
+from typing import Any, Protocol
 
 SLIME_PREFIX = "slime:"
+SLIME_ADAPTS = ("rollout", "reward", "filter")  # the kinds a `slime:` spec may name
 
 
 class LoadError(ValueError):
     """A user function that cannot be used; the message names the flag, the spec and the fix."""
+
+
+class Loader(Protocol):
+    """What loads a spec: `load_function` here, or `slimish.compat.load_function`, which also adapts
+    `slime:` specs (the run's start-up hands that one down to the rollout side)."""
+
+    def __call__(self, spec: str, kind: str, flag: str | None = None) -> Callable[..., Any]: ...
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,19 @@ KINDS: dict[str, Kind] = {
 }
 
 
+def group_reward(fn: Callable[..., Awaitable[list[Any]]]) -> Callable[..., Awaitable[list[Any]]]:
+    """Marks `async def fn(ctx, samples) -> list[float | dict]` as a reward over a whole finished
+    group (one reward per sample, in order), e.g. a pairwise judge or a group-relative score.
+    Users import it from `slimish.rollout.rewards`; it lives here because the mark decides the
+    shape a reward is checked against."""
+    fn.__slimish_group_reward__ = True  # type: ignore[attr-defined]
+    return fn
+
+
+def is_group_reward(fn: Any) -> bool:
+    return getattr(fn, "__slimish_group_reward__", False) is True
+
+
 def load_function(spec: str, kind: str, flag: str | None = None) -> Callable[..., Any]:
     """The function `spec` names, checked for `kind` (a key of KINDS but group_reward, which a
     reward marked `@group_reward` is); `flag` names the config value in messages when it is not
@@ -91,9 +110,7 @@ def load_function(spec: str, kind: str, flag: str | None = None) -> Callable[...
         raise ValueError(f"kind must be one of {', '.join(k for k in KINDS if k != 'group_reward')}, got {kind!r}")
     flag = flag or KINDS[kind].flag
     if spec.startswith(SLIME_PREFIX):
-        from slimish.compat.slime import load_slime_function
-
-        return load_slime_function(spec[len(SLIME_PREFIX) :], kind, flag)
+        raise LoadError(f"{flag} {spec!r}: {_slime_refusal(kind, flag)}")
     fn, name = find_function(spec, flag)
     if kind == "reward" and is_group_reward(fn):
         kind = "group_reward"
@@ -101,6 +118,18 @@ def load_function(spec: str, kind: str, flag: str | None = None) -> Callable[...
     if kind == "filter" and shape == ("group",):
         return _with_ctx(fn)
     return fn
+
+
+def _slime_refusal(kind: str, flag: str) -> str:
+    if kind in SLIME_ADAPTS:
+        return (
+            "a `slime:` spec is adapted by slimish.compat.load_function (as `slimish train` and `slimish rollout` "
+            "load); this caller takes slimish functions only"
+        )
+    return (
+        "a `slime:` spec names a slime custom generate, reward (rm) or dynamic-sampling filter function; "
+        f"{flag} takes a slimish function: drop the `slime:` prefix"
+    )
 
 
 def find_function(spec: str, flag: str, shown: str | None = None) -> tuple[Callable[..., Any], str]:
@@ -130,20 +159,6 @@ def find_function(spec: str, flag: str, shown: str | None = None) -> tuple[Calla
     if not callable(fn):
         raise LoadError(f"{flag} {shown!r}: {name} is a {type(fn).__name__}, not a function")
     return fn, name
-
-
-def load_functions(cfg: RolloutConfig) -> tuple[Callable[..., Any], *tuple[Callable[..., Any] | None, ...]]:
-    """The rollout function and the optional ones `cfg` names, in `RolloutManager`'s order:
-    rollout, reward, filter, sample hook, reward post-process (None where not set)."""
-    optional = (
-        ("reward_fn", "reward"),
-        ("filter_fn", "filter"),
-        ("sample_hook", "sample_hook"),
-        ("reward_post_fn", "reward_post"),
-    )
-    return load_function(cfg.rollout_fn, "rollout"), *(
-        load_function(getattr(cfg, key), kind) if getattr(cfg, key) else None for key, kind in optional
-    )
 
 
 def check_shape(flag: str, spec: str, name: str, fn: Callable[..., Any], kind: Kind) -> tuple[str, ...] | None:

@@ -19,13 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from slimish.client import ServerError
 from slimish.formats.template import TemplateError
+from slimish.gateway.turns import TurnRequest, TurnResult, session_of
 from slimish.protocol import describe_validation_error
-from slimish.rollout.turns import TurnRequest, session_of
 from slimish.serving import load_json
 
 if TYPE_CHECKING:
-    from slimish.rollout.capture import CaptureServer
-    from slimish.rollout.turns import TurnResult
+    from slimish.gateway.server import Gateway
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -151,7 +150,7 @@ class AnthropicError(Exception):
 # ---- the endpoints -------------------------------------------------------------------------------
 
 
-def router(capture: "CaptureServer") -> APIRouter:
+def router(gateway: Gateway) -> APIRouter:
     api = APIRouter()
 
     @api.post("/v1/messages")
@@ -159,7 +158,7 @@ def router(capture: "CaptureServer") -> APIRouter:
         try:
             session = _session(request)
             body = await parse_body(request, MessagesRequest)
-            result = await capture.turn(session, turn_request(body, sampling(body)))
+            result = await gateway.turn(session, turn_request(body, sampling(body)))
         except TemplateError as exc:
             return AnthropicError(400, str(exc)).response()
         except AnthropicError as exc:
@@ -175,7 +174,7 @@ def router(capture: "CaptureServer") -> APIRouter:
     async def count_tokens(request: Request) -> Response:
         """Renders only: no session is needed and nothing is recorded."""
         try:
-            n = capture.count_tokens(turn_request(await parse_body(request, CountTokensRequest)))
+            n = gateway.count_tokens(turn_request(await parse_body(request, CountTokensRequest)))
         except TemplateError as exc:
             return AnthropicError(400, str(exc)).response()
         except AnthropicError as exc:
@@ -297,7 +296,7 @@ def sampling(body: MessagesRequest) -> dict[str, Any]:
 # ---- the reply -----------------------------------------------------------------------------------
 
 
-def message(body: MessagesRequest, result: "TurnResult") -> dict[str, Any]:
+def message(body: MessagesRequest, result: TurnResult) -> dict[str, Any]:
     reply = result.reply
     content: list[dict[str, Any]] = []
     if reply.reasoning_content:
@@ -320,7 +319,7 @@ def message(body: MessagesRequest, result: "TurnResult") -> dict[str, Any]:
     }
 
 
-def stop_reason(body: MessagesRequest, result: "TurnResult") -> tuple[str, str | None]:
+def stop_reason(body: MessagesRequest, result: TurnResult) -> tuple[str, str | None]:
     """Anthropic's stop reason and matched stop sequence. A stop string the request did not set
     (the run's `rollout.stop`) ends the turn; an aborted turn says `abort`, as on chat completions."""
     if result.finish_reason == "length":

@@ -116,7 +116,7 @@ class TrajectoryTree:
         if not self.turns:
             return Placement(None, 0, rendered, rendered, "start")
         reason = reasons[0] if reasons else "a new conversation"
-        log.debug("capture: fork (new segment %d): %s", len(self.roots), reason)
+        log.debug("gateway: fork (new segment %d): %s", len(self.roots), reason)
         return Placement(None, 0, rendered, rendered, "fork", reason)
 
     def add(

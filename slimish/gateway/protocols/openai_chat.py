@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from slimish.client import ServerError
 from slimish.formats.openai import (
+    ChatCompletionRequest,
     OpenAIError,
     active_tools,
     check_tool_choice,
@@ -21,11 +22,10 @@ from slimish.formats.openai import (
     sampling_params_of,
 )
 from slimish.formats.template import TemplateError
-from slimish.protocol import ChatCompletionRequest
+from slimish.gateway.turns import TurnRequest, TurnResult, session_of
 
 if TYPE_CHECKING:
-    from slimish.rollout.capture import CaptureServer
-    from slimish.rollout.turns import TurnResult
+    from slimish.gateway.server import Gateway
 
 # OpenAI body field -> native sampling param, for the fields a request may set explicitly.
 OPENAI_SAMPLING = {
@@ -47,9 +47,7 @@ OPENAI_SAMPLING = {
 }
 
 
-def router(capture: "CaptureServer") -> APIRouter:
-    from slimish.rollout.turns import TurnRequest, session_of
-
+def router(gateway: Gateway) -> APIRouter:
     api = APIRouter()
 
     @api.post("/v1/chat/completions")
@@ -67,7 +65,7 @@ def router(capture: "CaptureServer") -> APIRouter:
                 (body.top_logprobs or 0) if body.logprobs else 0,
                 body.separate_reasoning,
             )
-            reply = completion(capture, body, await capture.turn(session_of(request), turn))
+            reply = completion(gateway, body, await gateway.turn(session_of(request), turn))
             if body.stream:
                 return StreamingResponse(_events(reply, body), media_type="text/event-stream")
             return JSONResponse(reply)
@@ -111,12 +109,12 @@ def sampling(body: ChatCompletionRequest) -> dict[str, Any]:
     return params
 
 
-def completion(capture: "CaptureServer", body: ChatCompletionRequest, result: "TurnResult") -> dict[str, Any]:
+def completion(gateway: Gateway, body: ChatCompletionRequest, result: TurnResult) -> dict[str, Any]:
     reason, matched = finish(result.finish_reason, result.matched_stop, called=bool(result.reply.tool_calls))
     choice: dict[str, Any] = {
         "index": 0,
         "message": reply_message(result.reply),
-        "logprobs": _logprobs(capture, result) if body.logprobs else None,
+        "logprobs": _logprobs(gateway, result) if body.logprobs else None,
         "finish_reason": reason,
         "matched_stop": matched,
     }
@@ -162,8 +160,8 @@ async def _events(reply: dict[str, Any], body: ChatCompletionRequest) -> AsyncIt
     yield "data: [DONE]\n\n"
 
 
-def _logprobs(capture: "CaptureServer", result: "TurnResult") -> dict[str, Any]:
-    meta, decode = result.meta, capture.tokenizer.decode
+def _logprobs(gateway: Gateway, result: TurnResult) -> dict[str, Any]:
+    meta, decode = result.meta, gateway.tokenizer.decode
     tops = meta.output_top_logprobs or [None] * len(result.completion_ids)
     content = []
     for (lp, t, *_), top in zip(meta.output_token_logprobs or [], tops):

@@ -3,7 +3,7 @@
 An agent is pointed at a session: by base URL (`session_base_url(id)`, the path names the
 session) or by key (the plain `url`, with the session's id as its `Authorization: Bearer` or
 `x-api-key` value: many harnesses take only a base URL and a key from the environment). It may
-speak any of three protocols; each is a thin adapter (`slimish/rollout/protocols/`) that turns
+speak any of three protocols; each is a thin adapter (`slimish/gateway/protocols/`) that turns
 its request into OpenAI chat messages and its reply back:
 
 - OpenAI Chat Completions, `/v1/chat/completions`;
@@ -11,7 +11,7 @@ its request into OpenAI chat messages and its reply back:
 - Anthropic Messages, `/v1/messages` and `/v1/messages/count_tokens`.
 
 Every turn becomes a native `/generate` on the router with explicit `input_ids`, placed in the
-session's trajectory tree (`slimish/rollout/trajectory.py`: continue, realign or fork), and its
+session's trajectory tree (`slimish/gateway/trajectory.py`: continue, realign or fork), and its
 prompt ids, completion ids, logprobs and weight versions are kept. `pop_samples` then returns
 exact-token training samples: the engine's own output ids (mask 1, with its logprobs)
 interleaved with the tool / user turns (mask 0), never a re-tokenised text.
@@ -40,10 +40,10 @@ from fastapi.responses import JSONResponse
 from slimish.client import Client
 from slimish.formats.model import ModelFormat
 from slimish.formats.template import normalize_message
+from slimish.gateway.protocols import anthropic, openai_chat, openai_responses
+from slimish.gateway.trajectory import TrajectoryTree
+from slimish.gateway.turns import TurnRequest, TurnResult
 from slimish.protocol import GenerateResponse
-from slimish.rollout.protocols import anthropic, openai_chat, openai_responses
-from slimish.rollout.trajectory import TrajectoryTree
-from slimish.rollout.turns import TurnRequest, TurnResult
 from slimish.types import Sample
 
 START_TIMEOUT_S = 30.0
@@ -57,7 +57,7 @@ class _UvicornServer(uvicorn.Server):
         return contextlib.nullcontext()
 
 
-class CaptureServer:
+class Gateway:
     """Serves every protocol under `{url}/sessions/{id}` and, for key-addressed sessions, at `{url}`."""
 
     def __init__(
@@ -103,9 +103,9 @@ class CaptureServer:
         while not self._server.started:
             if self._task.done():
                 self._task.result()  # raises why it could not start
-                raise RuntimeError(f"capture server on {self.url} exited during start-up")
+                raise RuntimeError(f"gateway on {self.url} exited during start-up")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"capture server on {self.url} did not start within {START_TIMEOUT_S} s")
+                raise TimeoutError(f"gateway on {self.url} did not start within {START_TIMEOUT_S} s")
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
@@ -117,7 +117,7 @@ class CaptureServer:
     def session_url(self, session_id: str) -> str:
         """The session's root: Anthropic's SDK takes it as `base_url` (it adds `/v1/messages`)."""
         if not self.url:
-            raise RuntimeError("CaptureServer.start() has not been awaited")
+            raise RuntimeError("Gateway.start() has not been awaited")
         return f"{self.url}/sessions/{session_id}"
 
     def session_base_url(self, session_id: str) -> str:

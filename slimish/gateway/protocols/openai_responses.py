@@ -27,12 +27,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from slimish.formats.openai import OpenAIError, parse_body
+from slimish.gateway.protocols.openai_chat import openai_errors
+from slimish.gateway.turns import TurnRequest, TurnResult, session_of
 from slimish.protocol import describe_validation_error
-from slimish.rollout.protocols.openai_chat import openai_errors
 
 if TYPE_CHECKING:
-    from slimish.rollout.capture import CaptureServer
-    from slimish.rollout.turns import TurnResult
+    from slimish.gateway.server import Gateway
 
 Conversation = list[dict[str, Any]]  # OpenAI chat messages
 
@@ -108,10 +108,8 @@ def _item(model: type[BaseModel], raw: dict[str, Any], where: str) -> Any:
 # ---- request -> TurnRequest -----------------------------------------------------------------
 
 
-def router(capture: "CaptureServer") -> APIRouter:
-    from slimish.rollout.turns import TurnRequest, session_of
-
-    api, store = APIRouter(), ResponseStore(capture)
+def router(gateway: Gateway) -> APIRouter:
+    api, store = APIRouter(), ResponseStore(gateway)
 
     @api.post("/v1/responses")
     async def responses(request: Request) -> Response:
@@ -127,8 +125,8 @@ def router(capture: "CaptureServer") -> APIRouter:
             turn = TurnRequest(
                 [*system, *conversation], chat_tools(body), body.chat_template_kwargs or {}, sampling(body)
             )
-            result = await capture.turn(session, turn)
-            reply = response_object(capture, body, result)
+            result = await gateway.turn(session, turn)
+            reply = response_object(gateway, body, result)
             if body.store is not False:
                 store.put(session, reply["id"], [*conversation, result.reply.message()])
             if body.stream:
@@ -143,8 +141,8 @@ def router(capture: "CaptureServer") -> APIRouter:
 class ResponseStore:
     """Stored responses' conversations, by session, for `previous_response_id` (module docstring)."""
 
-    def __init__(self, capture: "CaptureServer") -> None:
-        self.capture = capture
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
         self.by_session: dict[str, dict[str, Conversation]] = {}
 
     def get(self, session: str, response_id: str) -> Conversation:
@@ -164,7 +162,7 @@ class ResponseStore:
 
     def _forget_collected(self) -> None:
         """Drop the sessions `pop_samples` has collected (their trees are gone from the core)."""
-        for gone in self.by_session.keys() - self.capture.sessions.keys():
+        for gone in self.by_session.keys() - self.gateway.sessions.keys():
             del self.by_session[gone]
 
 
@@ -287,7 +285,7 @@ FINISH: dict[str, tuple[str, dict[str, str] | None, dict[str, str] | None]] = {
 }
 
 
-def response_object(capture: "CaptureServer", body: ResponsesRequest, result: "TurnResult") -> dict[str, Any]:
+def response_object(gateway: Gateway, body: ResponsesRequest, result: TurnResult) -> dict[str, Any]:
     """The Response as OpenAI's API returns it (every field the SDK's `Response` requires)."""
     status, details, failure = FINISH[result.finish_reason]
     output = output_items(result)
@@ -296,7 +294,7 @@ def response_object(capture: "CaptureServer", body: ResponsesRequest, result: "T
     reasoning = result.reply.reasoning_content
     n_in, n_out = len(result.prompt_ids), len(result.completion_ids)
     n_reasoning = (
-        len(capture.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+        len(gateway.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
     )  # re-tokenised: an estimate
     return {
         "id": f"resp_{uuid.uuid4().hex}",
@@ -332,7 +330,7 @@ def response_object(capture: "CaptureServer", body: ResponsesRequest, result: "T
     }
 
 
-def output_items(result: "TurnResult") -> list[dict[str, Any]]:
+def output_items(result: TurnResult) -> list[dict[str, Any]]:
     """Reasoning, then the assistant message, then the function calls: the order in which the
     model wrote them and in which `chat_messages` folds them back into one turn."""
     reply, items = result.reply, []

@@ -1,4 +1,4 @@
-"""What a protocol adapter (`slimish/rollout/protocols/`) hands the gateway's core and gets back,
+"""What a protocol adapter (`slimish/gateway/protocols/`) hands the gateway's core and gets back,
 and which session a request belongs to: the adapters and the core both import this, not each other."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import Request
 
-from slimish.formats.model import Reply
+from slimish.formats.model import ParsedReply
 
 
 @dataclass
@@ -28,7 +28,7 @@ class TurnResult:
     """The engine's reply to one turn, parsed by the model's format."""
 
     id: str
-    reply: Reply
+    reply: ParsedReply
     finish_reason: str  # stop | length | abort
     matched_stop: Any
     prompt_ids: list[int]

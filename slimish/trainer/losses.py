@@ -1,4 +1,4 @@
-"""Advantages and losses of the GRPO / PPO family: pure tensor functions, no I/O, no state.
+"""Losses of the GRPO / PPO family: pure tensor functions, no I/O, no state.
 
 Why pure: every formula here is checked against hand-computed values and against TRL's own loss
 (tests/test_algorithms.py), and the trainer backends (torch, Megatron) share them unchanged.
@@ -18,354 +18,14 @@ gradients over ranks, so under DDP multiply each rank's share by the world size.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
-import torch.utils.checkpoint
 from torch import Tensor
 
-from slimish.config import ADVANTAGES, KL_ESTIMATORS, LOSS_REDUCTIONS, AlgorithmConfig
+from slimish.trainer.config import KL_ESTIMATORS, LOSS_REDUCTIONS, AlgorithmConfig
 
-# A user's `algorithm.advantage`: (rewards [T], group [T]) -> advantages [T], one per trajectory.
-AdvantageFn = Callable[[Tensor, Tensor], Tensor]
 # A user's `algorithm.loss`: (logprobs, old_logprobs, advantages, mask), all [B, T] -> per-token loss [B, T].
 PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
-
-# --- Advantages ----------------------------------------------------------------------------------
-# Input: rewards `[n_groups, group_size]` (or flat `[N]` with `group_size`), one reward per sample;
-# a group is the samples drawn for one prompt. Output: one advantage per sample, same shape.
-
-
-def group_rewards(rewards: Tensor, group_size: int | None = None) -> Tensor:
-    """`[N]` + group size, or `[G, K]`, as `[G, K]`; rejects shapes and values no estimator can use."""
-    if not torch.is_tensor(rewards) or not rewards.is_floating_point():
-        raise TypeError(
-            f"rewards: expected a floating-point tensor, got {type(rewards).__name__} {getattr(rewards, 'dtype', '')}"
-        )
-    if rewards.numel() == 0:
-        raise ValueError("rewards: empty")
-    if not torch.isfinite(rewards).all():
-        raise ValueError(f"rewards: must be finite, got {rewards.tolist()}")
-    if rewards.dim() == 2:
-        if group_size is not None and group_size != rewards.shape[1]:
-            raise ValueError(f"group_size: {group_size} disagrees with rewards of shape {tuple(rewards.shape)}")
-        return rewards
-    if rewards.dim() != 1 or group_size is None:
-        raise ValueError(
-            f"rewards: expected [n_groups, group_size], or [N] with group_size; got shape {tuple(rewards.shape)}"
-        )
-    if group_size < 1 or rewards.numel() % group_size:
-        raise ValueError(f"group_size: {group_size} does not divide the {rewards.numel()} rewards into whole groups")
-    return rewards.view(-1, group_size)
-
-
-def _std(x: Tensor, dim: int | None = None) -> Tensor:
-    """Sample std (Bessel-corrected, as TRL, verl and OpenRLHF use), 0 where fewer than 2 values."""
-    n = x.numel() if dim is None else x.shape[dim]
-    if n < 2:
-        return torch.zeros_like(x.mean() if dim is None else x.mean(dim, keepdim=True))
-    return x.std() if dim is None else x.std(dim, keepdim=True)
-
-
-def _centred(x: Tensor, dim: int | None = None) -> tuple[Tensor, Tensor]:
-    """x minus its mean, and whether the values are all equal; exactly 0 for equal values (float
-    rounding of the mean would leave ~1e-9 there, which a std near 0 would then blow up)."""
-    first = x.flatten()[0] if dim is None else x.select(dim, 0).unsqueeze(dim)
-    same = (x == first).all() if dim is None else (x == first).all(dim, keepdim=True)
-    mean = x.mean() if dim is None else x.mean(dim, keepdim=True)
-    return torch.where(same, 0.0, x - mean), same
-
-
-def grpo_advantages(rewards: Tensor, eps: float = 1e-6, scale: bool = True) -> Tensor:
-    """GRPO: reward minus the group mean, over the group std (+ eps); an all-equal group gives
-    0, not NaN. `scale=False` is Dr. GRPO: the std division biases the update toward groups whose
-    rewards barely differ (too easy or too hard prompts), so Dr. GRPO drops it."""
-    centred, same = _centred(rewards, -1)
-    if not scale:
-        return centred
-    return torch.where(same, 0.0, centred / (_std(rewards, -1) + eps))
-
-
-def rloo_advantages(rewards: Tensor) -> Tensor:
-    """RLOO: reward minus the mean of the *other* samples of its group, so the baseline does not
-    depend on the sample it judges (unbiased). Equals K/(K-1) * (r - group mean)."""
-    k = rewards.shape[-1]
-    if k < 2:
-        raise ValueError(f"group_size: RLOO needs at least 2 samples per group, got {k}")
-    return _centred(rewards, -1)[0] * (k / (k - 1))
-
-
-def reinforce_pp_advantages(rewards: Tensor, eps: float = 1e-6, baseline: bool = False) -> Tensor:
-    """REINFORCE++: no critic and no group std; advantages are whitened over the whole global
-    batch (mean and std of all of its samples), which keeps the step size steady across prompts
-    without GRPO's per-prompt std bias. `baseline=True` is REINFORCE++-baseline: subtract the
-    group mean first, for groups of several samples per prompt.
-
-    OpenRLHF whitens per token (longer responses weigh more); with outcome rewards this is the
-    per-sample version of it, equal when responses have equal lengths."""
-    a = _centred(rewards, -1)[0] if baseline else rewards
-    centred, same = _centred(a)
-    return torch.where(same, 0.0, centred / (_std(a) + eps))
-
-
-def ragged_advantages(name: str, rewards: list[Tensor], eps: float = 1e-6) -> list[Tensor]:
-    """`compute_advantages` for groups of different sizes (one reward per trajectory; a group
-    shrinks when a trajectory's environment failed). Equal sizes take the batched path; otherwise
-    group-local estimators run per group, and REINFORCE++ whitens over the whole batch after
-    (with its baseline) centring each group."""
-    sizes = [len(r) for r in rewards]
-    if len(set(sizes)) == 1:
-        return list(compute_advantages(name, torch.stack(rewards), eps=eps).unbind(0))
-    if name in ("reinforce_pp", "reinforce_pp_baseline"):
-        centred = [_centred(r)[0] if name == "reinforce_pp_baseline" else r for r in rewards]
-        return list(reinforce_pp_advantages(torch.cat(centred).view(1, -1), eps).view(-1).split(sizes))
-    return [compute_advantages(name, r.view(1, -1), eps=eps).view(-1) for r in rewards]
-
-
-def trajectory_advantages(
-    name: str | AdvantageFn, rewards: Tensor, trajectory: Tensor, group: Tensor, weights: Tensor, eps: float = 1e-6
-) -> Tensor:
-    """One advantage per sample `[N]`, computed over trajectories so that each counts once in its
-    group's baseline whatever its number of samples (a conversation split into segments, fan-out
-    siblings). `trajectory` `[N]` maps samples to trajectories 0..T-1; `group` `[T]` maps
-    trajectories to groups; a trajectory's reward is the mean of its samples' (they carry the
-    same one). Each sample gets its trajectory's advantage times its `weights` entry (the credit
-    rule: 1 to broadcast, 1/n to split, ...). One sample per trajectory is `compute_advantages`.
-
-    `name` may be a user's function (`algorithm.advantage: module:function`, loaded by the
-    caller): it takes the trajectories' rewards `[T]` and their group indices `[T]` (0..G-1,
-    int64) and returns one advantage per trajectory `[T]`, in place of the built-in estimators."""
-    n_traj = int(trajectory.max()) + 1
-    count = torch.zeros(n_traj).index_add_(0, trajectory, torch.ones_like(rewards))
-    reward = torch.zeros(n_traj, dtype=rewards.dtype).index_add_(0, trajectory, rewards) / count
-    if callable(name):
-        return custom_advantages(name, reward, group)[trajectory] * weights
-    order = torch.argsort(group, stable=True)
-    sizes = torch.bincount(group).tolist()
-    per_group = ragged_advantages(name, list(reward[order].split(sizes)), eps)
-    advantage = torch.empty(n_traj, dtype=rewards.dtype)
-    advantage[order] = torch.cat(per_group)
-    return advantage[trajectory] * weights
-
-
-def custom_advantages(fn: AdvantageFn, rewards: Tensor, group: Tensor) -> Tensor:
-    """A user's advantage function on one reward per trajectory, its output checked: a finite
-    floating-point tensor of the rewards' shape (cast to their dtype)."""
-    out = fn(rewards.clone(), group.clone())  # clones: a function that edits its inputs in place changes nothing
-    where = f"algorithm.advantage {getattr(fn, '__qualname__', fn)!r}"
-    if not torch.is_tensor(out):
-        raise ValueError(
-            f"{where}: returned a {type(out).__name__}; it must return a tensor of one advantage per trajectory, shape {tuple(rewards.shape)}"
-        )
-    if tuple(out.shape) != tuple(rewards.shape):
-        raise ValueError(
-            f"{where}: returned shape {tuple(out.shape)}; it must return one advantage per trajectory, shape {tuple(rewards.shape)} "
-            f"(the shape of `rewards`)"
-        )
-    if not out.is_floating_point():
-        raise ValueError(f"{where}: returned dtype {out.dtype}; it must return a floating-point tensor")
-    if not torch.isfinite(out).all():
-        raise ValueError(f"{where}: returned non-finite advantages {out.tolist()}")
-    return out.detach().to(device=rewards.device, dtype=rewards.dtype)
-
-
-def credit_weights(rule: str, trajectory: list[int]) -> list[float]:
-    """Per sample, its share of its trajectory's advantage: `broadcast` 1, `split` 1 / (the
-    trajectory's samples), `last` 1 for its last sample and 0 for the others."""
-    counts: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for i, t in enumerate(trajectory):
-        counts[t] = counts.get(t, 0) + 1
-        last[t] = i
-    if rule == "broadcast":
-        return [1.0] * len(trajectory)
-    if rule == "split":
-        return [1.0 / counts[t] for t in trajectory]
-    if rule == "last":
-        return [float(last[t] == i) for i, t in enumerate(trajectory)]
-    raise ValueError(f"segment_credit: expected broadcast, split or last, got {rule!r}")
-
-
-def compute_advantages(name: str, rewards: Tensor, group_size: int | None = None, eps: float = 1e-6) -> Tensor:
-    """One advantage per sample, same shape as `rewards`. `name` is `AlgorithmConfig.advantage`;
-    `gspo` uses GRPO's advantages (GSPO changes the ratio, not the advantage)."""
-    grouped = group_rewards(rewards, group_size)
-    if name in ("grpo", "gspo"):
-        out = grpo_advantages(grouped, eps)
-    elif name == "dr_grpo":
-        out = grpo_advantages(grouped, eps, scale=False)
-    elif name == "rloo":
-        out = rloo_advantages(grouped)
-    elif name in ("reinforce_pp", "reinforce_pp_baseline"):
-        out = reinforce_pp_advantages(grouped, eps, baseline=name == "reinforce_pp_baseline")
-    else:
-        raise ValueError(f"advantage: expected one of {', '.join(ADVANTAGES)}, got {name!r}")
-    return out.view_as(rewards)
-
-
-# --- PPO with a critic: GAE and the value loss ---------------------------------------------------
-# Per-token `[B, T]` over response tokens, as the losses below.
-
-
-def gae_advantages(
-    token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
-) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation: per-token advantages and returns (advantage + value),
-    0 where `mask` is 0. delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next.
-
-    Only mask-1 tokens are steps: environment / tool tokens (and padding) are skipped as if the
-    trained tokens were contiguous, so `next` is the next mask-1 token, and after the last one
-    V = 0 (the episode ends). Rewards on mask-0 tokens are ignored: put the outcome reward on
-    the last trained token. gamma = lam = 1 gives A_t = (sum of later rewards) - V_t."""
-    m = mask.bool()
-    advantages = torch.zeros_like(values)
-    running = values.new_zeros(values.shape[0])
-    next_value = values.new_zeros(values.shape[0])
-    for t in reversed(range(values.shape[1])):
-        on = m[:, t]
-        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        step = delta + gamma * lam * running
-        advantages[:, t] = torch.where(on, step, 0.0)
-        running = torch.where(on, step, running)
-        next_value = torch.where(on, values[:, t], next_value)
-    return advantages, torch.where(m, advantages + values, 0.0)
-
-
-def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-6) -> Tensor:
-    """(x - mean) / (std + eps) over the mask-1 entries (sample std, as `_std`), 0 elsewhere:
-    the batch-level advantage normalisation of PPO (verl, OpenRLHF)."""
-    m = mask.bool()
-    if not m.any():
-        return torch.zeros_like(x)
-    centred, same = _centred(x[m])
-    out = torch.where(same, 0.0, centred / (_std(x[m]) + eps))
-    return torch.zeros_like(x).masked_scatter(m, out)
-
-
-def value_loss(
-    values: Tensor,
-    old_values: Tensor,
-    returns: Tensor,
-    mask: Tensor,
-    clip: float | None,
-    normalizer: float | Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO's clipped value loss: 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2) per
-    token, summed over mask-1 tokens / `normalizer` (default: their count; pass the global
-    batch's under accumulation). The clip keeps one batch from dragging a value far from what
-    the advantages were computed with. Stats: `loss/value` (this share) and `value_clip`, the
-    tokens where the clipped error was the larger (a sum, as `rl_loss`'s)."""
-    m = mask.to(values.dtype)
-    loss = (values - returns).square()
-    clipped = torch.zeros_like(loss)
-    if clip is not None:
-        if clip <= 0:
-            raise ValueError(f"value_clip: must be > 0, got {clip}")
-        bounded = (old_values + (values - old_values).clamp(-clip, clip) - returns).square()
-        # where the clip is active: inside it the two errors are equal up to rounding
-        clipped = (((values - old_values).abs() > clip) & (bounded > loss)).to(values.dtype)
-        loss = torch.maximum(loss, bounded)
-    total = 0.5 * reduce_loss(loss, mask, "token", normalizer)
-    return total, {"loss/value": total.detach(), "value_clip": (clipped * m).sum()}
-
-
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over mask-1 tokens: 1 for a perfect critic, 0
-    for one no better than the mean return, negative for worse; 0 when the returns are constant
-    (up to float rounding of advantage + value: variance below 1e-8), where it means nothing."""
-    m = mask.bool()
-    var = returns[m].double().var(unbiased=False) if m.any() else values.new_zeros((), dtype=torch.float64)
-    if var < 1e-8:
-        return 0.0
-    return float(1 - (returns[m] - values[m]).double().var(unbiased=False) / var)
-
-
-# --- Logprobs, entropy, SFT ----------------------------------------------------------------------
-
-
-def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
-    """log p(label) `[..., T]` from logits `[..., T, V]`, in fp32.
-
-    `label logit - logsumexp` rather than `log_softmax` then gather: log_softmax keeps a second
-    `[T, V]` tensor alive for backward, logsumexp does not. `temperature` must be the sampling
-    temperature, because the engine reports logprobs of the temperature-scaled distribution."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
-def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """Entropy `[..., T]` of the (temperature-scaled) next-token distribution: logsumexp - E[logit]."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-
-
-def _head_chunk(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float, entropy: bool | None
-) -> tuple[Tensor, Tensor | None]:
-    """One chunk of `chunked_logprobs`: LM head, then the very functions of the full path."""
-    logits = torch.nn.functional.linear(hidden, weight, bias)
-    logprobs = logprobs_from_logits(logits, labels, temperature)
-    ent = None
-    if entropy is not False:  # after the logprobs: a checkpoint's recompute stops before a no-grad entropy
-        with nullcontext() if entropy else torch.no_grad():
-            ent = entropy_from_logits(logits, temperature)
-    return logprobs, ent
-
-
-def chunked_logprobs(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    temperature: float = 1.0,
-    chunk_tokens: int = 1024,
-    entropy: bool | None = False,
-    bias: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """`logprobs_from_logits` (and, unless `entropy` is False, `entropy_from_logits`) of the
-    logits `hidden @ weight.T + bias`, `chunk_tokens` rows at a time: hidden states `[N, H]`
-    (only the positions that are scored), LM head `weight` `[V, H]`, `labels` `[N]` -> `[N]`.
-
-    Never more than one chunk's `[chunk_tokens, V]` logits exist: with gradient each chunk runs
-    under activation checkpointing, so backward recomputes its logits instead of keeping every
-    chunk's alive (one more LM-head matmul per chunk). Same numbers as the full path, up to
-    matmul rounding. `entropy`: with gradient (True), measured without (None), or not (False)."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens: must be >= 1, got {chunk_tokens}")
-    grad = torch.is_grad_enabled() and (
-        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
-    logprobs, ents = [], []
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        args = (
-            hidden[start : start + chunk_tokens],
-            weight,
-            bias,
-            labels[start : start + chunk_tokens],
-            temperature,
-            entropy,
-        )
-        if grad:
-            lp, ent = torch.utils.checkpoint.checkpoint(_head_chunk, *args, use_reentrant=False)
-        else:
-            lp, ent = _head_chunk(*args)
-        logprobs.append(lp)
-        ents.append(ent)
-    if not logprobs:  # nothing to score
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, (None if entropy is False else empty)
-    return torch.cat(logprobs), (None if entropy is False else torch.cat(ents))
-
-
-def sft_loss(logprobs: Tensor, mask: Tensor, normalizer: float | Tensor | None = None) -> Tensor:
-    """Masked token NLL for warm starts: sum of -log p over trained tokens / `normalizer`
-    (default: this batch's trained tokens; pass the global count under accumulation)."""
-    return reduce_loss(-logprobs, mask, "token", normalizer)
-
 
 # --- Loss reduction -----------------------------------------------------------------------------
 
@@ -428,7 +88,6 @@ def reduce_loss(
 
 
 # --- Policy loss --------------------------------------------------------------------------------
-
 MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: one wild token cannot make the loss inf or NaN
 
 
@@ -610,6 +269,42 @@ def token_advantages(advantages: Tensor, like: Tensor) -> Tensor:
     return advantages.expand_as(like)
 
 
+# --- PPO's value loss (the critic), SFT ---------------------------------------------------------
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip: float | None,
+    normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped value loss: 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2) per
+    token, summed over mask-1 tokens / `normalizer` (default: their count; pass the global
+    batch's under accumulation). The clip keeps one batch from dragging a value far from what
+    the advantages were computed with. Stats: `loss/value` (this share) and `value_clip`, the
+    tokens where the clipped error was the larger (a sum, as `rl_loss`'s)."""
+    m = mask.to(values.dtype)
+    loss = (values - returns).square()
+    clipped = torch.zeros_like(loss)
+    if clip is not None:
+        if clip <= 0:
+            raise ValueError(f"value_clip: must be > 0, got {clip}")
+        bounded = (old_values + (values - old_values).clamp(-clip, clip) - returns).square()
+        # where the clip is active: inside it the two errors are equal up to rounding
+        clipped = (((values - old_values).abs() > clip) & (bounded > loss)).to(values.dtype)
+        loss = torch.maximum(loss, bounded)
+    total = 0.5 * reduce_loss(loss, mask, "token", normalizer)
+    return total, {"loss/value": total.detach(), "value_clip": (clipped * m).sum()}
+
+
+def sft_loss(logprobs: Tensor, mask: Tensor, normalizer: float | Tensor | None = None) -> Tensor:
+    """Masked token NLL for warm starts: sum of -log p over trained tokens / `normalizer`
+    (default: this batch's trained tokens; pass the global count under accumulation)."""
+    return reduce_loss(-logprobs, mask, "token", normalizer)
+
+
 # --- The whole RL loss for one micro-batch -------------------------------------------------------
 
 
@@ -649,7 +344,7 @@ def rl_loss(
         if policy_loss_fn is None:
             raise ValueError(
                 f"algorithm.loss {cfg.loss!r}: pass the loaded function as policy_loss_fn "
-                "(slimish.rollout.loader.load_function(spec, 'policy_loss'))"
+                "(slimish.plugins.load_function(spec, 'policy_loss'))"
             )
         ratio = importance_ratio(logprobs, old_logprobs, mask, "token")
         per_token = custom_policy_loss(policy_loss_fn, cfg.loss, logprobs, old_logprobs, advantages, mask)

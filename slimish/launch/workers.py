@@ -1,7 +1,10 @@
-"""Engines behind another run's router by name: sglang-router 0.3's `POST /workers {"url",
-"model_id"}`, which the slimish router serves as named workers (only requests whose `model`
-names them reach them; admin fan-outs, so weight pushes, skip them). On-policy distillation's
-teacher uses it to share the policy's router (`launch.teacher.served_name`)."""
+"""A router's worker list, read and changed through its admin routes (sglang-router 0.3's
+`GET /list_workers`, `GET|POST /workers`, `DELETE /workers/<id>`, which the slimish router serves
+as well): the engines behind a run's existing router, a relaunched engine swapped in for a dead
+one, and engines behind another run's router by name. Named workers (`POST /workers {"url",
+"model_id"}`) get only requests whose `model` names them (admin fan-outs, so weight pushes, skip
+them); on-policy distillation's teacher uses them to share the policy's router
+(`launch.teacher.served_name`)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,36 @@ from contextlib import contextmanager
 
 import httpx
 
-from slimish.launch.local import admin_headers
+
+def admin_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def existing_engine_urls(url: str, api_key: str | None = None, skip_model: str | None = None) -> list[str]:
+    """A router's workers (`GET /list_workers`) less those registered under `skip_model` (the
+    teacher's, never pushed to), or `[url]` when `url` is an engine itself."""
+    r = httpx.get(url.rstrip("/") + "/list_workers", headers=admin_headers(api_key), timeout=10.0)
+    if r.status_code == 404:
+        return [url.rstrip("/")]
+    r.raise_for_status()
+    if skip_model is None:
+        return list(r.json()["urls"])
+    skipped = named_workers(url, skip_model, api_key)
+    return [u for u in r.json()["urls"] if u.rstrip("/") not in skipped]
+
+
+def replace_worker(router_url: str, old: str | None, new: str, api_key: str | None = None) -> None:
+    """Swap `old` for `new` in a router's worker list with the sglang-router 0.3 registry routes
+    (`GET|POST /workers`, `DELETE /workers/<id>`), which the slimish router serves as well."""
+    with _admin_client(router_url, api_key) as http:
+        listed = http.get("/workers")
+        listed.raise_for_status()
+        ids = {w["url"].rstrip("/"): w["id"] for w in listed.json()["workers"]}
+        old, new = (old or "").rstrip("/"), new.rstrip("/")
+        if old in ids and old != new:
+            http.delete(f"/workers/{ids[old]}").raise_for_status()
+        if new not in ids:  # one still listed comes back by the router's health checks
+            http.post("/workers", json={"url": new}).raise_for_status()
 
 
 def named_workers(router_url: str, name: str, api_key: str | None = None) -> dict[str, dict]:

@@ -1,0 +1,119 @@
+"""How engines are started: an engine's command line (`python -m MODULE ARGV`) from the launch
+settings, and the launch settings derived from a run's for the engines of its LoRA adapter and of
+its teacher. Pure functions of the config: the launcher (local.py, ray_engines.py) and the dry
+run's plan (plan.py) both build their command lines here, so the two cannot disagree."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from slimish.launch.sglang import MODULE, sglang_argv
+
+if TYPE_CHECKING:
+    from slimish.launch.config import LaunchConfig
+    from slimish.trainer.config import LoraConfig
+
+
+def engine_command(
+    launch: "LaunchConfig", model: str | Path, host: str, port: int | str, gpus: tuple[int, ...] = ()
+) -> tuple[str, list[str]]:
+    """One engine of `launch.engine_kind` (builtin or sglang) as `python -m MODULE ARGV`: the
+    module and the arguments. `gpus`: its GPUs on its node (slimish/launch/plan.py
+    `engine_gpus`) where the launcher places it; none under Ray, whose bundle sets the GPUs the
+    engine sees, and none for a CPU engine."""
+    if launch.engine_kind == "sglang":
+        return MODULE, sglang_argv(model, host, port, launch.sglang_args, launch.api_key, gpus[0] if gpus else None)
+    flags = engine_flags(launch.engine_flag)
+    if gpus and flags.get("device") == "cuda":
+        flags["device"] = f"cuda:{gpus[0]}"
+    if owned := {"model", "host", "port"} & set(flags):
+        raise ValueError(
+            f"launch.engine_flag: {', '.join(sorted(owned))} set by the launcher (the run's model; "
+            "127.0.0.1, or the node's address under launch.mode=ray; a free port); remove it"
+        )
+    if launch.api_key:
+        flags.setdefault("api_key", launch.api_key)
+    return "slimish.cli", engine_argv(model, host, port, flags)
+
+
+def engine_argv(model: str | Path, host: str, port: int | str, flags: dict[str, object]) -> list[str]:
+    """`slimish engine`'s arguments; `flags` as it reads them: `--flag value`
+    (`max_running_requests=8`), a list `--flag v1 v2 ...` (`lora_paths=[...]`), and a boolean
+    field a bare flag as SGLang's: `--enable-lora` for True, `--no-enable-lora` for False. A
+    boolean may also be the text of a NAME=VALUE pair (`launch.engine_flag: [enable_lora=true]`)."""
+    from slimish.engine.config import EngineConfig
+
+    hints, argv = (
+        typing.get_type_hints(EngineConfig),
+        ["engine", "--model", str(model), "--host", host, "--port", str(port)],
+    )
+    for key, value in flags.items():
+        flag = key.replace("_", "-")
+        if hints.get(key) is bool:
+            on = value if isinstance(value, bool) else {"true": True, "false": False}.get(str(value).lower())
+            if on is None:
+                raise ValueError(f"engine flag {key}: true or false, got {value!r}")
+            argv.append(f"--{flag}" if on else f"--no-{flag}")
+        else:
+            argv += [f"--{flag}", *map(str, value if isinstance(value, list) else [value])]
+    return argv
+
+
+def engine_flags(pairs: list[str], field: str = "launch.engine_flag") -> dict[str, object]:
+    """NAME=VALUE pairs (`field`, for errors) by name; a NAME given again adds a value: a list
+    flag's values. `--max-running-requests=8` and `max_running_requests=8` are the same."""
+    values: dict[str, list[str]] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        name = name.strip().lstrip("-").replace("-", "_")
+        if not sep or not name:
+            raise ValueError(f"{field}: expected NAME=VALUE, got {pair!r}")
+        values.setdefault(name, []).append(value)
+    return {name: v[0] if len(v) == 1 else v for name, v in values.items()}
+
+
+def lora_launch(launch: "LaunchConfig", lora: "LoraConfig") -> "LaunchConfig":
+    """`launch` with the flags engines it starts need to serve the run's adapter (`trainer.lora`):
+    LoRA on, its rank, its target modules (SGLang's flag names, for the built-in engine too). A
+    flag the user set already is left as set."""
+    if not lora.enabled:
+        return launch
+    flags = {
+        "enable_lora": ["true"],
+        "max_lora_rank": [str(lora.rank)],
+        "lora_target_modules": list(lora.target_modules),
+    }
+    given = {pair.split("=", 1)[0].lstrip("-").replace("-", "_") for pair in launch.engine_flag}
+    given_sglang = {
+        arg.split("=", 1)[0].removeprefix("--sglang-").lstrip("-").replace("-", "_") for arg in launch.sglang_args
+    }
+    engine_flag = [f"{name}={v}" for name, values in flags.items() if name not in given for v in values]
+    sglang_args = [
+        arg
+        for name, values in flags.items()
+        if name not in given_sglang
+        for arg in ["--" + name.replace("_", "-"), *(v for v in values if name != "enable_lora")]
+    ]
+    return dataclasses.replace(
+        launch, engine_flag=[*launch.engine_flag, *engine_flag], sglang_args=[*launch.sglang_args, *sglang_args]
+    )
+
+
+def teacher_launch_config(launch: "LaunchConfig") -> "LaunchConfig":
+    """The teacher's engines (`launch.teacher`) as a launch of their own, on this machine."""
+    from slimish.launch.config import LaunchConfig
+
+    t = launch.teacher
+    return LaunchConfig(
+        router_url=t.router_url,
+        engines=t.engines,
+        engine_kind=t.engine_kind,
+        engine_flag=list(t.engine_flag),
+        sglang_args=list(t.sglang_args),
+        policy=launch.policy,
+        api_key=launch.api_key,
+        start_timeout=launch.start_timeout,
+    )
