@@ -11,8 +11,10 @@ gate is. Top-level keys we do not know are ignored (sglang-router adds several);
 
 from __future__ import annotations
 
+import base64
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_WEIGHT_VERSION = "default"
@@ -135,6 +137,10 @@ class GenerateReqInput(_Strict):
     return_bytes: bool = False
     return_entropy: bool = False
     return_hidden_states: bool = False
+    # Mixture-of-experts routes (docs/protocol.md 1.4): scalars for the whole batch, as SGLang's
+    # io_struct has them; the start is an absolute token position in [0, prompt tokens].
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> "GenerateReqInput":
@@ -200,12 +206,31 @@ class MetaInfo(BaseModel):
     # slimish's engine (optional extra, docs/protocol.md 1.3): which weights made which output tokens,
     # `[{"version", "start", "end"}]`, when a request outlived a weight update.
     weight_versions: list[dict[str, Any]] | None = None
+    # With `return_routed_experts`, on the finished (or aborted) item only: `encode_routed_experts`.
+    routed_experts: str | None = None
 
     def output_versions(self, n: int) -> list[int]:
         """The version number that made each of the `n` output tokens; all `weight_version` when
         the engine reports no spans (SGLang): then a request that outlived an update counts as the newer."""
         versions = [span["version"] for span in self.weight_versions or [] for _ in range(span["end"] - span["start"])]
         return [version_number(v) for v in (versions if len(versions) == n else [self.weight_version] * n)]
+
+
+def encode_routed_experts(routes: np.ndarray) -> str:
+    """`meta_info.routed_experts` as SGLang 0.5.23 writes it: base64 of the raw little-endian int32
+    bytes of a C-order `[tokens, num_hidden_layers, top_k]` array, no header. Row i is the routing
+    of token `routed_experts_start_len + i`; the rows end before the sequence's last token (never fed
+    forward); a dense layer's rows are 0; expert ids are logical (shared experts not included)."""
+    return base64.b64encode(np.ascontiguousarray(routes, dtype="<i4").tobytes()).decode()
+
+
+def decode_routed_experts(encoded: str, layers: int, top_k: int) -> np.ndarray:
+    """`encode_routed_experts` read back: int32 `[tokens, layers, top_k]` (the shape is not on the
+    wire: the model's `num_hidden_layers` and `num_experts_per_tok` give it)."""
+    raw = np.frombuffer(base64.b64decode(encoded), dtype="<i4")
+    if raw.size % (layers * top_k):
+        raise ValueError(f"routed_experts: {raw.size} int32 values are not rows of {layers} layers x top-{top_k}")
+    return raw.astype(np.int32).reshape(-1, layers, top_k)
 
 
 class GenerateResponse(BaseModel):

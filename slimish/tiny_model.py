@@ -7,7 +7,8 @@ every code path (chat template, tool-call tokens, GQA, tied and untied heads, q/
 sync) is the one a real Qwen/Llama checkpoint takes.
 
 - `arch`: `qwen2` (tied embeddings), `qwen3` (q/k norms, head_dim != hidden/heads, tied),
-  `llama` (untied lm_head). All use grouped-query attention.
+  `llama` (untied lm_head); mixture-of-experts `qwen3_moe` (8 experts, top-2, renormalised) and
+  `qwen2_moe` (the same plus a gated shared expert). All use grouped-query attention.
 - `size`: `tiny` (~0.2M params, builds in seconds, for tests) or `small` (~30M, for benchmarks).
 - The tokenizer is byte-level BPE with digits split one per token and NFC normalisation (as Qwen2's;
   any NFC text round-trips), trained on a synthetic corpus generated from `seed`, so nothing
@@ -35,7 +36,9 @@ from transformers import (
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 EOS, PAD = "<|im_end|>", "<|pad|>"
@@ -50,7 +53,20 @@ SPECIAL_TOKENS = [
     "</tool_response>",
 ]
 
-ARCHS: dict[str, type[PretrainedConfig]] = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}
+ARCHS: dict[str, type[PretrainedConfig]] = {
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+    "llama": LlamaConfig,
+    "qwen3_moe": Qwen3MoeConfig,
+    "qwen2_moe": Qwen2MoeConfig,
+}
+# Mixture-of-experts shape (8 experts, top-2, experts a third of the dense MLP's width): the same
+# for every size, scaled by `intermediate_size`. qwen3_moe renormalises the top-k weights;
+# qwen2_moe does not, and adds a gated shared expert (the DeepSeek-style layout).
+MOE_ARCHS = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+}
 
 # Shared shape per size; ARCH_OVERRIDES keeps every arch of a size in the same parameter band
 # (small: 28-32M) although qwen3's wider attention and llama's untied head cost parameters.
@@ -290,9 +306,13 @@ def model_config(
     shape = {**SIZES[size], **ARCH_OVERRIDES.get((arch, size), {})}
     if vocab_size is not None:
         shape["vocab_size"] = vocab_size
+    if arch in MOE_ARCHS:
+        shape.update(MOE_ARCHS[arch], moe_intermediate_size=shape["intermediate_size"] // 3)
+        if arch == "qwen2_moe":
+            shape["shared_expert_intermediate_size"] = shape["intermediate_size"] // 2
     return ARCHS[arch](
         **shape,
-        tie_word_embeddings=arch != "llama",
+        tie_word_embeddings=arch not in ("llama", "qwen2_moe"),  # as their published checkpoints
         rms_norm_eps=1e-6,
         dtype="float32",
         **token_ids,

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+import numpy as np
+
 from slimish.protocol import version_number
 
 
@@ -83,6 +85,11 @@ class Sample:
     # Counted in its group's baseline (its reward is part of the mean) but not trained on: e.g. a
     # sample a hook judged malformed, or a fan-out sibling whose tokens should not move the policy.
     exclude_from_loss: bool = False
+    # Mixture-of-experts routes the engine took (SGLang's `routed_experts`, slimish/protocol.py):
+    # int32 `[rows, num_hidden_layers, top_k]`, row i the experts chosen for `tokens[i]`; at most
+    # `len(tokens) - 1` rows (the last token is never fed forward). None unless the run asked for
+    # routes (`algorithm.routing_replay: r3`), which replays them in the trainer.
+    routed_experts: np.ndarray | None = None
 
     @property
     def prompt_length(self) -> int:

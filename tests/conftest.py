@@ -48,6 +48,18 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Mixture of experts: 8 experts, top-2, renormalised weights (Qwen3-MoE's layout)."""
+    return _build(tmp_path_factory, "qwen3_moe", 0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Mixture of experts with a gated shared expert and raw top-k weights (Qwen2-MoE's layout)."""
+    return _build(tmp_path_factory, "qwen2_moe", 0)
+
+
+@pytest.fixture(scope="session")
 def tok(tiny_model_dir: Path):
     """The default test model's tokenizer."""
     from transformers import AutoTokenizer

@@ -33,6 +33,7 @@ FLOORS = [
         "processes",
         "schema",
         "flags",
+        "moe",
     },
     {"formats", "tiny_model"},
     {"client", "engine"},

@@ -31,6 +31,7 @@ GAE_DOC = (
     "advantage is then the return minus the critic's value, unbiased whatever the critic (which starts "
     "untrained); lam < 1 trades that bias for variance."
 )
+ROUTING_REPLAYS = ("none", "r3", "r2")
 PARALLEL_DOC = (
     "Megatron backend only: tensor- and pipeline-parallel sizes; the data-parallel size is the world size / (tp * "
     "pp), and a batch is split over data-parallel ranks only."
@@ -118,6 +119,14 @@ class AlgorithmConfig:
     tis_cap: float | None = doc(None, "truncated importance sampling against rollout logprobs")
     mis_cap: float | None = doc(None, "masked importance sampling: tokens whose weight exceeds it are dropped")
     recompute_old_logprobs: bool = doc(False, "else the rollout's logprobs are the old policy")
+    routing_replay: str = doc(
+        "none",
+        "Mixture-of-experts models: which expert choices the trainer's forwards use. none: its own top-k | r3: the "
+        "rollout's (the engine returns its routes, SGLang's --enable-return-routed-experts; every token of the sample, "
+        "prompt included) | r2: the trainer's own from the old-logprob pass (needs recompute_old_logprobs), so "
+        "every update of a step routes alike. Either way the router's weights over the chosen experts are recomputed, "
+        "so the router still learns.",
+    )
     opd: OPDConfig = field(default_factory=OPDConfig)  # on-policy distillation (teacher: launch.teacher)
     gamma: float = doc(1.0, GAE_DOC)
     lam: float = doc(1.0, GAE_DOC)
@@ -128,6 +137,7 @@ class AlgorithmConfig:
             "loss": LOSSES,
             "loss_reduction": LOSS_REDUCTIONS,
             "kl_estimator": KL_ESTIMATORS,
+            "routing_replay": ROUTING_REPLAYS,
         }
         for name, allowed in choices.items():
             if name in ("advantage", "loss"):
@@ -152,6 +162,10 @@ class AlgorithmConfig:
         if self.tis_cap is not None and self.mis_cap is not None:
             raise ValueError(
                 "algorithm.tis_cap and algorithm.mis_cap: set one importance-sampling correction, not both"
+            )
+        if self.routing_replay == "r2" and not self.recompute_old_logprobs:
+            raise ValueError(
+                "algorithm.routing_replay=r2 replays the old-logprob pass: set recompute_old_logprobs=true"
             )
         at_least(0, self, "algorithm.", "advantage_eps", "kl_coef", "ptx_coef")
         for name in ("gamma", "lam"):
@@ -208,6 +222,11 @@ class TrainerConfig:
     nproc: int = doc(1, "torchrun ranks `slimish train` launches")
     tp: int = doc(1, PARALLEL_DOC)
     pp: int = doc(1, PARALLEL_DOC)
+    ep: int = doc(
+        1,
+        "Megatron backend only, mixture-of-experts models: expert-parallel size (each rank of an expert group holds "
+        "num_experts / ep experts); divides world size / pp",
+    )
     megatron_spec: str = doc(
         "local",
         "Megatron backend only: the layer spec (megatron_bridge BridgeConfig.spec). local: Megatron-Core modules, CPU "
@@ -249,13 +268,16 @@ class TrainerConfig:
             raise ValueError(
                 f"trainer.lora needs trainer.backend=torch, got {self.backend!r}: the Megatron backend trains every weight"
             )
-        if self.backend == "torch" and (self.tp, self.pp) != (1, 1):
-            raise ValueError(f"trainer.tp and trainer.pp need trainer.backend=megatron, got tp={self.tp}, pp={self.pp}")
+        if self.backend == "torch" and (self.tp, self.pp, self.ep) != (1, 1, 1):
+            raise ValueError(
+                f"trainer.tp, trainer.pp and trainer.ep need trainer.backend=megatron, got tp={self.tp}, pp={self.pp}, "
+                f"ep={self.ep}"
+            )
         one_of("trainer.megatron_spec", self.megatron_spec, ("local", "te"))
         one_of("trainer.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"trainer.betas must be two numbers in [0, 1), got {list(self.betas)}")
-        at_least(1, self, "trainer.", "nproc", "tp", "pp", "micro_batch_tokens", "updates_per_step")
+        at_least(1, self, "trainer.", "nproc", "tp", "pp", "ep", "micro_batch_tokens", "updates_per_step")
         at_least(
             0,
             self,
