@@ -10,6 +10,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from slimish.moe import route_shape, routers
 from slimish.tiny_model import (
     ARCHS,
     SIZES,
@@ -22,7 +23,13 @@ from slimish.tiny_model import (
     train_tokenizer,
 )
 
-CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+CLASSES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
 TEXTS = [
     "What is 12+7? The answer is 19.",
     "def f(x):\n    return x * 2\n\n\tdone  ",
@@ -56,7 +63,11 @@ def test_loads_and_runs_forward(model_dirs: dict[str, Path], arch: str) -> None:
     assert cfg.vocab_size == len(tok) == SIZES["tiny"]["vocab_size"]
     assert cfg.num_key_value_heads < cfg.num_attention_heads
     tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert tied == (arch != "llama") == cfg.tie_word_embeddings
+    assert tied == (arch not in ("llama", "qwen2_moe")) == cfg.tie_word_embeddings
+    if arch.endswith("_moe"):  # every layer routes to 2 of 8 experts; qwen2_moe adds a shared one
+        assert route_shape(cfg) == (cfg.num_hidden_layers, 2) and cfg.num_experts == 8
+        assert list(routers(model)) == list(range(cfg.num_hidden_layers))
+        assert hasattr(model.model.layers[0].mlp, "shared_expert") == (arch == "qwen2_moe")
     if arch == "qwen3":  # head_dim deliberately differs from hidden/heads, as in real Qwen3
         assert cfg.head_dim == 32 != cfg.hidden_size // cfg.num_attention_heads
         assert model.model.layers[0].self_attn.q_proj.out_features == 4 * 32
