@@ -60,8 +60,8 @@ ARCHS: dict[str, type[PretrainedConfig]] = {
     "qwen3_moe": Qwen3MoeConfig,
     "qwen2_moe": Qwen2MoeConfig,
 }
-# Mixture-of-experts shape (8 experts, top-2, experts a third of the dense MLP's width): the same
-# for every size, scaled by `intermediate_size`. qwen3_moe renormalises the top-k weights;
+# Mixture-of-experts shape (8 experts, top-2, each an eighth of the dense MLP's width, so every size
+# keeps its parameter band). qwen3_moe renormalises the top-k weights;
 # qwen2_moe does not, and adds a gated shared expert (the DeepSeek-style layout).
 MOE_ARCHS = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
@@ -91,6 +91,7 @@ ARCH_OVERRIDES: dict[tuple[str, str], dict[str, int]] = {
     ("qwen3", "tiny"): dict(head_dim=32),
     ("qwen3", "small"): dict(head_dim=128, num_hidden_layers=7),
     ("llama", "small"): dict(num_hidden_layers=7),
+    ("qwen2_moe", "small"): dict(num_hidden_layers=6),
 }
 
 # Qwen2's pre-tokenizer split: contractions, letter runs, single digits (\p{N}), punctuation runs,
@@ -307,9 +308,9 @@ def model_config(
     if vocab_size is not None:
         shape["vocab_size"] = vocab_size
     if arch in MOE_ARCHS:
-        shape.update(MOE_ARCHS[arch], moe_intermediate_size=shape["intermediate_size"] // 3)
+        shape.update(MOE_ARCHS[arch], moe_intermediate_size=shape["intermediate_size"] // 8)
         if arch == "qwen2_moe":
-            shape["shared_expert_intermediate_size"] = shape["intermediate_size"] // 2
+            shape["shared_expert_intermediate_size"] = shape["intermediate_size"] // 4
     return ARCHS[arch](
         **shape,
         tie_word_embeddings=arch not in ("llama", "qwen2_moe"),  # as their published checkpoints

@@ -221,7 +221,7 @@ def test_small_tokenizer_fills_its_vocabulary() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"arch": "gpt2"}, r"arch must be one of \['llama', 'qwen2', 'qwen3'\], got 'gpt2'"),
+        ({"arch": "gpt2"}, r"arch must be one of \['llama', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe'\], got 'gpt2'"),
         ({"size": "huge"}, r"size must be one of \['mini', 'small', 'tiny'\], got 'huge'"),
     ],
 )
