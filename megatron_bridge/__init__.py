@@ -3,7 +3,7 @@
 Modules, one job each:
     cpu       `apply()`: the narrow patches that let Megatron-Core 0.16.1 run without CUDA
     config    HF config -> `BridgeConfig` -> TransformerConfig / layer spec / GPTModel kwargs
-    weights   pure HF <-> Megatron shard math, and `export_hf`, the TP-gathering weight iterator
+    weights   pure HF <-> Megatron shard math, and `export_hf`, the TP/EP-gathering weight iterator
     model     `build_model` / `load_hf_weights` / `load_model` for the current parallel state
     logprobs  `vocab_parallel_logprobs`: per-token log p(target) from vocab-parallel logits
     hf_io     lazy safetensors reading and writing

@@ -5,14 +5,15 @@ shapes. Keeping them free of Megatron lets `slimish convert` run without the ~12
 import. `transformer_config()` and `gpt_model_kwargs()` build the Megatron objects when a model
 is really built.
 
-The mapping covers Llama, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm, free head_dim) and Qwen3-MoE
-(top-k softmax router, no shared expert). A feature it does not map raises ValueError naming the
+The mapping covers Llama, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm, free head_dim), Qwen3-MoE
+(top-k softmax router, no shared expert) and Qwen2-MoE (qkv bias, top-k weights not renormalised,
+a shared expert scaled by `sigmoid(x . gate)`, Megatron's `moe_shared_expert_gate`). A feature it does not map raises ValueError naming the
 HF config field, because silently dropping it would give a different model.
 
 `spec` picks the layer spec, which decides the Megatron tensor names (weights.py): `local`
 (Megatron-Core modules, torch norms; what runs on CPU) or `te` (Transformer Engine, GPU only; it
-fuses each pre-norm into the linear layer after it). MoE uses SequentialMLP experts and expert
-parallelism 1 under both. Megatron refuses MoE *training* at TP>1 without sequence parallelism,
+fuses each pre-norm into the linear layer after it). MoE uses SequentialMLP experts under both;
+expert parallelism (`ep_size`) places experts `ep_rank*E/ep ..` on each rank (weights.py). Megatron refuses MoE *training* at TP>1 without sequence parallelism,
 which neither spec turns on here. So MoE trains at TP=1 only; the forward pass works at any TP.
 """
 
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
 SPECS = ("local", "te")
 
 # Megatron's llama3 RoPE scaling hard-codes these (rotary_pos_embedding.py `_apply_scaling`);
@@ -56,6 +57,7 @@ class BridgeConfig:
     moe_topk: int = 0
     moe_ffn_hidden_size: int | None = None
     norm_topk_prob: bool = False
+    shared_expert_ffn: int | None = None  # a gated shared expert's width (Qwen2-MoE), None = none
     make_vocab_size_divisible_by: int = 128
     spec: str = "local"  # the layer spec: local (Megatron-Core modules) | te (Transformer Engine)
 
@@ -68,10 +70,14 @@ class BridgeConfig:
         multiple = self.make_vocab_size_divisible_by * tp_size
         return math.ceil(self.vocab_size / multiple) * multiple
 
-    def check_parallel(self, tp_size: int, pp_size: int) -> None:
+    def check_parallel(self, tp_size: int, pp_size: int, ep_size: int = 1) -> None:
         """Raise if the model cannot be split this way (before any Megatron object is built)."""
-        if tp_size < 1 or pp_size < 1:
-            raise ValueError(f"tp_size and pp_size must be >= 1, got tp_size={tp_size}, pp_size={pp_size}")
+        if tp_size < 1 or pp_size < 1 or ep_size < 1:
+            raise ValueError(f"tp, pp and ep sizes must be >= 1, got tp={tp_size}, pp={pp_size}, ep={ep_size}")
+        if ep_size > 1 and (not self.num_experts or self.num_experts % ep_size):
+            raise ValueError(
+                f"expert parallelism ep={ep_size} needs a MoE model whose num_experts ({self.num_experts}) it divides"
+            )
         if self.num_query_groups % tp_size:
             raise ValueError(
                 f"num_key_value_heads={self.num_query_groups} must be divisible by tp_size={tp_size} "
@@ -84,14 +90,14 @@ class BridgeConfig:
             raise ValueError(f"ffn hidden size {ffn} must be divisible by tp_size={tp_size}")
 
     def transformer_config(
-        self, tp_size: int = 1, pp_size: int = 1, dtype: torch.dtype = torch.float32, **overrides: Any
+        self, tp_size: int = 1, pp_size: int = 1, dtype: torch.dtype = torch.float32, ep_size: int = 1, **overrides: Any
     ):
         """The Megatron `TransformerConfig` for this model. Training options go in `overrides`
         (e.g. `recompute_granularity`, `attention_dropout`)."""
         import torch.nn.functional as F
         from megatron.core.transformer import TransformerConfig
 
-        self.check_parallel(tp_size, pp_size)
+        self.check_parallel(tp_size, pp_size, ep_size)
         kwargs: dict[str, Any] = dict(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
@@ -136,8 +142,12 @@ class BridgeConfig:
                 moe_router_load_balancing_type="none",  # HF adds no aux loss unless output_router_logits
                 moe_aux_loss_coeff=0.0,
                 moe_grouped_gemm=False,
-                moe_token_dispatcher_type="allgather",
+                moe_token_dispatcher_type="allgather",  # alltoall needs CUDA streams
+                moe_router_fusion=False,  # the fused router skips RouterReplay
+                expert_model_parallel_size=ep_size,
             )
+        if self.shared_expert_ffn:
+            kwargs.update(moe_shared_expert_intermediate_size=self.shared_expert_ffn, moe_shared_expert_gate=True)
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
 
@@ -198,21 +208,21 @@ def _require(hf: Any, field: str, expected: Any) -> None:
 
 
 def from_hf(hf: Any, make_vocab_size_divisible_by: int = 128, spec: str = "local") -> BridgeConfig:
-    """Map a transformers `PretrainedConfig` (Llama, Qwen2, Qwen3, Qwen3-MoE) to a BridgeConfig."""
+    """Map a transformers `PretrainedConfig` (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE) to a BridgeConfig."""
     model_type = getattr(hf, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type={model_type!r} is not supported (expected one of {SUPPORTED_MODEL_TYPES})")
     _require(hf, "hidden_act", "silu")
     _require(hf, "mlp_bias", False)
     _require(hf, "use_sliding_window", False)
-    if model_type != "qwen2":  # Qwen2 always has q/k/v bias and never o_proj bias
+    if model_type not in ("qwen2", "qwen2_moe"):  # q/k/v bias (qkv_bias below), never o_proj bias
         _require(hf, "attention_bias", False)
     partial = (getattr(hf, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise ValueError(f"rope_parameters['partial_rotary_factor']={partial!r} is not supported (expected 1.0)")
     theta, rope_factor = _rope(hf)
     moe: dict[str, Any] = {}
-    if model_type == "qwen3_moe":
+    if model_type in ("qwen3_moe", "qwen2_moe"):
         _require(hf, "decoder_sparse_step", 1)
         _require(hf, "mlp_only_layers", [])
         moe = dict(
@@ -220,6 +230,7 @@ def from_hf(hf: Any, make_vocab_size_divisible_by: int = 128, spec: str = "local
             moe_topk=hf.num_experts_per_tok,
             moe_ffn_hidden_size=hf.moe_intermediate_size,
             norm_topk_prob=bool(hf.norm_topk_prob),
+            shared_expert_ffn=getattr(hf, "shared_expert_intermediate_size", None) or None,
         )
     return BridgeConfig(
         model_type=model_type,
@@ -234,7 +245,7 @@ def from_hf(hf: Any, make_vocab_size_divisible_by: int = 128, spec: str = "local
         rope_theta=theta,
         rms_norm_eps=hf.rms_norm_eps,
         tie_word_embeddings=bool(hf.tie_word_embeddings),
-        qkv_bias=model_type == "qwen2",
+        qkv_bias=model_type == "qwen2" or bool(getattr(hf, "qkv_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         rope_scaling_factor=rope_factor,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,

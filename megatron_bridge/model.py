@@ -24,7 +24,7 @@ def build_model(
     layer_spec: Any = None,
     **config_overrides: Any,
 ):
-    """An (unloaded) GPTModel holding this rank's TP/PP shard; needs `initialize_model_parallel` first.
+    """An (unloaded) GPTModel holding this rank's TP/PP/EP shard; needs `initialize_model_parallel` first.
 
     Every parameter is on this rank's device (the current CUDA device, else the CPU) in `dtype`,
     as Megatron's own `get_model` leaves them (`.cuda()`, then bf16/fp16): the local spec's torch
@@ -43,14 +43,13 @@ def build_model(
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if parallel_state.get_expert_model_parallel_world_size() != 1:
-        raise ValueError("expert_model_parallel_size > 1 is not mapped by megatron_bridge (experts must be local)")
+    ep = parallel_state.get_expert_model_parallel_world_size()
     model_parallel_cuda_manual_seed(seed)
     # The weights are loaded right after, so skip the random init; on CPU Megatron must build there.
     overrides = {"use_cpu_initialization": not torch.cuda.is_available(), "perform_initialization": False}
     overrides.update(config_overrides)
     model = GPTModel(
-        config=cfg.transformer_config(tp, pp, dtype, **overrides),
+        config=cfg.transformer_config(tp, pp, dtype, ep, **overrides),
         transformer_layer_spec=cfg.layer_spec() if layer_spec is None else layer_spec,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
@@ -61,18 +60,18 @@ def build_model(
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)  # the same Parameter: Megatron's attributes stay on it
     if not overrides["perform_initialization"]:
-        _mark_tensor_parallel(model, cfg, parallel_state.get_pipeline_model_parallel_rank(), pp)
+        _mark_tensor_parallel(model, cfg, parallel_state.get_pipeline_model_parallel_rank(), pp, ep)
     return model
 
 
-def _mark_tensor_parallel(model: torch.nn.Module, cfg: BridgeConfig, pp_rank: int, pp_size: int) -> None:
+def _mark_tensor_parallel(model: torch.nn.Module, cfg: BridgeConfig, pp_rank: int, pp_size: int, ep_size: int) -> None:
     """Tag the TP-sharded weights as Megatron's init would have (`tensor_model_parallel`,
     `partition_dim`): without `perform_initialization` Megatron skips that, and its grad norm
     (so clipping) then counts only TP rank 0's shards of them. Biases are tagged already."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     params = dict(model.named_parameters())
-    for p in stage_params(cfg, pp_rank, pp_size):
+    for p in stage_params(cfg, pp_rank, pp_size, 0, ep_size):  # local names: the same on every EP rank
         param = params.get(p.megatron)
         if p.kind != "replicated" and param is not None and not hasattr(param, "tensor_model_parallel"):
             set_tensor_model_parallel_attributes(param, is_parallel=True, dim=1 if p.kind == "row" else 0, stride=1)
@@ -91,6 +90,8 @@ def load_hf_weights(model: torch.nn.Module, cfg: BridgeConfig, hf_dir: str | Pat
             tp_size=parallel_state.get_tensor_model_parallel_world_size(),
             pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
             pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+            ep_rank=parallel_state.get_expert_model_parallel_rank(),
+            ep_size=parallel_state.get_expert_model_parallel_world_size(),
         )
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("._extra_state")]

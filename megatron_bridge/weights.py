@@ -1,4 +1,4 @@
-"""HF tensors <-> Megatron-Core GPTModel tensors, one (tp_rank, pp_rank) shard at a time.
+"""HF tensors <-> Megatron-Core GPTModel tensors, one (tp_rank, pp_rank, ep_rank) shard at a time.
 
 Why pure functions over explicit ranks: the same math serves three callers. The first is
 `load_model` (each rank loads its own shard of an HF checkpoint). The second is
@@ -18,6 +18,9 @@ Layouts (the same under both specs):
   split would be wrong.
 - Embedding and output rows are padded with zeros to `BridgeConfig.padded_vocab_size(tp)` and
   stripped on export.
+- Under expert parallelism (EP), rank r holds experts r*E/ep .. as `local_experts.0..E/ep-1`;
+  everything else is the same on every EP rank. Export gathers the experts over the EP group.
+- A shared expert (Qwen2-MoE) is a plain gated MLP, `mlp.shared_experts.*`, on every EP rank.
 - Under PP, stage p holds layers p*n .. p*n+n-1 as local layers 0..n-1. A tied output layer lives
   on the last stage as a copy of the embedding. It is loaded from `model.embed_tokens.weight` but
   not exported (the first stage exports that tensor).
@@ -47,9 +50,10 @@ class Param:
     hf: tuple[str, ...]
     kind: Kind
     export: bool = True
+    expert: int | None = None  # the global index of a routed expert's tensor (EP ranks hold different ones)
 
 
-def _layer_params(cfg: BridgeConfig, local: int, layer: int) -> list[Param]:
+def _layer_params(cfg: BridgeConfig, local: int, layer: int, ep_rank: int = 0, ep_size: int = 1) -> list[Param]:
     m, h = f"decoder.layers.{local}.", f"model.layers.{layer}."
     attn = h + "self_attn."
     te = cfg.spec == "te"
@@ -72,28 +76,40 @@ def _layer_params(cfg: BridgeConfig, local: int, layer: int) -> list[Param]:
     ]
     if cfg.num_experts:
         params.append(Param(m + "mlp.router.weight", (h + "mlp.gate.weight",), "replicated"))
-        experts = [(f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}.") for e in range(cfg.num_experts)]
+        n = cfg.num_experts // ep_size
+        experts = [
+            (f"{m}mlp.experts.local_experts.{i}.", f"{h}mlp.experts.{ep_rank * n + i}.", ep_rank * n + i)
+            for i in range(n)
+        ]
+        if cfg.shared_expert_ffn:
+            experts.append((m + "mlp.shared_experts.", h + "mlp.shared_expert.", None))
+            params.append(
+                Param(m + "mlp.shared_experts.gate_weight", (h + "mlp.shared_expert_gate.weight",), "replicated")
+            )
     else:
-        experts = [(m + "mlp.", h + "mlp.")]
-    for mp, hp in experts:
+        experts = [(m + "mlp.", h + "mlp.", None)]
+    for mp, hp, e in experts:
         params += [
-            Param(mp + "linear_fc1.weight", (hp + "gate_proj.weight", hp + "up_proj.weight"), "gate_up"),
-            Param(mp + "linear_fc2.weight", (hp + "down_proj.weight",), "row"),
+            Param(mp + "linear_fc1.weight", (hp + "gate_proj.weight", hp + "up_proj.weight"), "gate_up", expert=e),
+            Param(mp + "linear_fc2.weight", (hp + "down_proj.weight",), "row", expert=e),
         ]
     return params
 
 
-def stage_params(cfg: BridgeConfig, pp_rank: int = 0, pp_size: int = 1) -> list[Param]:
-    """Every tensor in the GPTModel state_dict of pipeline stage `pp_rank`, in model order."""
-    cfg.check_parallel(1, pp_size)
-    if not 0 <= pp_rank < pp_size:
-        raise ValueError(f"pp_rank must be in [0, {pp_size}), got {pp_rank}")
+def stage_params(
+    cfg: BridgeConfig, pp_rank: int = 0, pp_size: int = 1, ep_rank: int = 0, ep_size: int = 1
+) -> list[Param]:
+    """Every tensor in the GPTModel state_dict of pipeline stage `pp_rank` and expert-parallel rank
+    `ep_rank`, in model order (the lists of two EP ranks differ only in their experts' numbers)."""
+    cfg.check_parallel(1, pp_size, ep_size)
+    if not 0 <= pp_rank < pp_size or not 0 <= ep_rank < ep_size:
+        raise ValueError(f"pp_rank must be in [0, {pp_size}) and ep_rank in [0, {ep_size}), got {pp_rank}, {ep_rank}")
     per_stage = cfg.num_layers // pp_size
     params = []
     if pp_rank == 0:
         params.append(Param("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"))
     for local in range(per_stage):
-        params += _layer_params(cfg, local, pp_rank * per_stage + local)
+        params += _layer_params(cfg, local, pp_rank * per_stage + local, ep_rank, ep_size)
     if pp_rank == pp_size - 1:
         params.append(Param("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
         if not cfg.tie_word_embeddings:
@@ -165,9 +181,16 @@ def merge(param: Param, shards: list[torch.Tensor], cfg: BridgeConfig) -> list[t
 
 
 def hf_to_megatron(
-    hf_state: HFSource, cfg: BridgeConfig, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1
+    hf_state: HFSource,
+    cfg: BridgeConfig,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """The GPTModel state_dict of shard (tp_rank, pp_rank) from full HF tensors.
+    """The GPTModel state_dict of shard (tp_rank, pp_rank, ep_rank) from full HF tensors.
 
     `hf_state` is a dict or a getter `name -> tensor`. Only the tensors of this stage are requested,
     so a lazy getter (safetensors) reads only what the shard needs.
@@ -175,7 +198,8 @@ def hf_to_megatron(
     cfg.check_parallel(tp_size, pp_size)
     get = hf_state.__getitem__ if isinstance(hf_state, Mapping) else hf_state
     return {
-        p.megatron: shard(p, [get(n) for n in p.hf], cfg, tp_rank, tp_size) for p in stage_params(cfg, pp_rank, pp_size)
+        p.megatron: shard(p, [get(n) for n in p.hf], cfg, tp_rank, tp_size)
+        for p in stage_params(cfg, pp_rank, pp_size, ep_rank, ep_size)
     }
 
 
@@ -202,14 +226,16 @@ def export_hf(
     tp_group: torch.distributed.ProcessGroup | None = None,
     pp_rank: int | None = None,
     pp_size: int | None = None,
+    ep_group: torch.distributed.ProcessGroup | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for this pipeline stage, gathering over the TP group one tensor at a time.
+    """Yield (HF name, full tensor) for this pipeline stage, gathering over the TP group one tensor at
+    a time, and each layer's routed experts over the EP group (all E of them, in expert order).
 
-    Collective: every rank of the TP group must iterate to the end together. Layer numbers in the
-    names are global. With `grads=True` the gradients are yielded instead (`main_grad` under mcore
-    DDP, else `.grad`; zeros where none). Groups and ranks default to Megatron's parallel state.
-    Tensors come in the model's dtype. A replicated tensor (a norm, the router) may alias the live
-    parameter, so copy anything you keep past the next optimizer step.
+    Collective: every rank of the TP and EP groups must iterate to the end together. Layer numbers
+    in the names are global. With `grads=True` the gradients are yielded instead (`main_grad` under
+    mcore DDP, else `.grad`; zeros where none). Groups and ranks default to Megatron's parallel
+    state. Tensors come in the model's dtype. A replicated tensor (a norm, the router) may alias the
+    live parameter, so copy anything you keep past the next optimizer step.
     """
     from megatron.core import parallel_state
 
@@ -219,9 +245,13 @@ def export_hf(
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     if pp_size is None:
         pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if ep_group is None and cfg.num_experts:
+        ep_group = parallel_state.get_expert_model_parallel_group()
     tp_size = torch.distributed.get_world_size(tp_group)
+    ep_size = 1 if ep_group is None else torch.distributed.get_world_size(ep_group)
+    ep_rank = 0 if ep_group is None else torch.distributed.get_rank(ep_group)
     params = dict(_unwrap(model).named_parameters())
-    kinds = {p.megatron: p.kind for p in stage_params(cfg, pp_rank, pp_size)}
+    per_rank = [stage_params(cfg, pp_rank, pp_size, r, ep_size) for r in range(ep_size)]
 
     def local(name: str) -> torch.Tensor:
         p = params[name]
@@ -230,12 +260,27 @@ def export_hf(
         g = p.main_grad if hasattr(p, "main_grad") else p.grad
         return torch.zeros_like(p) if g is None else g.detach()
 
-    def gathered(name: str) -> list[torch.Tensor]:
-        t = local(name).contiguous()
-        if tp_size == 1 or kinds[name] == "replicated":
+    def gathered(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+        if size == 1:
             return [t]
-        out = [torch.empty_like(t) for _ in range(tp_size)]
-        torch.distributed.all_gather(out, t, group=tp_group)
+        out = [torch.empty_like(t) for _ in range(size)]
+        torch.distributed.all_gather(out, t.contiguous(), group=group)
         return out
 
-    yield from megatron_to_hf(gathered, cfg, pp_rank, pp_size)
+    experts: list[tuple[int, int, str, torch.Tensor]] = []  # a layer's routed experts: (expert, order, name, tensor)
+    for j, param in enumerate(per_rank[ep_rank]):
+        if not param.export:
+            continue
+        t = local(param.megatron).contiguous()
+        shards = [t] if param.kind == "replicated" else gathered(t, tp_group, tp_size)
+        full = merge(param, shards, cfg)
+        if param.expert is None:
+            yield from ((name, t) for _, _, name, t in sorted(experts, key=lambda x: x[:2]))
+            experts.clear()
+            yield from zip(param.hf, full)
+            continue
+        for k, tensor in enumerate(full):
+            for r, other in enumerate(gathered(tensor, ep_group, ep_size)):
+                theirs = per_rank[r][j]
+                experts.append((theirs.expert, j * 2 + k, theirs.hf[k], other))
+    yield from ((name, t) for _, _, name, t in sorted(experts, key=lambda x: x[:2]))

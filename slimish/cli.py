@@ -79,10 +79,11 @@ class Rollout:
         steps = cfg.steps if args.steps is None else args.steps
         # torch and transformers: only once the checks passed
         from slimish.launch import start_servers
+        from slimish.launch.commands import run_launch
         from slimish.rollout.cli import rollout_to_jsonl
         from slimish.rollout.stats import RolloutFailing, RolloutStalled
 
-        with start_servers(cfg.launch, cfg.model, Path(cfg.run_dir) / "logs") as servers:
+        with start_servers(run_launch(cfg), cfg.model, Path(cfg.run_dir) / "logs") as servers:
             try:
                 asyncio.run(rollout_to_jsonl(cfg, servers.router_url, fns, data, steps, Path(args.out)))
             except (RolloutStalled, RolloutFailing) as exc:

@@ -18,6 +18,9 @@ import torch
 from torch import nn
 
 EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+# One expert's projection under its checkpoint (and SGLang LoRA) name: `...experts.{e}.{gate,up,down}_proj`.
+PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -36,6 +39,12 @@ def router_class(model: nn.Module) -> type[nn.Module] | None:
     recorder = getattr(type(model), "_can_record_outputs", None) or {}
     target = recorder.get("router_logits")
     return getattr(target, "target_class", None)
+
+
+def router_paths(model: nn.Module) -> list[str]:
+    """The module paths of the model's routers (`model.layers.0.mlp.gate`, ...): never a LoRA target."""
+    cls = router_class(model)
+    return [name for name, m in model.named_modules() if cls is not None and isinstance(m, cls)]
 
 
 def routers(model: nn.Module) -> dict[int, nn.Module]:
@@ -82,6 +91,16 @@ def checkpoint_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tu
             yield from _split(name, tensor)
         else:
             yield name, tensor
+
+
+def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """Module path -> module, for every module holding fused experts (3-D `gate_up_proj` and `down_proj`)."""
+    found = {}
+    for name, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        if all(k in params and params[k].dim() == 3 for k in ("gate_up_proj", "down_proj")):
+            found[name] = module
+    return found
 
 
 def per_expert_names(name: str, fused: torch.Tensor) -> list[str]:

@@ -17,6 +17,9 @@ DEFAULT_KEYS = (
     "train/entropy",
     "train/grad_norm",
     "train/mismatch",
+    "train/mismatch_seq_max",
+    "train/route_agreement",
+    "train/expert_load_max",
     "time/step",
 )
 

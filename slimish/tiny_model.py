@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -337,6 +338,23 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", size: str = "tiny"
     out = Path(out_dir)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    return out
+
+
+def scale_experts(src: str | Path, out: str | Path, scale: float) -> Path:
+    """A copy of the MoE model `src` with its experts' weights times `scale`, written to `out`. Why: at
+    the random init (std 0.02) a tiny model's experts barely move the residual stream, so which expert
+    a token takes hardly matters and bf16's own noise hides a routing flip; in a trained model it matters."""
+    src, out = Path(src), Path(out)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                p.mul_(scale)
+    model.save_pretrained(out)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "generation_config")):
+            shutil.copy(f, out / f.name)
     return out
 
 

@@ -38,7 +38,7 @@ from slimish.buffer import Buffer, Staleness
 from slimish.compat import load_function
 from slimish.config import RunConfig, document_run_config, load_run_config
 from slimish.launch import Servers, check_push_targets, start_servers, teacher_servers
-from slimish.launch.commands import lora_launch
+from slimish.launch.commands import run_launch
 from slimish.launch.plan import ASSUMED, check_placement, first_free_gpu, next_gpu, teacher_launch
 from slimish.loop_thread import LoopThread
 from slimish.metrics import RunLog
@@ -346,7 +346,7 @@ def train(cfg: RunConfig, fns: RolloutFunctions) -> None:
             ptx_batches(cfg, trainer.tokenizer) if cfg.algorithm.ptx_coef > 0 else None
         )  # bad demonstrations fail here
         if rank == 0:
-            launch = lora_launch(cfg.launch, cfg.trainer.lora)
+            launch = run_launch(cfg)
             first_gpu = first_free_gpu(cfg, torch.cuda.is_available())
             if torch.cuda.is_available():
                 try:

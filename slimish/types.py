@@ -17,7 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from slimish.protocol import version_number
+from slimish.protocol import MetaInfo, decode_routed_experts, encode_routed_experts, version_number
+
+# The SGLang server flag without which a reply carries no routes (SGLang then ignores the request's
+# `return_routed_experts`: sglang 0.5.23: python/sglang/srt/state_capturer/routed_experts.py:50).
+ROUTES_FLAG = "--enable-return-routed-experts"
 
 
 class SampleStatus(str, Enum):
@@ -50,6 +54,27 @@ class GenerateResult:
     weight_version: int  # the engine's, as a number (`protocol.version_number`)
     prompt_tokens: int = 0
     token_versions: list[int] = field(default_factory=list)  # per output id: the weights that made it
+    # Asked for (`algorithm.routing_replay: r3`): the engine's routes, int32 `[rows, layers, top_k]`,
+    # row i the experts of token `routes_start + i` of the request's input ids + output ids.
+    routed_experts: np.ndarray | None = field(default=None, repr=False)
+    routes_start: int = 0
+
+
+def reply_routes(meta: MetaInfo, shape: tuple[int, int]) -> np.ndarray | None:
+    """A reply's `meta_info.routed_experts` decoded to `[rows, layers, top_k]`. A run that asked for
+    routes and got none (SGLang started without the flag ignores the request's field) must not
+    train on half its samples' routes: that raises, naming the flag. Only an aborted reply may
+    lack them (SGLang answers a request aborted in its queue, e.g. retracted after some output,
+    without collecting them): None, its tokens go in without rows, and the request that resumes
+    the sample asks from the rows it holds, so they are routed then."""
+    if meta.routed_experts is not None:
+        return decode_routed_experts(meta.routed_experts, *shape)
+    if meta.finish_reason is None or meta.finish_reason.type == "abort":
+        return None
+    raise RuntimeError(
+        f"request {meta.id}: the run asked for routes (algorithm.routing_replay=r3) and the engine returned none: "
+        f"start the engines with {ROUTES_FLAG} (built-in engine: enable_return_routed_experts=true)"
+    )
 
 
 @dataclass
@@ -108,16 +133,65 @@ class Sample:
         self.tokens = list(ids)
 
     def append_model(
-        self, ids: list[int], logprobs: list[float], weight_version: int | list[int] | None = None
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        weight_version: int | list[int] | None = None,
+        routes: np.ndarray | None = None,
+        routes_start: int = 0,
     ) -> None:
         """Tokens the policy generated: trained on (mask 1), with the engine's logprobs and the
-        weight version that made them (one per token when they span a weight update)."""
+        weight version that made them (one per token when they span a weight update). `routes`:
+        the reply's routed experts, rows from token `routes_start` to the last one fed forward
+        (the reply was for this sample's tokens); merged by `add_routes`."""
+        where = f"sample {self.group_id}/{self.index}"
         if len(ids) != len(logprobs):
-            raise ValueError(f"sample {self.group_id}/{self.index}: {len(ids)} ids but {len(logprobs)} logprobs")
+            raise ValueError(f"{where}: {len(ids)} ids but {len(logprobs)} logprobs")
         versions = list(weight_version) if isinstance(weight_version, list) else [weight_version] * len(ids)
         if len(versions) != len(ids):
-            raise ValueError(f"sample {self.group_id}/{self.index}: {len(ids)} ids but {len(versions)} token versions")
+            raise ValueError(f"{where}: {len(ids)} ids but {len(versions)} token versions")
+        merged = None
+        if routes is not None and ids and self.tokens:
+            end = len(self.tokens) + len(ids) - 1  # the reply's rows end before its last token
+            if routes_start + len(routes) != end:
+                raise ValueError(
+                    f"{where}: routed_experts rows {routes_start}..{routes_start + len(routes) - 1} do not end at "
+                    f"token {end - 1}, the last one fed forward: the reply was not for this sample's tokens"
+                )
+            merged = self._merged_routes(routes, routes_start, end)
         self._append(ids, [1] * len(ids), list(logprobs), [-1 if v is None else v for v in versions])
+        if merged is not None:
+            self.routed_experts = merged
+
+    def add_routes(self, rows: np.ndarray, start: int) -> None:
+        """Routes for `tokens[start : start + len(rows)]` (SGLang's `routed_experts` from
+        `routed_experts_start_len`). The earliest rows win: rows the sample holds are kept (they
+        are the ones its tokens were generated with; an engine that re-prefilled a later turn's
+        history may have routed it differently), the new ones extend them. A gap, or a row for
+        the last token (never fed forward), is refused."""
+        self.routed_experts = self._merged_routes(rows, start, len(self.tokens) - 1)
+
+    def _merged_routes(self, rows: np.ndarray, start: int, limit: int) -> np.ndarray:
+        """The sample's routes with `rows` (from token `start`) merged; at most `limit` rows."""
+        where = f"sample {self.group_id}/{self.index}"
+        rows = np.asarray(rows, dtype=np.int32)
+        held = self.routed_experts if self.routed_experts is not None else rows[:0]
+        if rows.ndim != 3 or rows.shape[1:] != held.shape[1:]:
+            raise ValueError(
+                f"{where}: routed_experts rows of shape {rows.shape}, expected [rows, layers, top_k] as held "
+                f"{held.shape}"
+            )
+        if not 0 <= start <= len(held):
+            raise ValueError(
+                f"{where}: routed_experts from token {start} would leave a gap: the sample holds rows for its first "
+                f"{len(held)} tokens (ask with routed_experts_start_len={len(held)})"
+            )
+        if start + len(rows) > limit:
+            raise ValueError(
+                f"{where}: routed_experts reach token {start + len(rows) - 1}, past token {limit - 1}, the last "
+                "one fed forward"
+            )
+        return np.concatenate([held, rows[len(held) - start :]])
 
     def append_env(self, ids: list[int]) -> None:
         """Tokens from the environment (tool output, user turns): in context, not trained on."""
@@ -199,6 +273,12 @@ class Sample:
             raise ValueError(f"{where}: loss_mask must hold only 0 and 1")
         if self.status in (SampleStatus.FAILED, SampleStatus.INFRA_FAILED) and not self.error:
             raise ValueError(f"{where}: status {self.status.value} needs an error")
+        routes = self.routed_experts
+        if routes is not None and (routes.ndim != 3 or len(routes) > max(len(self.tokens) - 1, 0)):
+            raise ValueError(
+                f"{where}: routed_experts of shape {routes.shape}: [rows, layers, top_k] with at most "
+                f"{max(len(self.tokens) - 1, 0)} rows (one per token but the last)"
+            )
         for key, value in self.metadata.items():
             try:
                 json.dumps(value)
@@ -208,9 +288,31 @@ class Sample:
                 ) from None
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON values only (saved in run state and buffers, written as JSON lines): the routes
+        in SGLang's own encoding, with their shape."""
         d = dataclasses.asdict(self)
         d["status"] = self.status.value
+        if self.routed_experts is not None:
+            _, layers, top_k = self.routed_experts.shape
+            d["routed_experts"] = {
+                "b64": encode_routed_experts(self.routed_experts),
+                "layers": layers,
+                "top_k": top_k,
+            }
         return d
+
+    def __eq__(self, other: object) -> bool:
+        """Field by field, the routes by value (an array's `==` is elementwise)."""
+        if not isinstance(other, Sample):
+            return NotImplemented
+        mine, theirs = self.routed_experts, other.routed_experts
+        if (mine is None) != (theirs is None) or (mine is not None and not np.array_equal(mine, theirs)):
+            return False
+        return all(
+            getattr(self, f.name) == getattr(other, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "routed_experts"
+        )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Sample":
@@ -221,6 +323,8 @@ class Sample:
         ordered = [version_number(v) if isinstance(v, str) else v for v in d.pop("weight_versions", None) or []]
         if ordered and not d.get("token_versions"):
             d["token_versions"] = spread_versions(d.get("loss_mask", []), ordered)
+        if isinstance(routes := d.get("routed_experts"), dict):
+            d["routed_experts"] = decode_routed_experts(routes["b64"], routes["layers"], routes["top_k"])
         return cls(**d)
 
 

@@ -46,6 +46,10 @@ METRIC_KEYS = (
     "time/weight_push",
     "train/kl",
     "train/mismatch",
+    "train/mismatch_seq_max",
+    "train/route_agreement",
+    "train/route_replayed",
+    "train/expert_load_max",
 )
 
 
@@ -176,7 +180,9 @@ def read_run(run_dir: str | Path, sample_steps: int = 100) -> dict[str, Any]:
         keep = {
             k: v
             for k, v in row.items()
-            if k in METRIC_KEYS or (k.startswith("eval/") and k.endswith(("/accuracy", "/reward")))
+            if k in METRIC_KEYS
+            or k.startswith("moe/")  # per MoE layer (routing.py route_metrics)
+            or (k.startswith("eval/") and k.endswith(("/accuracy", "/reward")))
         }
         metrics.setdefault(row["step"], {"step": row["step"]}).update(keep)
     timeline: dict[int, dict[str, Any]] = {}

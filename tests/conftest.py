@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from family_cases import family_dirs, served  # noqa: E402,F401  (fitted model-family models, an engine on one)
+from family_cases import family_dirs, family_engine, served  # noqa: E402,F401  (fitted models, engines on them)
 from helpers import SGLANG_DOUBLE, run_quickstart  # noqa: E402
 
 
@@ -68,11 +68,36 @@ def tok(tiny_model_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """A real built-in engine process on the default tiny model, one per test module: its URL."""
+def engine(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A real built-in engine process on the default tiny model, one per test module: its URL. A
+    module that only generates on it (no weight push, adapter, pause or kill) says so with
+    `GENERATE_ONLY = True` and gets the session's one such engine instead: an engine start saved."""
+    if getattr(request.module, "GENERATE_ONLY", False):
+        yield request.getfixturevalue("shared_engine")
+        return
     from slimish.launch.local import engine_process
 
     with engine_process(tiny_model_dir, log_path=tmp_path_factory.mktemp("logs") / "engine.log") as proc:
+        yield proc.url
+
+
+@pytest.fixture(scope="session")
+def shared_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The engine of the modules that only generate (`engine`, GENERATE_ONLY): one for the session."""
+    from slimish.launch.local import engine_process
+
+    with engine_process(tiny_model_dir, log_path=tmp_path_factory.mktemp("logs") / "shared-engine.log") as proc:
+        yield proc.url
+
+
+@pytest.fixture(scope="session")
+def moe_routes_engine(tiny_qwen3_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A built-in engine on the tiny Qwen3-MoE that returns routes (`enable_return_routed_experts`),
+    pages of 8 tokens, shared by the route tests: its URL."""
+    from slimish.launch.local import engine_process
+
+    log = tmp_path_factory.mktemp("logs") / "moe-routes-engine.log"
+    with engine_process(tiny_qwen3_moe_dir, log_path=log, page_size=8, enable_return_routed_experts=True) as proc:
         yield proc.url
 
 
@@ -95,6 +120,18 @@ def quickstart_sft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     sft = tmp_path_factory.mktemp("quickstart-sft")
     run_quickstart(sft, "steps=0", "eval.every=0")
     return sft / "run" / "hf"
+
+
+@pytest.fixture(scope="session")
+def quickstart_grpo(tmp_path_factory: pytest.TempPathFactory, quickstart_sft: Path) -> tuple[list[dict], Path]:
+    """The quickstart's sync GRPO run from the shared warm start, run once per session (a run is
+    minutes): 40 steps, evaluated greedily on 1024 held-out prompts at steps 0, 30 and 40. Its metrics
+    rows and run directory: the quickstart test and the async test's sync run read its first 30
+    steps (the schedule is constant, so they are a 30-step run), the distillation test's teacher
+    is its final export (`run / "hf"`)."""
+    tmp = tmp_path_factory.mktemp("quickstart-grpo")
+    overrides = ["steps=40", "eval.every=30", "eval.n_prompts=1024", "sft.steps=0", "async_training=false"]
+    return run_quickstart(tmp, *overrides, model=quickstart_sft), tmp / "run"
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ is fitted on both contexts: the chained ids it saw, and the template's rendering
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,12 +183,28 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return dirs
 
 
+@pytest.fixture(scope="session")
+def family_engine(
+    family_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[[str], str]]:
+    """The URL of a real engine on a family's fitted model, started the first time the family is
+    asked for and kept for the session: the cases of one family and the modules that take the same
+    cases share it (each engine start is seconds; the tests only generate, so a shared engine
+    serves them as a fresh one would). All are stopped when the session ends."""
+    logs, urls = tmp_path_factory.mktemp("family-engines"), {}
+    with ExitStack() as stack:
+
+        def url(family: str) -> str:
+            if family not in urls:
+                proc = engine_process(family_dirs[family], log_path=logs / f"{family}.log")
+                urls[family] = stack.enter_context(proc).url
+            return urls[family]
+
+        yield url
+
+
 @pytest.fixture(scope="module")
-def served(
-    case: Case, family_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, Path]]:
+def served(case: Case, family_dirs: dict[str, Path], family_engine: Callable[[str], str]) -> tuple[str, Path]:
     """A real engine on the fitted model of the module's `case` (a parametrized fixture each
     module defines): its URL and the model dir."""
-    model = family_dirs[case.family]
-    with engine_process(model, log_path=tmp_path_factory.mktemp("logs") / "engine.log") as proc:
-        yield proc.url, model
+    return family_engine(case.family), family_dirs[case.family]

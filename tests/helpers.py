@@ -15,7 +15,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+import torch
+
+from slimish import moe
 
 ROOT = Path(__file__).resolve().parents[1]
 SGLANG_DOUBLE = ROOT / "tests" / "sglang_double"
@@ -58,6 +62,37 @@ def generate(url: str, *, headers: dict | None = None, timeout: float = 120.0, *
     """POST a native `/generate` with `body`'s fields to `url`: the reply's JSON (a list for a
     batch), the status checked to be 200."""
     return generate_response(url, headers=headers, timeout=timeout, **body).json()
+
+
+def reference_routes(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
+    """The routers' top-k of every position in one forward of `ids`: int32 [len(ids), layers, top_k]."""
+    chosen: dict[int, torch.Tensor] = {}
+    hooks = [
+        router.register_forward_hook(lambda m, a, out, layer=layer: chosen.__setitem__(layer, out[2]))
+        for layer, router in moe.routers(model).items()
+    ]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    cfg = model.config
+    rows = np.zeros((len(ids), cfg.num_hidden_layers, cfg.num_experts_per_tok), dtype=np.int32)
+    for layer, indices in chosen.items():
+        rows[:, layer] = indices.numpy()
+    return rows
+
+
+def decode_sglang_routes(encoded: str, layers: int, top_k: int) -> np.ndarray:
+    """`meta_info.routed_experts` read as SGLang 0.5.23 reads it, written from its source only (not
+    from slimish/protocol.py, which it checks): `np.frombuffer(pybase64.b64decode(s.encode("utf-8")),
+    dtype=np.int32)` (python/sglang/srt/state_capturer/routed_experts.py:166-174), the flat array of
+    the host buffer's int32 `[tokens, num_layers, topk_size]` rows (state_capturer/base.py:63-75),
+    reshaped to that shape."""
+    import base64
+
+    return np.frombuffer(base64.b64decode(encoded.encode("utf-8")), dtype=np.int32).reshape(-1, layers, top_k)
 
 
 def metric_total(url: str, sample: str, **labels: str) -> float:
@@ -231,6 +266,19 @@ def accounted(m) -> bool:
     """Every prompt taken is kept, filtered, failed or requeued."""
     c = m.counters
     return c["prompts_taken"] == c["groups_kept"] + c["groups_filtered"] + c["groups_failed"] + len(m.requeued)
+
+
+# A quickstart run cut to what shows a loop works: 2 prompts of 4 samples of 8 tokens a step, no SFT
+# warm start, no eval, no ptx, every group kept (a random model's rewards have no spread).
+SHORT_QUICKSTART = (
+    "sft.steps=0",
+    "eval.every=0",
+    "rollout.rollout_batch_size=2",
+    "rollout.n_samples_per_prompt=4",
+    "rollout.max_new_tokens=8",
+    "rollout.filter_fn=null",
+    "algorithm.ptx_coef=0",
+)
 
 
 def quickstart_argv(tmp_path: Path, *overrides: str, model: Path, config: str = "configs/quickstart.yaml") -> list[str]:

@@ -46,6 +46,7 @@ def run_layout(spec: dict, layout: dict, out: Path) -> dict:
         "trainer.backend=megatron",
         f"trainer.tp={layout['tp']}",
         f"trainer.pp={layout['pp']}",
+        f"trainer.ep={layout.get('ep', 1)}",
     ]
     cfg = load_run_config(None, overrides)
     name, rank = layout["name"], dist.get_rank()

@@ -20,6 +20,7 @@ from slimish.formats.model import ModelFormat
 from slimish.gateway.server import Gateway
 from slimish.types import Sample, SampleStatus
 
+GENERATE_ONLY = True  # the `engine` fixture is the session's shared one (conftest.py): these tests only generate
 OPENING = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is (2+3)*4?"}]
 TEMPLATE = Sample(prompt=OPENING, label="20", group_id=7, index=2, metadata={"task": "calc"})
 

@@ -9,6 +9,7 @@ import pytest
 from slimish.client import Client, ServerError, ServerUnreachable
 from slimish.net import free_port
 
+GENERATE_ONLY = True  # the `engine` fixture is the session's shared one (conftest.py): these tests only generate
 PROMPT = [5, 6, 7, 8]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 

@@ -10,6 +10,7 @@ process as trainer rank 0 (a real gloo group), including one whose trainer dies 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import multiprocessing as mp
@@ -25,12 +26,18 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from helpers import running_engines
+from helpers import running_engines, running_router
 from slimish.client import Client, ServerError
 from slimish.engine.config import EngineConfig
 from slimish.distributed import init_custom_process_group
 from slimish.engine.lora import AdapterError, AdapterRef, LoraManager, read_adapter
+from slimish.moe import PER_EXPERT, fused_experts
 from slimish.net import free_port
+from slimish.trainer.config import WeightSyncConfig
+from slimish.trainer.lora import write_adapter_dir
+from slimish.trainer.torch_backend import TorchTrainer
+from slimish.trainer.weight_sync import WeightSync
+from test_trainer_torch import config
 from test_weight_sync import dying_trainer
 
 WAIT_S = 120.0
@@ -474,3 +481,170 @@ def test_prefix_cache_never_serves_one_adapters_kv_to_another(lora_engine, tiny_
         assert reply["meta_info"]["cached_tokens"] == 0
         check(reply, reference(tiny_model_dir, adapter_dirs[source]))
         assert post(lora_engine, "/unload_lora_adapter", {"lora_name": "reloaded"}).status_code == 200
+
+
+# -- MoE: adapters on attention and on each expert ---------------------------------------------------
+
+MOE_ROWS = ["m1", "m2", None, "m2", None, "m1"]
+# name -> (rank, alpha, targets). Each expert's gate and up get their own A: SGLang's general form.
+MOE_SPECS = {
+    "m1": (4, 8, ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj")),
+    "m2": (2, 3, ("o_proj", "gate_proj", "up_proj", "down_proj")),
+}
+
+
+def per_expert_adapter(model_dir: Path, out: Path, seed: int, rank: int, alpha: int, targets: tuple[str, ...]) -> Path:
+    """A PEFT-format adapter directory in the per-expert form SGLang reads (`...experts.{e}.{proj}`):
+    random A and B on the targeted linears (a shared expert's too) and on every expert's projections."""
+    model = base_model(model_dir)
+    shapes = {
+        name: (m.out_features, m.in_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    }
+    for name, experts in fused_experts(model).items():
+        n, hidden, inter = experts.down_proj.shape
+        dims = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+        shapes.update({f"{name}.{e}.{p}": dims[p] for e in range(n) for p in dims if p in targets})
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, (rows, cols) in shapes.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, cols, generator=g) * 0.3
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(rows, rank, generator=g) * 0.3
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0}
+    return write_adapter_dir(out, {**config, "target_modules": sorted(targets)}, tensors)
+
+
+def merged(model_dir: Path, adapter: Path, experts: bool = True) -> torch.nn.Module:
+    """A reference written from the per-expert form's meaning: the base with `scale * B @ A` added
+    to each targeted weight, an expert's into its rows of the fused `gate_up_proj` / `down_proj`
+    (`experts=False`: the attention's and shared expert's deltas only)."""
+    model = base_model(model_dir)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    with torch.no_grad():
+        for name, a in tensors.items():
+            if not name.endswith(".lora_A.weight"):
+                continue
+            module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            delta = cfg["lora_alpha"] / cfg["r"] * tensors[name.replace("lora_A", "lora_B")] @ a
+            if match := PER_EXPERT.match(module):
+                if not experts:
+                    continue
+                fused, e = model.get_submodule(match["prefix"]), int(match["expert"])
+                inter = fused.down_proj.shape[2]
+                rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter)}.get(match["proj"])
+                target = fused.down_proj[e] if rows is None else fused.gate_up_proj[e, rows]
+            else:
+                target = model.get_submodule(module).weight
+            target += delta
+    return model
+
+
+@pytest.fixture(scope="module")
+def moe_adapter_dirs(tiny_qwen3_moe_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe-adapters")
+    return {
+        name: per_expert_adapter(tiny_qwen3_moe_dir, root / name, seed, *spec)
+        for seed, (name, spec) in enumerate(MOE_SPECS.items(), 11)
+    }
+
+
+@pytest.fixture(scope="module")
+def moe_engine(tiny_qwen3_moe_dir, moe_adapter_dirs, tmp_path_factory):
+    """Both adapters from --lora-paths; the targets (experts' projections included) are theirs."""
+    paths = [f"{name}={path}" for name, path in moe_adapter_dirs.items()]
+    with running_engines(
+        tiny_qwen3_moe_dir, tmp_path_factory, n=1, timeout=WAIT_S, weight_sync_timeout_s=60, lora_paths=paths
+    ) as (proc,):
+        yield proc.url
+
+
+def test_moe_mixed_batch_matches_peft_row_by_row(moe_engine, tiny_qwen3_moe_dir, moe_adapter_dirs):
+    """Rows of two expert adapters and the base in one batch, each equal to PEFT's model of its
+    adapter alone (PEFT reads the per-expert form through its v4 converter: rank 2r, block-diagonal),
+    which is itself the merged reference; without the experts' deltas the rows would differ."""
+    replies = mixed_batch(moe_engine, MOE_ROWS)
+    models = {name: reference(tiny_qwen3_moe_dir, moe_adapter_dirs.get(name)) for name in set(MOE_ROWS)}
+    for prompt, name, reply in zip(PROMPTS, MOE_ROWS, replies):
+        assert_matches(reply, prompt, models[name])
+    for name, path in moe_adapter_dirs.items():
+        peft = logprobs_of(models[name], PROMPTS[1])
+        torch.testing.assert_close(peft, logprobs_of(merged(tiny_qwen3_moe_dir, path), PROMPTS[1]), atol=1e-4, rtol=0)
+        assert (peft - logprobs_of(merged(tiny_qwen3_moe_dir, path, experts=False), PROMPTS[1])).abs().max() > 0.1
+
+
+def test_moe_adapter_push_lands_in_its_slot(moe_engine, tiny_qwen3_moe_dir, moe_adapter_dirs, tmp_path):
+    """A broadcast push of m1's per-expert tensors: served bit for bit by name, and m1's rows are
+    those of the pushed adapter while m2's and the base's are unchanged."""
+    group = join_group(moe_engine, "moe_push")
+    try:
+        pushed = seeded_like(moe_adapter_dirs["m1"], 7)
+        reply = push(moe_engine, group, "moe_push", "m1", pushed, "7")
+        assert reply["success"], reply
+        name = "base_model.model.model.layers.1.mlp.experts.5.up_proj.lora_B.weight"
+        assert torch.equal(served_tensor(moe_engine, "m1", name, pushed[name].shape[0]), pushed[name])
+        config = json.loads((moe_adapter_dirs["m1"] / "adapter_config.json").read_text())
+        now = {"m1": write_adapter_dir(tmp_path / "m1-7", config, pushed), "m2": moe_adapter_dirs["m2"], None: None}
+        replies = mixed_batch(moe_engine, MOE_ROWS)
+        versions = [r["meta_info"]["weight_version"] for r in replies]
+        assert versions == ["7" if n == "m1" else "default" for n in MOE_ROWS]
+        for prompt, name, reply in zip(PROMPTS, MOE_ROWS, replies):
+            assert_matches(reply, prompt, reference(tiny_qwen3_moe_dir, now[name]))
+    finally:
+        post(moe_engine, "/destroy_weights_update_group", {"group_name": "moe_push"})
+        torch.distributed.destroy_process_group(group)
+
+
+def test_qwen2_moe_rows_equal_a_reference_and_the_router_is_refused(tiny_qwen2_moe_dir, tmp_path):
+    """Qwen2-MoE (PEFT has no converter for its per-expert form, so the reference is `merged`): the
+    engine's LoRA modules on the HF forward, one batch of {m1, m2, base} rows, the shared expert's
+    plain linears and the routed experts adapted. With no adapter row the experts' own path runs."""
+    dirs = {
+        name: per_expert_adapter(tiny_qwen2_moe_dir, tmp_path / name, seed, *spec)
+        for seed, (name, spec) in enumerate(MOE_SPECS.items(), 21)
+    }
+    model = base_model(tiny_qwen2_moe_dir)
+    ids = torch.tensor([PROMPTS[0], [3, 1, 4, 1, 5], [100, 200, 300, 400, 7]])
+    with torch.no_grad():
+        plain = model(ids).logits
+    cfg = EngineConfig(model=str(tiny_qwen2_moe_dir), max_loras_per_batch=2, max_lora_rank=4)
+    lora = LoraManager(model, cfg)
+    for name, path in dirs.items():
+        lora.add(read_adapter(AdapterRef(name, str(path)), torch.float32, model.device))
+        assert lora.acquire(name, set())
+    rows = ["m1", "m2", None]
+    with torch.no_grad(), lora.rows(rows):
+        got = model(ids).logits
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, plain)
+        for i, name in enumerate(rows):
+            want = (merged(tiny_qwen2_moe_dir, dirs[name]) if name else base_model(tiny_qwen2_moe_dir))(ids[i : i + 1])
+            torch.testing.assert_close(got[i], want.logits[0], atol=1e-4, rtol=0)
+    with pytest.raises(AdapterError, match=r"\['gate'\] is this model's MoE router \(e.g. model.layers.0.mlp.gate\)"):
+        LoraManager(base_model(tiny_qwen2_moe_dir), dataclasses.replace(cfg, lora_target_modules=["gate"]))
+
+
+def test_moe_trainer_push_serves_the_training_models_logprobs(moe_engine, tiny_qwen3_moe_dir):
+    """The torch trainer's MoE adapter (experts through PEFT's ParamWrapper) pushed as a run pushes
+    it (the first push creates it from its directory, the second broadcasts into its slot): the
+    engine's log-probs under it are the training model's."""
+    lora = ("enabled=true", "rank=4", "alpha=8", "name=t", "target_modules=[q_proj,gate_proj,up_proj,down_proj]")
+    trainer = TorchTrainer(config(tiny_qwen3_moe_dir, *(f"trainer.lora.{o}" for o in lora)))
+    g = torch.Generator().manual_seed(3)
+    with (
+        running_router(worker_urls=[moe_engine]) as router,
+        WeightSync(WeightSyncConfig(timeout_s=60), [moe_engine], adapter="t", router_url=router) as sync,
+    ):
+        for version in (0, 1):
+            with torch.no_grad():  # a step's worth of change: every A and B moves
+                for name, p in trainer.model.named_parameters():
+                    if ".lora_" in name:
+                        p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            sync.push(trainer.export(), version)
+    prompt = PROMPTS[1]
+    body = {"input_ids": prompt, "lora_path": "t", "sampling_params": GREEDY, "return_logprob": True}
+    body["logprob_start_len"] = 0
+    reply = post(moe_engine, "/generate", body).json()
+    assert reply["meta_info"]["weight_version"] == "1"
+    assert_matches(reply, prompt, trainer.model)

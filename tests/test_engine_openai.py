@@ -15,6 +15,7 @@ from helpers import TOOLS, post
 
 from slimish.engine.openai_api import _settled
 
+GENERATE_ONLY = True  # the `engine` fixture is the session's shared one (conftest.py): these tests only generate
 PROMPT_IDS = [5, 17, 42, 99, 7]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]

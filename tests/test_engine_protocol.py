@@ -15,6 +15,7 @@ import torch
 from helpers import post
 from transformers import AutoModelForCausalLM
 
+GENERATE_ONLY = True  # the `engine` fixture is the session's shared one (conftest.py): these tests only generate
 PROMPT = [5, 17, 42, 99, 7]
 REGEX = r"(yes|no|maybe)-[0-9]{2,3}"
 SCHEMA = {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,6 @@ from slimish.client import Client
 from slimish.config import load_run_config
 from slimish.formats.model import ModelFormat
 from slimish.gateway.server import Gateway
-from slimish.launch.local import engine_process
 from slimish.rollout.api import RolloutContext, RolloutRuntime
 from slimish.types import Sample, SampleStatus
 
@@ -220,27 +220,29 @@ def test_engine_chat_completions_parse_tool_calls_and_reasoning(served: tuple[st
 # ---- single cases ------------------------------------------------------------------------------
 
 
-def test_glm_single_turn_prompt_and_template_kwargs(family_dirs: dict[str, Path], tmp_path: Path) -> None:
+def test_glm_single_turn_prompt_and_template_kwargs(
+    family_dirs: dict[str, Path], family_engine: Callable[[str], str]
+) -> None:
     """GLM's turn has no closing token: a single-turn prompt renders as HF renders it (template
     kwargs included) and generates; `enable_thinking: false` reaches the template."""
     model = family_dirs["glm4.6"]
     tok = AutoTokenizer.from_pretrained(model)
     question = [{"role": "user", "content": "What is 2+3?"}]
-    with engine_process(model, log_path=tmp_path / "engine.log") as proc:
+    url = family_engine("glm4.6")
 
-        async def main() -> tuple[Sample, list[int]]:
-            runtime = runtime_for(
-                model, proc.url, "rollout.max_new_tokens=4", "rollout.chat_template_kwargs={enable_thinking: false}"
-            )
-            try:
-                sample = Sample(prompt=question)
-                ctx = RolloutContext(runtime, sample)
-                await ctx.generate_sample()
-                return sample, ctx.prompt_ids(question, {"enable_thinking": True})
-            finally:
-                await runtime.close()
+    async def main() -> tuple[Sample, list[int]]:
+        runtime = runtime_for(
+            model, url, "rollout.max_new_tokens=4", "rollout.chat_template_kwargs={enable_thinking: false}"
+        )
+        try:
+            sample = Sample(prompt=question)
+            ctx = RolloutContext(runtime, sample)
+            await ctx.generate_sample()
+            return sample, ctx.prompt_ids(question, {"enable_thinking": True})
+        finally:
+            await runtime.close()
 
-        sample, thinking = asyncio.run(main())
+    sample, thinking = asyncio.run(main())
     no_thinking = tok.apply_chat_template(
         question, add_generation_prompt=True, tokenize=True, return_dict=False, enable_thinking=False
     )
@@ -288,7 +290,9 @@ def test_glm_sft_targets_end_on_the_next_turns_opener(family_dirs: dict[str, Pat
     assert losses[-1] < 0.5 * losses[0]
 
 
-def test_deepseek_v31_history_with_tool_calls_renders_as_hf(family_dirs: dict[str, Path], tmp_path: Path) -> None:
+def test_deepseek_v31_history_with_tool_calls_renders_as_hf(
+    family_dirs: dict[str, Path], family_engine: Callable[[str], str]
+) -> None:
     """The template concatenates `arguments` as a string: the engine renders an OpenAI history
     (arguments a JSON string, as the SDK sends it, spacing kept) exactly as HF renders it."""
     model = family_dirs["deepseek-v3.1"]
@@ -300,19 +304,19 @@ def test_deepseek_v31_history_with_tool_calls_renders_as_hf(family_dirs: dict[st
         history, tools=case.tools, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     assert '<｜tool▁sep｜>{"expression":"2+3"}<｜tool▁call▁end｜>' in tok.decode(want)
-    with engine_process(model, log_path=tmp_path / "engine.log") as proc:
-        r = httpx.post(
-            proc.url + "/v1/chat/completions",
-            timeout=60,
-            json={"messages": history, "tools": case.tools, "max_tokens": 1, "return_prompt_token_ids": True},
-        )
+    url = family_engine("deepseek-v3.1")
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": history, "tools": case.tools, "max_tokens": 1, "return_prompt_token_ids": True},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["prompt_token_ids"] == want
 
 
 @pytest.mark.parametrize("family, end", [("qwen2.5", "<|endoftext|>"), ("llama3.1", "<|eom_id|>")])
 def test_a_secondary_end_token_is_recorded_alike_by_ctx_chat_and_capture(
-    family_dirs: dict[str, Path], tmp_path: Path, family: str, end: str
+    family_dirs: dict[str, Path], family_engine: Callable[[str], str], family: str, end: str
 ) -> None:
     """A turn that ends on an end token other than the template's close (forced by a bias after 2
     tokens): both paths keep the model's token and do not add the template's close after it."""
@@ -322,41 +326,37 @@ def test_a_secondary_end_token_is_recorded_alike_by_ctx_chat_and_capture(
     first = {"max_new_tokens": 8, "min_new_tokens": 2, "logit_bias": {str(end_id): 100.0}}
     opening = [{"role": "user", "content": "Say something."}]
     follow_up = {"role": "user", "content": "Again."}
-    with engine_process(model, log_path=tmp_path / "engine.log") as proc:
+    url = family_engine(family)
 
-        async def via_ctx() -> Sample:
-            runtime = runtime_for(model, proc.url, "rollout.max_new_tokens=3")
-            try:
-                sample = Sample(prompt=opening)
-                ctx = RolloutContext(runtime, sample)
-                turn = await ctx.chat(opening, sampling_params=first)
-                await ctx.chat([*opening, turn.message, follow_up])
-                return sample
-            finally:
-                await runtime.close()
+    async def via_ctx() -> Sample:
+        runtime = runtime_for(model, url, "rollout.max_new_tokens=3")
+        try:
+            sample = Sample(prompt=opening)
+            ctx = RolloutContext(runtime, sample)
+            turn = await ctx.chat(opening, sampling_params=first)
+            await ctx.chat([*opening, turn.message, follow_up])
+            return sample
+        finally:
+            await runtime.close()
 
-        async def via_capture() -> list[Sample]:
-            gateway = Gateway(proc.url, ModelFormat(tok), default_sampling={"temperature": 0.0, "max_new_tokens": 3})
-            await gateway.start()
-            try:
-                client = openai.AsyncOpenAI(
-                    base_url=gateway.session_base_url("s"), api_key="x", max_retries=0, timeout=60
-                )
-                reply = await client.chat.completions.create(
-                    model="m",
-                    messages=opening,
-                    max_tokens=8,
-                    logit_bias={str(end_id): 100},
-                    extra_body={"min_tokens": 2},
-                )
-                await client.chat.completions.create(
-                    model="m", messages=[*opening, reply.choices[0].message, follow_up]
-                )
-                return gateway.pop_samples("s", Sample(prompt=opening))
-            finally:
-                await gateway.stop()
+    async def via_capture() -> list[Sample]:
+        gateway = Gateway(url, ModelFormat(tok), default_sampling={"temperature": 0.0, "max_new_tokens": 3})
+        await gateway.start()
+        try:
+            client = openai.AsyncOpenAI(base_url=gateway.session_base_url("s"), api_key="x", max_retries=0, timeout=60)
+            reply = await client.chat.completions.create(
+                model="m",
+                messages=opening,
+                max_tokens=8,
+                logit_bias={str(end_id): 100},
+                extra_body={"min_tokens": 2},
+            )
+            await client.chat.completions.create(model="m", messages=[*opening, reply.choices[0].message, follow_up])
+            return gateway.pop_samples("s", Sample(prompt=opening))
+        finally:
+            await gateway.stop()
 
-        sample, (captured,) = asyncio.run(via_ctx()), asyncio.run(via_capture())
+    sample, (captured,) = asyncio.run(via_ctx()), asyncio.run(via_capture())
     first_turn = sample.response_ids[:3]
     assert first_turn[-1] == end_id and sample.loss_mask[:3] == [1, 1, 1]
     close = ModelFormat(tok).chat().close_id

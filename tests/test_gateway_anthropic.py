@@ -26,6 +26,7 @@ from slimish.types import Sample, SampleStatus
 from test_family_formats import run_ctx_chat
 
 # Reasoning (Qwen3), Llama 3.1's JSON calls, and GLM-4.6 (reasoning; its turns are closed by the next turn's opener).
+GENERATE_ONLY = True  # the `engine` fixture is the session's shared one (conftest.py): these tests only generate
 ANTHROPIC_CASES = [c for c in CASES if c.name in ("qwen3", "llama3.1", "glm4.6")]
 RAW_EVENTS = {
     "message_start",

@@ -23,6 +23,7 @@ from slimish.gateway.server import Gateway
 from slimish.types import Sample
 from test_family_formats import check_turn, run_ctx_chat
 
+GENERATE_ONLY = True  # the `engine` fixture is the session's shared one (conftest.py): these tests only generate
 RESPONSES_CASES = [c for c in CASES if c.name in ("qwen3", "qwen2.5", "deepseek-v3.1")]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 96}  # the gateway's defaults in these tests
 MODES = [

@@ -32,6 +32,9 @@ PASSED = [
     "rl_versions",
     "rl_rewards",
     "rl_mismatch",
+    "moe_routes",
+    "moe_r3_step",
+    "moe_push",
 ]
 SKIPPED = {"megatron_te_step": "dry run: TE's spec needs CUDA", "megatron_te_push": "dry run: TE's spec needs CUDA"}
 
@@ -55,7 +58,7 @@ def smoke(
     return done, {name: (status, detail) for status, name, detail in LINE.findall(done.stdout)}
 
 
-@pytest.mark.slow  # ~1 min: three engines, four trainers, a two-step `slimish train`
+@pytest.mark.slow  # ~1 min: four engines, five trainers, a two-step `slimish train`
 def test_dry_run_passes_every_check(tmp_path: Path) -> None:
     done, checks = smoke(tmp_path, "--dry-run")
     report = done.stdout + done.stderr[-3000:]

@@ -12,8 +12,18 @@ from safetensors.torch import load_file
 from test_trainer_torch import config, make_groups, with_rollout_logprobs
 from transformers import AutoModelForCausalLM
 
+from slimish.engine.config import EngineConfig
+from slimish.engine.lora import LoraManager
 from slimish.trainer import checkpoint
-from slimish.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from slimish.trainer.config import LoraConfig
+from slimish.trainer.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    FUSED,
+    add_adapter,
+    expert_wrappers,
+    load_adapter_tensors,
+)
 from slimish.trainer.torch_backend import TorchTrainer
 
 LORA = ("trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.lora.alpha=8", "trainer.lr=1e-2")
@@ -109,3 +119,65 @@ def test_checkpoint_round_trip_and_exports(tiny_model_dir, tmp_path):
     for model in (peft_model, merged):
         for got, want in zip(trainer.logprobs(samples, model), expected):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+MOE_LORA = (*LORA, "trainer.lora.target_modules=[q_proj,gate_proj,up_proj,down_proj]")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_moe_adapter_leaves_per_expert_and_the_engine_serves_it_equal(arch, request, tmp_path):
+    """On a MoE model the experts train through PEFT's ParamWrapper (one A shared by gate and up);
+    what leaves the trainer is per expert, SGLang's form: each expert's slice of PEFT's own delta,
+    loaded by the engine's LoRA modules to the training model's log-probs (1e-5), resumed exactly,
+    and (Qwen3-MoE, which PEFT's v4 converter knows) read back by PEFT to the same log-probs."""
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    trainer = TorchTrainer(config(model_dir, *MOE_LORA))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # B starts at 0: random A and B, so every delta shows
+        for name, p in trainer.model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    tensors = trainer.adapter_tensors()
+    wrappers = expert_wrappers(trainer.model)
+    assert {w.parameter_name for _, w in wrappers.values()} == {"gate_up_proj", "down_proj"}
+    for experts, w in wrappers.values():
+        delta = w.get_delta_weight("default")  # [E, out, in], PEFT's own reading of its A and B
+        for e in range(w.num_experts):
+            pair = [tensors[f"{experts}.{e}.{p}.lora_{x}.weight"] for p in FUSED[w.parameter_name] for x in "AB"]
+            per_expert = torch.cat([b @ a for a, b in zip(pair[::2], pair[1::2])]) * w.scaling["default"]
+            torch.testing.assert_close(per_expert, delta[e], atol=1e-6, rtol=0)
+            assert torch.equal(pair[0], pair[-2])  # gate's A is up's (and down's own A is down's)
+    trainer.save_hf(str(tmp_path / "hf"))
+    assert load_file(tmp_path / "hf" / ADAPTER_WEIGHTS).keys() == tensors.keys()
+
+    served = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    lora = LoraManager(served, EngineConfig(model=str(model_dir), max_lora_rank=4, lora_paths=[f"t={tmp_path / 'hf'}"]))
+    assert lora.acquire("t", set())
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3, 1, 4, 8, 8]])
+    with torch.no_grad():
+        want = torch.log_softmax(trainer.model(ids).logits, -1)
+        with lora.rows(["t"]):
+            torch.testing.assert_close(torch.log_softmax(served(ids).logits, -1), want, atol=1e-5, rtol=0)
+        if arch == "qwen3_moe":
+            peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), tmp_path / "hf").eval()
+            torch.testing.assert_close(torch.log_softmax(peft(ids).logits, -1), want, atol=1e-5, rtol=0)
+
+    resumed = TorchTrainer(config(model_dir, *MOE_LORA))
+    load_adapter_tensors(resumed.model, tensors)
+    again = resumed.adapter_tensors()
+    assert again.keys() == tensors.keys() and all(torch.equal(again[k], tensors[k]) for k in tensors)
+    up_a = next(k for k in tensors if ".experts.3.up_proj.lora_A" in k)
+    with pytest.raises(ValueError, match="have different lora_A; the trainer's expert adapter shares one A"):
+        load_adapter_tensors(resumed.model, {**tensors, up_a: tensors[up_a] + 1})
+
+
+def test_moe_targets_refused_by_name(tiny_qwen3_moe_dir):
+    """The router, half of the fused gate/up pair, and dropout on the experts (ParamWrapper has none)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe_dir)
+    for targets, dropout, message in [
+        (["q_proj", "gate"], 0.0, r"trainer.lora.target_modules: \['gate'\] is the MoE router"),
+        (["gate_proj", "down_proj"], 0.0, "gate_proj and up_proj are one fused parameter"),
+        (["gate_proj", "up_proj"], 0.1, "trainer.lora.dropout=0.1: the experts' adapters"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            add_adapter(model, LoraConfig(enabled=True, target_modules=targets, dropout=dropout))

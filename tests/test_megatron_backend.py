@@ -148,7 +148,7 @@ def test_save_hf_loads_with_from_pretrained(run, tiny_model_dir):
 def test_parallel_sizes_are_checked():
     from slimish.config import load_run_config
 
-    with pytest.raises(SystemExit, match="trainer.tp and trainer.pp need trainer.backend=megatron"):
+    with pytest.raises(SystemExit, match="trainer.tp, trainer.pp and trainer.ep need trainer.backend=megatron"):
         load_run_config(None, ["model=m", "data.source=unused", "trainer.tp=2"])
 
 

@@ -1,7 +1,7 @@
 """megatron_bridge: HF <-> Megatron-Core on real torchrun/gloo processes, CPU only.
 
 One torchrun launch (tests/megatron_worker.py, 2 ranks) runs every Megatron check: TP=1, TP=2
-and PP=2 for llama, llama with llama3 RoPE scaling, qwen2, qwen3 and Qwen3-MoE, and the
+and PP=2 for llama, llama with llama3 RoPE scaling, qwen2, qwen3, Qwen3-MoE and (TP=1) Qwen2-MoE, and the
 Transformer Engine spec's name table on a CPU stand-in of that spec. The tests below assert on
 its JSON results. Conversion and config mapping need no Megatron import and run here.
 """
@@ -29,7 +29,7 @@ from helpers import torchrun_ranks  # noqa: E402
 from slimish.tiny_model import SIZES, make_tiny_model  # noqa: E402
 
 WORKER = Path(__file__).with_name("megatron_worker.py")
-ARCHS = ("llama", "llama3_rope", "qwen2", "qwen3", "qwen3_moe")
+ARCHS = ("llama", "llama3_rope", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
 TP2_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 TE_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 TE_TP2_ARCHS = ("llama", "qwen3_moe")
@@ -96,7 +96,8 @@ def _random_norms(src: Path, dst: Path) -> Path:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mbridge")
-    dirs = {arch: make_tiny_model(root / arch, arch=arch, size="tiny") for arch in ("llama", "qwen2", "qwen3")}
+    archs = ("llama", "qwen2", "qwen3", "qwen2_moe")  # qwen2_moe: a gated shared expert, qkv bias, raw top-k weights
+    dirs = {arch: make_tiny_model(root / arch, arch=arch, size="tiny") for arch in archs}
     dirs["llama3_rope"] = _llama3_rope(root / "llama3_rope")
     dirs["qwen3_moe"] = _tiny_moe(root / "qwen3_moe", vocab_size=1000)
     return dirs
@@ -254,7 +255,7 @@ def test_pp2_tied_model_forward_and_export(results: dict) -> None:
     assert _values(results, "pp2/qwen3/export_diff") == [0.0, 0.0]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "qwen2_moe"])
 def test_convert_round_trip_is_bitwise(models: dict[str, Path], tmp_path: Path, arch: str) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -303,6 +304,14 @@ def test_config_maps_the_model_families(models: dict[str, Path]) -> None:
     assert (llama.qkv_bias, qwen2.qkv_bias, qwen3.qkv_bias) == (False, True, False)
     assert qwen3.qk_norm and qwen3.head_dim == 32 != qwen3.hidden_size // qwen3.num_attention_heads
     assert (moe.num_experts, moe.moe_topk, moe.moe_ffn_hidden_size, moe.norm_topk_prob) == (4, 2, 48, True)
+    assert moe.shared_expert_ffn is None
+    shared = load_hf_config(models["qwen2_moe"])  # Qwen2-MoE: qkv bias, raw top-k weights, a gated shared expert
+    assert (shared.qkv_bias, shared.norm_topk_prob, shared.shared_expert_ffn, shared.num_experts) == (
+        True,
+        False,
+        48,
+        8,
+    )
     assert load_hf_config(models["llama3_rope"]).rope_scaling_factor == 8.0
     assert llama.padded_vocab_size(1) == 1024 and llama.padded_vocab_size(3) == 1152
 
@@ -343,3 +352,7 @@ def test_parallel_sizes_are_checked(models: dict[str, Path]) -> None:
         cfg.check_parallel(4, 1)
     with pytest.raises(ValueError, match="num_hidden_layers=2 must be divisible by pp_size=3"):
         cfg.check_parallel(1, 3)
+    with pytest.raises(ValueError, match=r"ep=2 needs a MoE model whose num_experts \(None\)"):
+        cfg.check_parallel(1, 1, 2)
+    with pytest.raises(ValueError, match=r"ep=3 needs a MoE model whose num_experts \(8\)"):
+        load_hf_config(models["qwen2_moe"]).check_parallel(1, 1, 3)

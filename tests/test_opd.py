@@ -1,6 +1,6 @@
 """On-policy distillation (algorithm.opd, launch.teacher): the per-token math, the trainer's use of
 it, the teacher's log-probs from a real engine against HF's, the config errors, and end to end: a
-student distils a teacher trained by GRPO in the same test, with no task reward."""
+student distils a teacher trained by GRPO (the session's quickstart run), with no task reward."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import post, run_quickstart
+from helpers import SHORT_QUICKSTART, post, run_quickstart
 from test_trainer_torch import config, make_groups, with_rollout_logprobs
 
 from slimish.client import Client
@@ -322,14 +322,8 @@ def test_a_run_with_its_teacher_served_by_name_on_the_policy_router(tmp_path: Pa
     rows = run_quickstart(
         tmp_path,
         "steps=3",
-        "sft.steps=0",
-        "eval.every=0",
-        "rollout.rollout_batch_size=2",
-        "rollout.n_samples_per_prompt=4",
-        "rollout.max_new_tokens=8",
-        "rollout.filter_fn=null",
+        *SHORT_QUICKSTART,
         "algorithm.opd.coef=1.0",
-        "algorithm.ptx_coef=0",
         f"launch.teacher.model={model}",
         "launch.teacher.served_name=teacher",
         model=model,
@@ -344,27 +338,23 @@ def test_a_run_with_its_teacher_served_by_name_on_the_policy_router(tmp_path: Pa
 # Measured (2026-12-04, 512 held-out prompts, greedy): after the 200-step SFT 0.14; a GRPO teacher
 # of 40 steps 0.65 (30 steps: 0.52 on 64 prompts); students at lr 1e-3 plateau near 0.44 by step
 # 10, at 4e-3 they reach 0.54-0.59 by steps 10-15 (the eval moves by about 0.05 between them).
-TEACHER_STEPS, STUDENT_STEPS, EVAL_PROMPTS = 40, 25, 512
+STUDENT_STEPS, EVAL_PROMPTS = 25, 512
 
 
 @pytest.mark.slow
 @pytest.mark.learning
 @pytest.mark.timeout(3000)
-def test_student_distils_a_grpo_teacher_without_task_reward(tmp_path: Path, quickstart_sft: Path) -> None:
-    """One SFT warm start (held-out accuracy near chance); a teacher trained from it by GRPO on
-    the quickstart task; a student from the same warm start trained by the teacher's per-token
-    signal alone (no task advantage, no reward filter): its held-out accuracy rises by 0.3 and
-    its reverse KL to the teacher falls. Its teacher is served by engines of its own, never pushed
-    to: the run would fail its samples if the teacher's weight version moved."""
-    teacher = tmp_path / "teacher"
-    rows = run_quickstart(
-        teacher,
-        f"steps={TEACHER_STEPS}",
-        f"eval.every={TEACHER_STEPS}",
-        f"eval.n_prompts={EVAL_PROMPTS}",
-        "sft.steps=0",
-        model=quickstart_sft,
-    )
+def test_student_distils_a_grpo_teacher_without_task_reward(
+    tmp_path: Path, quickstart_sft: Path, quickstart_grpo: tuple[list[dict], Path]
+) -> None:
+    """One SFT warm start (held-out accuracy near chance); a teacher trained from it by 40 GRPO
+    steps on the quickstart task (the session's quickstart run, conftest.py); a student from the
+    same warm start trained by the teacher's per-token signal alone (no task advantage, no reward
+    filter): its held-out accuracy rises by 0.3 and its reverse KL to the teacher falls. Its
+    teacher is served by engines of its own, never pushed to: the run would fail its samples if
+    the teacher's weight version moved."""
+    rows, teacher = quickstart_grpo
+    assert rows[-1]["step"] == 40
     teacher_acc = rows[-1]["eval/accuracy"]
     assert teacher_acc >= 0.5, f"the teacher reached only {teacher_acc}"
 
@@ -380,7 +370,7 @@ def test_student_distils_a_grpo_teacher_without_task_reward(tmp_path: Path, quic
         "algorithm.opd.task_reward=false",
         "algorithm.ptx_coef=0",  # the teacher alone trains it, not the quickstart's demonstrations
         "rollout.filter_fn=null",
-        f"launch.teacher.model={teacher / 'run' / 'hf'}",
+        f"launch.teacher.model={teacher / 'hf'}",
         model=quickstart_sft,
     )
     before, after = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]

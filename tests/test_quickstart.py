@@ -9,13 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import run_quickstart
 
 pytestmark = [pytest.mark.slow, pytest.mark.learning, pytest.mark.timeout(1500)]  # minutes on a loaded machine
 
 
-def test_short_quickstart_raises_accuracy_and_keeps_ending_turns(tmp_path: Path, quickstart_sft: Path) -> None:
-    rows = run_quickstart(tmp_path, "steps=30", "eval.every=30", "sft.steps=0", model=quickstart_sft)
+def test_short_quickstart_raises_accuracy_and_keeps_ending_turns(quickstart_grpo: tuple[list[dict], Path]) -> None:
+    rows = [r for r in quickstart_grpo[0] if r["step"] <= 30]  # the session's run, as a 30-step run
+    assert [r["step"] for r in rows] == list(range(31))
     before, after = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
     assert before < 0.3, f"SFT alone should leave accuracy near chance, got {before}"
     assert after >= before + 0.2, f"held-out accuracy {before} -> {after} after 30 RL steps"

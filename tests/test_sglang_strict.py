@@ -163,6 +163,7 @@ def test_the_command_line_is_sglangs(sglang_double, tmp_path):
         "bfloat16",
         "--trust-remote-code",
         "--disable-radix-cache",
+        "--enable-return-routed-experts",
         *LORA_ARGS,
         "--mem-fraction-static",
         "0.7",

@@ -23,8 +23,7 @@ from helpers import run_quickstart
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # ~8 minutes on a quiet machine
 
 STEPS, EVAL_PROMPTS = 30, 1024
-MODES = {  # name -> overrides; bound 1 retracts requests at a push, bound 2 aborts and resumes them
-    "sync": ["async_training=false"],
+ASYNC_MODES = {  # name -> overrides; bound 1 retracts requests at a push, bound 2 aborts and resumes them
     "async-1": [
         "async_training=true",
         "buffer.max_staleness=1",
@@ -42,10 +41,15 @@ MODES = {  # name -> overrides; bound 1 retracts requests at a push, bound 2 abo
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, quickstart_sft: Path) -> dict[str, tuple[list[dict], Path]]:
-    """Each mode's metrics rows and run directory, all from one SFT warm start."""
-    out = {}
-    for name, overrides in MODES.items():
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, quickstart_sft: Path, quickstart_grpo: tuple[list[dict], Path]
+) -> dict[str, tuple[list[dict], Path]]:
+    """Each mode's metrics rows and run directory, all from one SFT warm start. Sync is the
+    session's quickstart run (conftest.py), read up to step 30: it is this config, evaluated on
+    the same prompts, and longer."""
+    rows, run_dir = quickstart_grpo
+    out = {"sync": ([r for r in rows if r["step"] <= STEPS], run_dir)}
+    for name, overrides in ASYNC_MODES.items():
         tmp = tmp_path_factory.mktemp(name)
         rows = run_quickstart(
             tmp,

@@ -27,6 +27,7 @@ from slimish.trainer.advantages import credit_weights, trajectory_advantages
 from slimish.trainer.batch import trajectory_index
 from slimish.types import Sample, SampleStatus
 
+GENERATE_ONLY = True  # the `engine` fixture is the session's shared one (conftest.py): these tests only generate
 OPENING = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about 7."}]
 THREE = {"temperature": 0, "max_tokens": 3, "extra_body": {"ignore_eos": True}}
 

@@ -270,6 +270,26 @@ def test_trainer_step_push_and_fresh_rollouts(engines, sync, tiny_model_dir):
         assert mismatch(trainer, fresh) < 1e-4
 
 
+@pytest.mark.parametrize("arch, dtype", [("qwen3_moe", "float32"), ("qwen2_moe", "bfloat16")])
+def test_a_moe_push_sends_the_checkpoint_names(request, tmp_path, arch, dtype):
+    """What a torch-backend push carries is what `save_pretrained` writes (and SGLang loads):
+    the same names, one tensor per expert, the same values in the wire dtype, each contiguous."""
+    from safetensors.torch import load_file
+
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    cfg = load_run_config(None, [f"model={model_dir}", "data.source=unused", f"trainer.dtype={dtype}"])
+    trainer = TorchTrainer(cfg)
+    pushed = list(trainer.export().tensors)
+    trainer.save_hf(str(tmp_path))
+    saved = {k: v for f in tmp_path.glob("*.safetensors") for k, v in load_file(f).items()}
+    names = [n for n, _ in pushed]
+    assert len(names) == len(set(names)) and set(names) == set(saved)
+    assert "model.layers.1.mlp.experts.7.up_proj.weight" in saved
+    for name, t in pushed:
+        assert t.is_contiguous() and t.dtype == getattr(torch, dtype), name
+        assert torch.equal(t, saved[name].to(t.dtype)), name
+
+
 def test_engine_refusing_the_group_fails_connect_at_once(engines):
     refused = WeightSync(sync_config(backend="nccl", group_name="nccl", timeout_s=600.0), engines)
     try:

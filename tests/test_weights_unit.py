@@ -364,3 +364,110 @@ def test_update_from_disk_failure_keeps_old_weights(checkpoints, variant, messag
     with pytest.raises(ValueError, match=message):
         updater.update_from_disk(str(root / variant))
     assert unchanged(updater, before)
+
+
+# -- mixture of experts: checkpoint (per-expert) names onto fused parameters --------------------
+
+
+def load_model(path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def checkpoint_specs(path) -> list[Spec]:
+    """The names and shapes SGLang would load from the checkpoint `path` (its safetensors keys);
+    layer 1's experts travel as bf16, so both the in-place and the converting receive hit views."""
+    from safetensors import safe_open
+
+    specs = []
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                dtype = "bfloat16" if "layers.1.mlp.experts." in name else "float32"
+                specs.append((name, dtype, list(f.get_slice(name).get_shape())))
+    return sorted(specs, key=lambda s: s[1] == "bfloat16")
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
+def moe_dirs(request, tmp_path_factory):
+    """A tiny MoE model's checkpoint and another seed's."""
+    from slimish.tiny_model import make_tiny_model
+
+    arch = request.param
+    other = make_tiny_model(tmp_path_factory.mktemp("moe") / arch, arch=arch, size="tiny", seed=1)
+    return request.getfixturevalue(f"tiny_{arch}_dir"), other
+
+
+def test_moe_update_from_disk_equals_a_fresh_load(moe_dirs):
+    base, other = moe_dirs
+    model = load_model(base)
+    before = model.model.layers[0].mlp.experts.gate_up_proj.detach().clone()
+    WeightUpdater(model).update_from_disk(str(other))
+    fresh = dict(load_model(other).named_parameters())
+    assert all(torch.equal(p, fresh[name]) for name, p in model.named_parameters())
+    assert not torch.equal(before, model.model.layers[0].mlp.experts.gate_up_proj)
+
+
+def test_moe_push_of_checkpoint_names_lands_in_the_fused_parameters(engine, moe_dirs):
+    """The trainer broadcasts every checkpoint tensor by its checkpoint name; the model's fused
+    `gate_up_proj [E, 2I, H]` is `cat(gate_e, up_e)` stacked over experts, `down_proj` the stack."""
+    base, _ = moe_dirs
+    model = load_model(base)
+    updater = WeightUpdater(model, timeout=TIMEOUT)
+    updater.groups[GROUP] = engine.updater.groups[GROUP]  # the module's trainer, received here
+    updater.await_full_push()
+    specs = checkpoint_specs(base)
+    assert any(".experts.7.up_proj.weight" in s[0] for s in specs)
+    for flattened, seed in [(False, 11), (True, 12)]:
+        sent = dict(zip([s[0] for s in specs], Engine(updater, engine.trainer, specs).push(seed, flattened)))
+        assert not updater.torn
+        for name, p in model.named_parameters():
+            prefix, kind = name.rsplit(".", 1)
+            if kind == "gate_up_proj":
+                expected = torch.stack(
+                    [
+                        torch.cat([sent[f"{prefix}.{e}.gate_proj.weight"], sent[f"{prefix}.{e}.up_proj.weight"]])
+                        for e in range(len(p))
+                    ]
+                )
+            elif name.endswith("experts.down_proj"):
+                expected = torch.stack([sent[f"{prefix}.{e}.down_proj.weight"] for e in range(len(p))])
+            else:
+                expected = sent.get(name, sent["model.embed_tokens.weight"])  # a tied head is not in the checkpoint
+            assert torch.equal(p, expected.to(torch.float32)), name
+    # Each expert's view is a tensor of its own: one left out of a push is the one still missing.
+    updater.await_full_push()
+    Engine(updater, engine.trainer, specs[:-1]).push(13)
+    assert list(updater.torn) == [specs[-1][0]] and ".experts." in specs[-1][0]
+
+
+def test_moe_weights_by_name_and_fused_names_refused(moe_dirs):
+    base, _ = moe_dirs
+    model = load_model(base)
+    updater = WeightUpdater(model)
+    fused = model.model.layers[0].mlp.experts.gate_up_proj
+    width = fused.shape[1] // 2
+    up = updater.get_weights_by_name("model.layers.0.mlp.experts.3.up_proj.weight", 5)
+    assert up == fused[3, width:][:5].tolist()
+    assert updater.get_weights_by_name("model.layers.1.mlp.experts.6.down_proj.weight", 100) == (
+        model.model.layers[1].mlp.experts.down_proj[6].tolist()
+    )
+    per_expert = r"one tensor per expert: 'model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight'"
+    with pytest.raises(
+        ValueError, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj' is not a parameter.*" + per_expert
+    ):
+        updater.get_weights_by_name("model.layers.0.mlp.experts.gate_up_proj", 5)
+    req = request(
+        [
+            ("model.norm.weight", "float32", [64]),
+            ("model.layers.0.mlp.experts.gate_up_proj", "float32", list(fused.shape)),
+        ]
+    )
+    req.group_name = "any"
+    updater.groups["any"] = object()  # refused before any receive: the group is never touched
+    with pytest.raises(
+        ValueError,
+        match=r"names\[1\]: 'model\.layers\.0\.mlp\.experts\.gate_up_proj' is not a parameter.*" + per_expert,
+    ):
+        updater.update_from_distributed(req)

@@ -18,6 +18,10 @@ Steps, each printing `PASS name: detail`, `FAIL name: detail` or `SKIP name: rea
    engine by broadcast), checked through the engine's logprobs with and without it.
 5. `slimish train` on the quickstart task (configs/quickstart.yaml, shortened; engine_kind of step
    2): weight versions served per step, finite rewards, mismatch below 1e-2.
+6. A random-weight Qwen3-MoE on an engine started with `--enable-return-routed-experts`: every
+   reply's `meta_info.routed_experts` has SGLang's rows (prompt + output - 1, layers, top-k); the
+   torch trainer pushes its experts under checkpoint names (served back equal) and takes one R3
+   step on those rollouts (every route replayed, mismatch below the bound).
 
 `--dry-run` runs all of it on the CPU in fp32: SGLang is the test double in tests/sglang_double
 (a strict `sglang.launch_server` serving the built-in engine), the TE spec is skipped. The whole
@@ -127,7 +131,7 @@ from safetensors.torch import load_file  # noqa: E402
 from slimish.config import RunConfig, load_run_config  # noqa: E402
 from slimish.launch.config import LaunchConfig  # noqa: E402
 from slimish.trainer.config import WeightSyncConfig  # noqa: E402
-from slimish.launch.commands import lora_launch  # noqa: E402
+from slimish.launch.commands import lora_launch, routing_replay_launch  # noqa: E402
 from slimish.launch.local import engines_only, local_servers  # noqa: E402
 from slimish.metrics import read_metrics  # noqa: E402
 from slimish.rollout.api import sample_from_reply  # noqa: E402
@@ -278,10 +282,17 @@ def importable(module: str) -> str | None:
 
 
 def rollouts(
-    url: str, prompts: list[list[int]], n: int, seed: int, max_new_tokens: int, lora: str | None = None
+    url: str,
+    prompts: list[list[int]],
+    n: int,
+    seed: int,
+    max_new_tokens: int,
+    lora: str | None = None,
+    route_shape: tuple[int, int] | None = None,
 ) -> list[list[Sample]]:
-    """`n` samples per prompt from the engine with its logprobs and versions; reward: the first
-    response token is even (any reward with spread within groups gives GRPO a gradient)."""
+    """`n` samples per prompt from the engine with its logprobs and versions (and its routes, with
+    `route_shape`); reward: the first response token is even (any reward with spread within groups
+    gives GRPO a gradient)."""
     groups = []
     with httpx.Client(timeout=HTTP_TIMEOUT) as http:
         for g, prompt in enumerate(prompts):
@@ -296,10 +307,12 @@ def rollouts(
             }  # a seed each: n different samples
             if lora:
                 body["lora_path"] = [lora] * n
+            if route_shape:
+                body["return_routed_experts"] = True
             outs = http.post(url + "/generate", json=body).raise_for_status().json()
             group = []
             for k, out in enumerate(outs):
-                s = sample_from_reply(prompt, out, group_id=g, index=k)
+                s = sample_from_reply(prompt, out, route_shape, group_id=g, index=k)
                 s.reward = float(out["output_ids"][0] % 2 == 0)
                 group.append(s)
             groups.append(group)
@@ -532,6 +545,65 @@ def lora_checks(report: Report, setup: Setup) -> None:
             release()
 
 
+def moe_checks(report: Report, setup: Setup) -> None:
+    """`moe_routes`: an engine started returning routes answers each rollout with SGLang's rows
+    (`[prompt + output - 1, layers, top_k]`, expert ids in range). `moe_r3_step`: one R3 step of
+    the torch trainer on them (every route replayed, mismatch below the bound). `moe_push`: the
+    stepped experts pushed under checkpoint names and served back equal."""
+    names = ("moe_routes", "moe_r3_step", "moe_push")
+    prompts, n, tokens = setup.shape
+    with report.guard(*names):
+        size = "tiny" if setup.dry_run else "small"  # small: head_dim 64, experts 192 wide (SGLang's kernels)
+        model = make_tiny_model(Path(setup.args.out) / f"model-qwen3_moe-{size}", arch="qwen3_moe", size=size, seed=0)
+        cfg = load_run_config(
+            None, [f"model={model}", "data.source=unused", "trainer.lr=1e-3", "algorithm.routing_replay=r3"]
+        )
+        launch = routing_replay_launch(setup.launch(), cfg.algorithm)
+        report.progress(
+            f"moe: starting a {setup.engine} returning routes ({' '.join(launch.sglang_args or launch.engine_flag)})"
+        )
+        with engines_only(launch, model, Path(setup.args.out) / "logs-moe") as engines:
+            url = engines[0].url
+            trainer = make_trainer(cfg)
+            layers, top_k = trainer.routes.layers, trainer.routes.top_k
+            with WeightSync(setup.sync_config("moe"), [url]) as sync:
+                sync.push(trainer.export(), 1)
+                groups = rollouts(url, random_prompts(1, prompts), n, 1000, tokens, route_shape=(layers, top_k))
+                samples = [s for g in groups for s in g]
+                shapes = {s.routed_experts.shape == (len(s.tokens) - 1, layers, top_k) for s in samples}
+                in_range = all(
+                    0 <= int(s.routed_experts.min()) and int(s.routed_experts.max()) < trainer.routes.experts
+                    for s in samples
+                )
+                report.check(
+                    "moe_routes",
+                    shapes == {True} and in_range,
+                    f"{len(samples)} replies, routes [prompt + output - 1, {layers}, {top_k}] each: {shapes == {True}}, "
+                    f"expert ids below {trainer.routes.experts}: {in_range}",
+                )
+                metrics = trainer.train_step(groups, 1)
+                ok, detail = step_detail(metrics)
+                replayed, agreement = metrics.get("train/route_replayed"), metrics.get("train/route_agreement")
+                report.check(
+                    "moe_r3_step",
+                    ok and replayed == 1.0,
+                    f"{detail}; train/route_replayed {replayed}, train/route_agreement {agreement}",
+                )
+                sync.push(trainer.export(), 2)
+                after = dict(trainer.hf_tensors())
+                experts = {k: v for k, v in after.items() if ".experts." in k}
+                rows = None if setup.dry_run else 4
+                bad = served_differs(url, experts, rows, setup.dtype)
+                report.check(
+                    "moe_push",
+                    not bad and served_version(url) == "2",
+                    f"{len(experts) - len(bad)}/{len(experts)} expert tensors (checkpoint names) served as the "
+                    f"trainer's" + (f"; differ: {', '.join(bad[:4])}" if bad else ""),
+                )
+            del trainer
+            release()
+
+
 def rl_checks(report: Report, setup: Setup) -> None:
     """`slimish train` on the quickstart task, shortened, with the engines of the kind under test."""
     names = ("rl_run", "rl_versions", "rl_rewards", "rl_mismatch")
@@ -634,6 +706,7 @@ def run(args: argparse.Namespace) -> int:
     engine_checks(report, setup)
     lora_checks(report, setup)
     rl_checks(report, setup)
+    moe_checks(report, setup)
     print(
         f"{'FAILED: ' + ', '.join(report.failed) if report.failed else 'all checks passed'} "
         f"({time.perf_counter() - report.started:.1f} s)",

@@ -77,6 +77,12 @@ class EngineConfig:
         "Serve nothing (503, /health included) until a weight push has set every parameter: for an engine that joins "
         "or rejoins a running training run, so it never serves stale weights.",
     )
+    enable_return_routed_experts: bool = doc(
+        False,
+        "SGLang's flag: capture each MoE layer's top-k experts for every token forwarded, so that requests may ask "
+        "for them (`return_routed_experts`, docs/protocol.md); without it such a request is a 400. Off: no capture "
+        "cost.",
+    )
     # LoRA serving (SGLang's flags). Adapters are PEFT directories (adapter_config.json +
     # adapter_model.safetensors); a request names one by `lora_path` (/generate) or `model` (OpenAI).
     enable_lora: bool = doc(False, "also on when lora_paths is given")

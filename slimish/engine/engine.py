@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 
 from slimish.engine.config import EngineConfig
 from slimish.engine.grammar import GrammarError, Grammars, matcher
-from slimish.engine.items import Item, RequestError, check_limits, nth_copy
+from slimish.engine.items import Item, RequestError, check_limits, check_routes, nth_copy
 from slimish.engine.lora import Adapter, AdapterError, AdapterRef, LoraManager, read_adapter
 from slimish.engine.metrics import Metrics
 from slimish.engine.prefix_cache import PrefixCache
@@ -36,6 +36,7 @@ from slimish.engine.runner import Runner, engine_device, load_model, use_device
 from slimish.engine.scheduler import LogprobWish, Scheduler, Sequence
 from slimish.engine.weights import WeightUpdater
 from slimish.formats.model import ModelFormat
+from slimish.moe import route_shape
 from slimish.protocol import GenerateReqInput, SamplingParams
 
 
@@ -81,7 +82,11 @@ class Engine:
         prefix_cache = None if cfg.disable_radix_cache else PrefixCache(cfg.page_size, cfg.radix_cache_max_tokens)
         # The generation loop and the model's forward passes: private, the routes go through
         # this class's methods (on the scheduler thread, between steps, where they change state).
-        self._runner = Runner(self.model, cfg.page_size, prefix_cache, self.lora, cfg.decode_attention_backend)
+        self.route_shape = route_shape(self.model.config)  # (layers, top_k); None: a dense model
+        capture = cfg.enable_return_routed_experts and self.route_shape is not None
+        self._runner = Runner(
+            self.model, cfg.page_size, prefix_cache, self.lora, cfg.decode_attention_backend, capture_routes=capture
+        )
         self._scheduler = Scheduler(
             self._runner,
             max_running_requests=cfg.max_running_requests,
@@ -147,6 +152,8 @@ class Engine:
                 logprob_start_len=body.per_item("logprob_start_len", i),
                 top_logprobs_num=body.per_item("top_logprobs_num", i),
                 token_ids_logprob=body.per_item("token_ids_logprob", i),
+                return_routed_experts=body.return_routed_experts,  # scalars for every item, as SGLang's
+                routed_experts_start_len=body.routed_experts_start_len,
             )
             for j in range(n):
                 if isinstance(body.rid, list):
@@ -196,6 +203,7 @@ class Engine:
         except GrammarError as exc:
             raise RequestError(str(exc)) from None
         check_limits(item, self.cfg, self.vocab_size, self.context_length)
+        check_routes(item, self.cfg, self.route_shape is not None)
 
     def submit(self, items: list[Item], stream: bool) -> AsyncIterator[tuple[list[Sequence], Update]]:
         """Schedule the items now (or raise Overloaded); iterate the result for their progress:

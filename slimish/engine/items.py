@@ -39,6 +39,32 @@ def nth_copy(params: SamplingParams, j: int) -> SamplingParams:
     return params.model_copy(update={"sampling_seed": params.sampling_seed + j})
 
 
+def check_routes(item: Item, cfg: "EngineConfig", moe_model: bool) -> None:
+    """`return_routed_experts` needs the server flag (SGLang silently omits the routes without it;
+    a 400 here, so a run never trains on routes it did not get) and a MoE model; the start is
+    checked as SGLang checks it (sglang 0.5.23: python/sglang/srt/managers/scheduler.py:3300-3318)."""
+    w, n_in = item.wish, len(item.input_ids)
+    if not w.return_routed_experts:
+        return
+    if not cfg.enable_return_routed_experts:
+        raise RequestError(
+            "return_routed_experts: this engine was started without --enable-return-routed-experts "
+            "(engine.enable_return_routed_experts)"
+        )
+    if not moe_model:
+        raise RequestError("return_routed_experts: this model has no MoE router, so no experts are routed")
+    if w.routed_experts_start_len < 0:
+        raise RequestError(
+            f"routed_experts_start_len: {w.routed_experts_start_len} is lower than 0. "
+            "Please use a non-negative routed_experts_start_len."
+        )
+    if w.routed_experts_start_len > n_in:
+        raise RequestError(
+            f"routed_experts_start_len: {w.routed_experts_start_len} is higher than the number of input tokens "
+            f"{n_in}. Please use a smaller routed_experts_start_len."
+        )
+
+
 def check_limits(item: Item, cfg: "EngineConfig", vocab_size: int, context_length: int) -> None:
     """The item within the engine's caps (`cfg`), the model's context and vocabulary, with
     values torch and `re` accept."""

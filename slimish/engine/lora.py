@@ -10,7 +10,10 @@ to `max_lora_rank`, so one batched matmul serves rows of different adapters in o
 adapter a running row uses) waits.
 
 The linears are hooked, not replaced, so parameter names stay the HF ones that full weight
-pushes and `/get_weights_by_name` use. Everything here runs on the scheduler thread.
+pushes and `/get_weights_by_name` use. A MoE model's fused experts take adapters per expert,
+under SGLang's names (`...mlp.experts.{e}.{gate,up,down}_proj.lora_A.weight`, sglang 0.5.23:
+python/sglang/srt/lora/lora.py:35): their forward is wrapped (`LoraExperts`). The router is never
+a target. Everything here runs on the scheduler thread.
 """
 
 from __future__ import annotations
@@ -29,11 +32,20 @@ from safetensors.torch import load_file
 from torch import nn
 
 from slimish.engine.config import EngineConfig
+from slimish.moe import EXPERT_PROJECTIONS, fused_experts, router_paths
 from slimish.protocol import DEFAULT_WEIGHT_VERSION
 
 PEFT_PREFIX = "base_model.model."  # PEFT's name for the wrapped model, in front of every HF module path
 LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 ALL_TARGETS = "all"
+# The fused-experts layout `LoraExperts` serves (transformers 5's `use_experts_implementation` attributes).
+EXPERTS_LAYOUT = {
+    "is_transposed": False,
+    "is_concatenated": True,
+    "has_bias": False,
+    "has_gate": True,
+    "has_post_expert_norm": False,
+}
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
@@ -154,6 +166,20 @@ def read_adapter(ref: AdapterRef, dtype: torch.dtype, device: torch.device) -> A
     return adapter
 
 
+def check_targets(model: nn.Module, targets: set[str], kinds: list[str]) -> None:
+    """`lora_target_modules` must name this model's linears or expert projections, never its MoE router."""
+    paths = router_paths(model)
+    if gates := sorted(targets & {path.split(".")[-1] for path in paths}):
+        raise AdapterError(
+            f"lora_target_modules: {gates} is this model's MoE router (e.g. {paths[0]}); LoRA on the "
+            "router is not served: target the experts (gate_proj, up_proj, down_proj) instead"
+        )
+    if unknown := targets - set(kinds) - {ALL_TARGETS}:
+        raise AdapterError(
+            f"lora_target_modules: {sorted(unknown)} are not linear layers of this model; it has {kinds} (or all)"
+        )
+
+
 class _Rows:
     """Per forward: the slot of each batch row (None when every row is a base row)."""
 
@@ -179,12 +205,83 @@ class LoraLinear:
         h = torch.bmm(x, self.a[index].transpose(1, 2))
         return out + torch.bmm(h, self.b[index].transpose(1, 2)).view(out.shape)
 
+    def shapes(self, rank: int) -> tuple[list[int], list[int]]:
+        """The shapes of an adapter's A and B for this module, at `rank`."""
+        return [rank, self.a.shape[2]], [self.b.shape[1], rank]
+
     def fill(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, scaling: float) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
-        if a is not None and b is not None:
-            self.a[slot, : a.shape[0]] = a
-            self.b[slot, :, : b.shape[1]] = b * scaling
+        fill_slot(self.a[slot], self.b[slot], a, b, scaling)
+
+
+class LoraExperts:
+    """One MoE layer's fused experts (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`) with every
+    slot's per-expert A and scaled B for gate, up and down (SGLang's per-expert adapter form: gate
+    and up keep their own A). The experts' forward is wrapped, not replaced: with no adapter row in
+    the batch the model's own (grouped) path runs untouched; otherwise an eager per-expert loop,
+    the one transformers' eager path runs, adds each token's slot delta to each projection."""
+
+    def __init__(self, module: nn.Module, slots: int, rank: int, rows: _Rows, where: str) -> None:
+        layout = {k: getattr(module, k, None) for k in EXPERTS_LAYOUT}
+        if layout != EXPERTS_LAYOUT or not hasattr(module, "act_fn"):
+            raise AdapterError(
+                f"lora on the experts of {where}: their layout {layout} is not the gated, concatenated, "
+                f"untransposed one served here ({EXPERTS_LAYOUT}, with act_fn)"
+            )
+        w, (experts, hidden, inter) = module.down_proj, module.down_proj.shape
+        dims = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+        self.a = {p: torch.zeros(slots, experts, rank, i, dtype=w.dtype, device=w.device) for p, (_, i) in dims.items()}
+        self.b = {p: torch.zeros(slots, experts, o, rank, dtype=w.dtype, device=w.device) for p, (o, _) in dims.items()}
+        self.module, self.rows, self.inter = module, rows, inter
+        self.grouped = module.forward
+        module.forward = self.forward
+
+    def _delta(self, proj: str, x: torch.Tensor, slots: torch.Tensor, expert: int) -> torch.Tensor:
+        h = torch.bmm(x.unsqueeze(1), self.a[proj][slots, expert].transpose(1, 2))
+        return torch.bmm(h, self.b[proj][slots, expert].transpose(1, 2)).squeeze(1)
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        index = self.rows.index
+        if index is None:
+            return self.grouped(hidden, top_k_index, top_k_weights)
+        m, slots = self.module, index.repeat_interleave(len(hidden) // len(index))
+        out = torch.zeros_like(hidden)
+        for expert in top_k_index.unique().tolist():
+            token, k = torch.where(top_k_index == expert)
+            x, s = hidden[token], slots[token]
+            gate, up = nn.functional.linear(x, m.gate_up_proj[expert]).split(self.inter, dim=-1)
+            gate = gate + self._delta("gate_proj", x, s, expert)
+            h = m.act_fn(gate) * (up + self._delta("up_proj", x, s, expert))
+            y = nn.functional.linear(h, m.down_proj[expert]) + self._delta("down_proj", h, s, expert)
+            out.index_add_(0, token, (y * top_k_weights[token, k, None]).to(out.dtype))
+        return out
+
+
+@dataclass
+class ExpertSlice:
+    """One expert's projection of a `LoraExperts`: what an adapter's `...experts.{e}.{proj}` fills."""
+
+    experts: LoraExperts
+    expert: int
+    proj: str
+
+    def shapes(self, rank: int) -> tuple[list[int], list[int]]:
+        a, b = self.experts.a[self.proj], self.experts.b[self.proj]
+        return [rank, a.shape[3]], [b.shape[2], rank]
+
+    def fill(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, scaling: float) -> None:
+        e, p = self.expert, self.proj
+        fill_slot(self.experts.a[p][slot, e], self.experts.b[p][slot, e], a, b, scaling)
+
+
+def fill_slot(
+    slot_a: torch.Tensor, slot_b: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, scaling: float
+) -> None:
+    """One slot's A [rank, in] and scaled B [out, rank] (zero-padded to the engine's rank; zero when unset)."""
+    slot_a.zero_()
+    slot_b.zero_()
+    if a is not None and b is not None:
+        slot_a[: a.shape[0]] = a
+        slot_b[:, : b.shape[1]] = b * scaling
 
 
 class LoraManager:
@@ -198,24 +295,28 @@ class LoraManager:
             for name, m in model.named_modules()
             if isinstance(m, nn.Linear) and name.split(".")[-1] != "lm_head"
         }
-        kinds = sorted({name.split(".")[-1] for name in linears})
+        experts = fused_experts(model)
+        kinds = sorted({name.split(".")[-1] for name in linears} | (set(EXPERT_PROJECTIONS) if experts else set()))
         targets = (
             set(cfg.lora_target_modules)
             or {module.split(".")[-1] for a in initial for module in a.modules()}
             or {ALL_TARGETS}
         )
-        if unknown := targets - set(kinds) - {ALL_TARGETS}:
-            raise AdapterError(
-                f"lora_target_modules: {sorted(unknown)} are not linear layers of this model; it has {kinds} (or all)"
-            )
+        check_targets(model, targets, kinds)
         self.targets = kinds if ALL_TARGETS in targets else sorted(targets)
         self.rank = cfg.max_lora_rank or max(a.rank for a in initial)  # the config requires one of them
         self._rows = _Rows()
-        self.linears = {
+        # HF module path (an adapter's, per expert for the experts) -> where its slots live.
+        self.wrapped: dict[str, LoraLinear | ExpertSlice] = {
             name: LoraLinear(m, self.max_slots + 1, self.rank, self._rows)
             for name, m in linears.items()
             if name.split(".")[-1] in self.targets
         }
+        if projections := [p for p in EXPERT_PROJECTIONS if p in self.targets]:
+            for name, m in experts.items():
+                slots = LoraExperts(m, self.max_slots + 1, self.rank, self._rows, name)
+                for e, proj in itertools.product(range(m.down_proj.shape[0]), projections):
+                    self.wrapped[f"{name}.{e}.{proj}"] = ExpertSlice(slots, e, proj)
         self.adapters: dict[str, Adapter] = {}
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # adapters in slots, least recently used first
         for adapter in initial:
@@ -239,13 +340,12 @@ class LoraManager:
                 f"{where}: pinned adapters must leave one of the {self.max_slots} slots free (--max-loras-per-batch)"
             )
         for module, (a, b) in adapter.modules().items():
-            if module not in self.linears:
+            if module not in self.wrapped:
                 raise AdapterError(
                     f"{where}: targets {module}, which is not a LoRA target of this engine "
                     f"(--lora-target-modules: {self.targets})"
                 )
-            lin = self.linears[module]
-            expected = ([adapter.rank, lin.a.shape[2]], [lin.b.shape[1], adapter.rank])
+            expected = self.wrapped[module].shapes(adapter.rank)
             if [list(adapter.tensors[a].shape), list(adapter.tensors[b].shape)] != list(expected):
                 raise AdapterError(
                     f"{where}: {module} has A {list(adapter.tensors[a].shape)} and B {list(adapter.tensors[b].shape)}; "
@@ -256,8 +356,8 @@ class LoraManager:
     def remove(self, name: str) -> None:
         self.get(name)
         if (slot := self.slot_of.pop(name, None)) is not None:
-            for lin in self.linears.values():
-                lin.fill(slot, None, None, 0.0)
+            for target in self.wrapped.values():
+                target.fill(slot, None, None, 0.0)
         del self.adapters[name]
 
     def get(self, name: str) -> Adapter:
@@ -295,9 +395,9 @@ class LoraManager:
             return
         adapter = self.adapters[name]
         pairs = adapter.modules()
-        for module, lin in self.linears.items():
+        for module, target in self.wrapped.items():
             a, b = pairs.get(module, (None, None))
-            lin.fill(slot, adapter.tensors.get(a), adapter.tensors.get(b), adapter.scaling)
+            target.fill(slot, adapter.tensors.get(a), adapter.tensors.get(b), adapter.scaling)
 
     @contextmanager
     def rows(self, adapters: list[str | None]) -> Iterator[None]:

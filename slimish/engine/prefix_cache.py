@@ -3,11 +3,12 @@ that start with the same tokens (SGLang's radix cache, at page granularity).
 
 A page is `page_size` tokens. The tree is keyed by a request's KV namespace (the weights, and
 after multi-LoRA the adapter, its KV was computed under: KV of one namespace never serves another)
-and then by whole pages of token ids; each node holds the KV of one page for every layer.
+and then by whole pages of token ids; each node holds what the runner stores for one page (its
+KV for every layer and, when the engine captures them, the page's routed experts: runner.CachedPage).
 
 Only pages that a prefill computed are stored, and prefills always run page by page on the same
 grid (runner.py): so the KV a hit supplies is bit for bit the KV the request would compute
-itself, and outputs and log-probs are identical with the cache on or off. KV written by decode
+itself (its routes too), and outputs and log-probs are identical with the cache on or off. KV written by decode
 steps comes from other matrix shapes (it differs in the last bits), so generated tokens enter the
 cache only when a later prompt containing them is prefilled.
 
@@ -21,15 +22,14 @@ import heapq
 import itertools
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any
 
 Page = tuple[int, ...]
 
 
 @dataclass(eq=False)
 class _Node:
-    kv: torch.Tensor | None  # [layers, 2 (k, v), kv_heads, page_size, head_dim]; None at a root
+    value: Any  # the page's KV (and routes), as the runner stored it; None at a root
     parent: "_Node | None"
     key: Page
     last_used: int = 0
@@ -57,8 +57,8 @@ class PrefixCache:
         p = self.page_size
         return [tuple(ids[i * p : (i + 1) * p]) for i in range(count)]
 
-    def match(self, namespace: Hashable, ids: list[int], limit: int) -> list[torch.Tensor]:
-        """KV pages of the longest cached prefix of `ids` within its first `limit` tokens."""
+    def match(self, namespace: Hashable, ids: list[int], limit: int) -> list[Any]:
+        """Stored pages of the longest cached prefix of `ids` within its first `limit` tokens."""
         node, found, now = self._roots.get(namespace), [], next(self._clock)
         if node is None:
             return found
@@ -67,18 +67,18 @@ class PrefixCache:
             if node is None:
                 break
             node.last_used = now
-            found.append(node.kv)
+            found.append(node.value)
         return found
 
-    def insert(self, namespace: Hashable, ids: list[int], pages: int, kv_of: Callable[[int], torch.Tensor]) -> None:
-        """Store the first `pages` whole pages of `ids`; `kv_of(i)` gives page i's KV (called only
-        for pages not yet stored). Then evict down to the budget."""
+    def insert(self, namespace: Hashable, ids: list[int], pages: int, page_of: Callable[[int], Any]) -> None:
+        """Store the first `pages` whole pages of `ids`; `page_of(i)` gives what to store for page i
+        (called only for pages not yet stored). Then evict down to the budget."""
         node = self._roots.setdefault(namespace, _Node(None, None, ()))
         now = next(self._clock)
         for i, page in enumerate(self._pages_of(ids, pages)):
             child = node.children.get(page)
             if child is None:
-                child = node.children[page] = _Node(kv_of(i), node, page)
+                child = node.children[page] = _Node(page_of(i), node, page)
                 self._pages += 1
             child.last_used = now
             node = child

@@ -7,7 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+import torch
+
 from slimish.engine.scheduler import Sequence
+from slimish.protocol import encode_routed_experts
 
 Decode = Callable[[list[int], bool], str]  # (ids, skip_special_tokens) -> text
 
@@ -65,7 +69,18 @@ def native_reply(
             meta["output_top_logprobs"] = [[triple(lp, t) for lp, t in e] for e in seq.output_top_logprobs[:n]]
         if w.token_ids_logprob:
             meta["output_token_ids_logprobs"] = [[triple(lp, t) for lp, t in e] for e in seq.output_ids_logprobs[:n]]
+    if finished and w.return_routed_experts and seq.routes:  # never prefilled (aborted waiting): none, as SGLang
+        meta["routed_experts"] = encode_routed_experts(routed_experts(seq))
     return {"text": text_of(seq, n, finished, decode), "output_ids": ids, "meta_info": meta}
+
+
+def routed_experts(seq: Sequence) -> np.ndarray:
+    """Rows `[start, seqlen - 1)` of the sequence's routes, the start clamped to `seqlen - 1` as
+    SGLang's `get_topk` clamps it (sglang 0.5.23: python/sglang/srt/state_capturer/base.py:173-188):
+    every token but the last, which is never fed forward."""
+    seqlen = len(seq.input_ids) + len(seq.output_ids)
+    start = min(seq.wish.routed_experts_start_len, seqlen - 1)
+    return torch.cat(seq.routes)[start : seqlen - 1].numpy()
 
 
 def version_spans(versions: list[str]) -> list[dict[str, Any]]:

@@ -12,11 +12,15 @@ the stock HF model classes, with nothing model-specific here.
 Prefill runs page by page (`page_size` tokens per forward, always on the same grid from
 position 0), so page k's KV depends only on the tokens up to its end: the prefix cache
 (prefix_cache.py) can hand a later request exactly the KV it would compute itself.
+
+With `capture_routes` (`--enable-return-routed-experts`), hooks on the MoE routers record the
+experts each forwarded token was routed to (`RouteCapture`): the prefill's rows are kept with the
+cached pages, as SGLang keeps them with its KV slots, so a cache hit returns the same routes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import ContextManager
@@ -25,6 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from slimish import moe
 from slimish.engine.attention import use_decode_attention
 from slimish.engine.config import EngineConfig
 from slimish.engine.lora import LoraManager
@@ -188,17 +193,56 @@ class KVBatch:
         s.rows, s.width = len(rows), s.width - start
 
 
+class RouteCapture:
+    """The top-k expert ids each MoE router chose in the last forward, as SGLang's routed-experts
+    capturer keeps them (sglang 0.5.23: python/sglang/srt/state_capturer/base.py:38-42): int32
+    `[tokens, num_hidden_layers, top_k]`, a dense layer's rows 0, shared experts not included
+    (routers return only the top-k). Hooks run on every forward, so the engine installs this only
+    when routes may be asked for."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.layers, self.top_k = moe.route_shape(model.config)
+        self._chosen: dict[int, torch.Tensor] = {}
+        for layer, router in moe.routers(model).items():
+            router.register_forward_hook(self._hook(layer))
+
+    def _hook(self, layer: int) -> Callable[..., None]:
+        def keep(module: torch.nn.Module, args: tuple, out: tuple) -> None:
+            self._chosen[layer] = out[2]  # (logits, weights, indices [tokens, top_k])
+
+        return keep
+
+    def take(self, tokens: int, device: torch.device) -> torch.Tensor:
+        """The last forward's routes of its `tokens` tokens (flattened batch x sequence), on the CPU."""
+        rows = torch.zeros(tokens, self.layers, self.top_k, dtype=torch.int32, device=device)
+        for layer, indices in self._chosen.items():
+            rows[:, layer] = indices.reshape(tokens, self.top_k)
+        self._chosen.clear()
+        return rows.cpu()
+
+
+@dataclass
+class CachedPage:
+    """What the prefix cache holds for one page."""
+
+    kv: torch.Tensor  # [layers, 2 (k, v), kv_heads, page_size, head_dim]
+    routes: torch.Tensor | None  # [page_size, layers, top_k] int32 when routes are captured
+
+
 @dataclass
 class PrefillOutput:
     slab: KVSlab  # one row: the prompt's KV
     logits: torch.Tensor  # [positions, vocab] fp32: from `logits_from` to the end, or just the last
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    routes: torch.Tensor | None = None  # [prompt tokens, layers, top_k] int32 when captured (RouteCapture)
 
 
 class Runner:
     """Forwards over a model, and the prefix cache they share; the scheduler owns the batch. With
     `lora`, each row is run with its own adapter (None: the base model); the scheduler has given
-    each one a slot. `decode_attention_backend` is how one-token forwards attend (attention.py)."""
+    each one a slot. `decode_attention_backend` is how one-token forwards attend (attention.py).
+    `capture_routes`: record the routers' choices (a MoE model only; `decode_routes` holds the
+    last decode step's)."""
 
     def __init__(
         self,
@@ -207,6 +251,7 @@ class Runner:
         prefix_cache: PrefixCache | None,
         lora: LoraManager | None = None,
         decode_attention_backend: str = EngineConfig.decode_attention_backend,
+        capture_routes: bool = False,
     ) -> None:
         use_decode_attention(model, decode_attention_backend)
         self.model = model
@@ -214,6 +259,8 @@ class Runner:
         self.page_size = page_size
         self.prefix_cache = prefix_cache
         self.lora = lora
+        self.capture = RouteCapture(model) if capture_routes else None
+        self.decode_routes: torch.Tensor | None = None  # [rows, layers, top_k] of the last decode step
 
     def _adapters(self, adapters: list[str | None] | None) -> ContextManager[None]:
         return self.lora.rows(adapters) if self.lora is not None and adapters is not None else nullcontext()
@@ -240,7 +287,8 @@ class Runner:
     def prefill(
         self, input_ids: list[int], logits_from: int | None, namespace: Hashable, adapter: str | None = None
     ) -> PrefillOutput:
-        """KV of `input_ids` and the logits of positions `logits_from..` (None: the last only).
+        """KV of `input_ids` and the logits of positions `logits_from..` (None: the last only),
+        and with capture the routes of every position.
 
         Cached whole pages are copied in; the rest runs one page per forward, and the whole
         pages computed go into the cache under `namespace`."""
@@ -251,13 +299,13 @@ class Runner:
         pages = (
             self.prefix_cache.match(namespace, input_ids, self._hit_limit(n, logits_from)) if self.prefix_cache else []
         )
-        for k, kv in enumerate(pages):
+        for k, page in enumerate(pages):
             for i, (keys, values) in enumerate(zip(slab.keys, slab.values)):
-                keys[0, :, k * p : (k + 1) * p] = kv[i, 0]
-                values[0, :, k * p : (k + 1) * p] = kv[i, 1]
+                keys[0, :, k * p : (k + 1) * p] = page.kv[i, 0]
+                values[0, :, k * p : (k + 1) * p] = page.kv[i, 1]
         slab.advance(len(pages) * p)
         first = n - 1 if logits_from is None else logits_from
-        logits = []
+        logits, routes = [], [page.routes for page in pages]
         for start in range(slab.width, n, p):
             end = min(start + p, n)
             keep = max(end - max(first, start), 0)
@@ -271,9 +319,12 @@ class Runner:
                 )
             slab.advance(end - start)
             logits.append(out.logits[0].float())
+            if self.capture is not None:
+                routes.append(self.capture.take(end - start, self.device))
+        rows = torch.cat(routes) if self.capture is not None else None
         if self.prefix_cache is not None:
-            self.prefix_cache.insert(namespace, input_ids, n // p, lambda k: _page(slab, k * p, (k + 1) * p))
-        return PrefillOutput(slab=slab, logits=torch.cat(logits), cached_tokens=len(pages) * p)
+            self.prefix_cache.insert(namespace, input_ids, n // p, lambda k: _page(slab, rows, k * p, (k + 1) * p))
+        return PrefillOutput(slab=slab, logits=torch.cat(logits), cached_tokens=len(pages) * p, routes=rows)
 
     @torch.inference_mode()
     def decode(self, batch: KVBatch, tokens: list[int], adapters: list[str | None] | None = None) -> torch.Tensor:
@@ -293,9 +344,13 @@ class Runner:
             )
         s.advance(1)
         batch.lens = [n + 1 for n in batch.lens]
+        if self.capture is not None:
+            self.decode_routes = self.capture.take(len(tokens), device)
         return out.logits[:, -1, :].float()
 
 
-def _page(slab: KVSlab, start: int, end: int) -> torch.Tensor:
-    """Columns [start, end) of a one-row slab as one page: [layers, 2, kv_heads, page, head_dim]."""
-    return torch.stack([torch.stack([k[0, :, start:end], v[0, :, start:end]]) for k, v in zip(slab.keys, slab.values)])
+def _page(slab: KVSlab, routes: torch.Tensor | None, start: int, end: int) -> CachedPage:
+    """Columns [start, end) of a one-row slab as one page (KV [layers, 2, kv_heads, page,
+    head_dim]), with the routes of those positions."""
+    kv = torch.stack([torch.stack([k[0, :, start:end], v[0, :, start:end]]) for k, v in zip(slab.keys, slab.values)])
+    return CachedPage(kv, None if routes is None else routes[start:end].clone())

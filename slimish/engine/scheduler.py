@@ -47,6 +47,8 @@ class LogprobWish:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 @dataclass
@@ -68,6 +70,9 @@ class Sequence:
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     input_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
     versions: list[str] = field(default_factory=list)  # weight version of each output token
+    # With `wish.return_routed_experts`: int32 [tokens, layers, top_k] chunks, the routes of every
+    # token forwarded (the prefill's, then one per decode step); a re-prefill replaces them.
+    routes: list[torch.Tensor] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     stop_text_at: int | None = None  # where a matched stop string starts in the text
     num_retractions: int = 0
@@ -315,6 +320,8 @@ class Scheduler:
         if out is None:
             out = shared[key] = self.runner.prefill(list(ids), logits_from, namespace, req.lora)
             cached = out.cached_tokens
+        if req.wish.return_routed_experts:  # a resumed request's too: as SGLang, they are recomputed
+            req.routes = [out.routes]
         if req.output_ids:  # resumed: what its first prefill found stays reported
             return out.slab
         req.cached_tokens = cached
@@ -332,6 +339,9 @@ class Scheduler:
         logits = self.runner.decode(
             self.batch, [r.output_ids[-1] for r in self.running], [r.lora for r in self.running]
         )
+        for i, r in enumerate(self.running):
+            if r.wish.return_routed_experts:
+                r.routes.append(self.runner.decode_routes[i : i + 1])
         tokens, logprobs = sample(logits, [r.row_state() for r in self.running])
         for i, r in enumerate(self.running):
             self._append(r, tokens[i], logprobs[i])

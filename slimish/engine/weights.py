@@ -1,7 +1,8 @@
 """The engine's receive side of weight updates (docs/protocol.md 2.1-2.3, 4).
 
-A `WeightUpdater` maps HF checkpoint names onto one model's parameters and loads new values
-from a trainer's broadcast or from a checkpoint directory. Requests are validated before the
+A `WeightUpdater` maps HF checkpoint names onto one model's parameters (a MoE model's fused
+experts by their per-expert checkpoint names, as SGLang loads them) and loads new values from a
+trainer's broadcast or from a checkpoint directory. Requests are validated before the
 first receive (a receive the trainer never sends would desync the collective).
 
 A broadcast whose wire dtype is the parameter's own is received straight into the parameter:
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from slimish import moe
 from slimish.distributed import (
     ProcessGroup,
     destroy_custom_process_group,
@@ -40,22 +42,40 @@ from slimish.protocol import InitWeightsUpdateGroupReq, UpdateWeightsFromDistrib
 class Tensors:
     """What a push writes into: the model's parameters, or one LoRA adapter's tensors. `canonical`
     maps each name to the first name of its tensor; `torn` names tensors a failed push left
-    half-written (by canonical name, with why)."""
+    half-written (by canonical name, with why). `fused` maps a fused expert parameter's name to
+    the checkpoint names it stands for: they are what the table holds, the fused one is refused."""
 
     params: dict[str, torch.Tensor]
     what: str  # what one of them is, for errors: "a parameter of this model"
     torn: dict[str, str] = field(default_factory=dict)
+    fused: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         first: dict[int, str] = {}
         self.canonical = {name: first.setdefault(id(p), name) for name, p in self.params.items()}
 
+    def unknown(self, name: str) -> str:
+        """Why `name` is not in the table (a fused expert name: the checkpoint names to use)."""
+        why = f"{name!r} is not {self.what}"
+        per_expert = self.fused.get(name.removesuffix(".weight"))
+        if per_expert:
+            why += (
+                f"; its experts are named as in the checkpoint (and as SGLang loads them), one tensor per expert: "
+                f"{per_expert[0]!r} ... {per_expert[-1]!r}"
+            )
+        return why
+
 
 class WeightUpdater:
     def __init__(self, model: torch.nn.Module, timeout: timedelta | None = None) -> None:
         # Tied weights appear under every name (lm_head.weight and model.embed_tokens.weight),
-        # so a push under either name lands in the one shared tensor.
-        self.model = Tensors(dict(model.named_parameters(remove_duplicate=False)), "a parameter of this model")
+        # so a push under either name lands in the one shared tensor. Fused MoE experts appear
+        # under their checkpoint names only, as views of the fused tensor: each its own tensor
+        # (for torn pushes), received in place into the model.
+        named = dict(model.named_parameters(remove_duplicate=False))
+        fused = {name: moe.per_expert_names(name, p) for name, p in named.items() if moe.is_fused_experts(name)}
+        views = moe.checkpoint_tensors((name, p.detach() if name in fused else p) for name, p in named.items())
+        self.model = Tensors(dict(views), "a parameter of this model", fused=fused)
         self.params, self.canonical, self.torn = (
             self.model.params,
             self.model.canonical,
@@ -143,7 +163,7 @@ class WeightUpdater:
         """The first `truncate_size` rows of a parameter as float32 nested lists (as SGLang)."""
         target = target or self.model
         if name not in target.params:
-            raise ValueError(f"name {name!r} is not {target.what}")
+            raise ValueError(f"name {target.unknown(name)}")
         return target.params[name].detach()[:truncate_size].to(torch.float32).tolist()
 
     # -- internals -----------------------------------------------------------------------
@@ -154,7 +174,7 @@ class WeightUpdater:
         resolved, seen = [], set()
         for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes, strict=True)):
             if name not in target.params:
-                raise ValueError(f"names[{i}]: {name!r} is not {target.what}")
+                raise ValueError(f"names[{i}]: {target.unknown(name)}")
             if name in seen:
                 raise ValueError(f"names[{i}]: {name!r} is listed twice")
             seen.add(name)

@@ -37,14 +37,14 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from slimish.client import Client
+from slimish.client import Client, ServerError
 from slimish.formats.model import ModelFormat
 from slimish.formats.template import normalize_message
 from slimish.gateway.protocols import anthropic, openai_chat, openai_responses
 from slimish.gateway.trajectory import TrajectoryTree
 from slimish.gateway.turns import TurnRequest, TurnResult
 from slimish.protocol import GenerateResponse
-from slimish.types import Sample
+from slimish.types import Sample, reply_routes
 
 START_TIMEOUT_S = 30.0
 SESSION_PREFIX = "/sessions/{session_id}"
@@ -70,13 +70,16 @@ class Gateway:
         history: str = "exact",
         realign_tokens: int = 8,
         lora: dict[str, str] | None = None,
+        route_shape: tuple[int, int] | None = None,
     ) -> None:
         """`api_key` is the router's; agents may send any key (it names their session when the
         URL does not). `default_sampling` (native names) and `chat_template_kwargs` apply to
         every call; what a request sets explicitly overrides them. `history` is
         `rollout.history` (exact | template), `realign_tokens` `rollout.realign_tokens`.
         `lora` (`{"lora_path": NAME}`, trainer.lora) goes on every turn whatever model the agent
-        names: an agent's calls are the policy's, and the policy is that adapter."""
+        names: an agent's calls are the policy's, and the policy is that adapter. `route_shape`
+        (`(layers, top_k)`, algorithm.routing_replay=r3): every turn asks for the engine's routes."""
+        self.route_shape = route_shape
         self.client = Client(router_url, api_key=api_key)
         self.format, self.tokenizer = fmt, fmt.tokenizer
         self.default_sampling = dict(default_sampling or {})
@@ -137,18 +140,27 @@ class Gateway:
         params = {**self.default_sampling, **self.session_sampling.get(session_id, {}), **req.sampling}
         if self.format.parses(req.tools, req.separate_reasoning):
             params["skip_special_tokens"] = False
+        start = tree.routes_held(at)
+        routes = {"return_routed_experts": True, "routed_experts_start_len": start} if self.route_shape else {}
         out = await self.client.generate(
             input_ids=at.prompt_ids,
             sampling_params=params,
             return_logprob=True,
             top_logprobs_num=req.top_logprobs,
             **self.lora,
+            **routes,
         )
         assert isinstance(out, GenerateResponse)
         meta = out.meta_info
         reason = meta.finish_reason.type if meta.finish_reason else "abort"
         reply = self.format.reply(out.text, at.prompt_ids, req.tools, req.separate_reasoning)
         ids = list(out.output_ids)
+        rows = None
+        if self.route_shape and ids:
+            try:
+                rows = reply_routes(meta, self.route_shape)
+            except RuntimeError as exc:  # the turn is not recorded: no token of a sample lacks its route
+                raise ServerError(self.client.base_url + "/generate", 502, str(exc)) from None
         tree.add(
             at,
             messages,
@@ -158,6 +170,8 @@ class Gateway:
             [e[0] for e in meta.output_token_logprobs or []],
             meta.output_versions(len(ids)),
             reason,
+            rows,
+            start,
         )
         matched = meta.finish_reason.matched if meta.finish_reason else None
         return TurnResult(meta.id, reply, reason, matched, at.prompt_ids, ids, meta.weight_version, meta)

@@ -27,6 +27,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from slimish.formats.tokens import ChatTokens, same_message
 from slimish.types import Sample, status_of
 
@@ -50,6 +52,9 @@ class Turn:
     versions: list[int] = field(default_factory=list)  # per completion id
     finish_reason: str = "abort"
     children: list["Turn"] = field(default_factory=list)
+    # The engine's routes (algorithm.routing_replay=r3): rows of `ids` from token `routes_start`.
+    routes: np.ndarray | None = field(default=None, repr=False)
+    routes_start: int = 0
 
     @property
     def ids(self) -> list[int]:
@@ -129,6 +134,8 @@ class TrajectoryTree:
         logprobs: list[float],
         versions: list[int],
         finish_reason: str,
+        routes: np.ndarray | None = None,
+        routes_start: int = 0,
     ) -> Turn:
         turn = Turn(
             at.parent,
@@ -143,11 +150,23 @@ class TrajectoryTree:
             logprobs,
             versions,
             finish_reason,
+            routes=routes,
+            routes_start=routes_start,
         )
         if at.parent is not None:
             at.parent.children.append(turn)
         self.turns.append(turn)
         return turn
+
+    @staticmethod
+    def routes_held(at: Placement) -> int:
+        """How many rows of routes the samples through `at` hold before its prompt's new ids: where
+        its request asks the engine's routes to start (each token routed once, and a token keeps
+        the route it was generated with). A root, or a parent without routes: from the first."""
+        parent = at.parent
+        if parent is None or parent.routes is None:
+            return 0
+        return min(parent.routes_start + len(parent.routes), len(parent.prompt_ids) + at.keep - 1)
 
     def samples(self, template: Sample, meta: dict[str, Any]) -> list[Sample]:
         """One sample per leaf, in the order the leaves were made; a turn's ids are trained in
@@ -187,6 +206,8 @@ class TrajectoryTree:
                     turn.completion_ids[done:keep], turn.logprobs[done:keep], turn.versions[done:keep] or None
                 )
                 trained[i] = max(trained.get(i, 0), keep)
+                if turn.routes is not None:  # up to the last kept id fed forward: a realigned reply's rest is not ours
+                    s.add_routes(turn.routes[: len(s.tokens) - 1 - turn.routes_start], turn.routes_start)
                 if child is not None:
                     s.append_env(child.env_ids)
             s.status = status_of(leaf.finish_reason)

@@ -14,7 +14,8 @@ from slimish.launch.sglang import MODULE, sglang_argv
 
 if TYPE_CHECKING:
     from slimish.launch.config import LaunchConfig
-    from slimish.trainer.config import LoraConfig
+    from slimish.config import RunConfig
+    from slimish.trainer.config import AlgorithmConfig, LoraConfig
 
 
 def engine_command(
@@ -75,6 +76,13 @@ def engine_flags(pairs: list[str], field: str = "launch.engine_flag") -> dict[st
     return {name: v[0] if len(v) == 1 else v for name, v in values.items()}
 
 
+def run_launch(cfg: "RunConfig") -> "LaunchConfig":
+    """The run's `launch` section with the engine flags its other settings need: serving the
+    trained adapter (`lora_launch`) and returning routes to replay (`routing_replay_launch`). What
+    `slimish train`, `slimish rollout` and the dry run start engines with."""
+    return routing_replay_launch(lora_launch(cfg.launch, cfg.trainer.lora), cfg.algorithm)
+
+
 def lora_launch(launch: "LaunchConfig", lora: "LoraConfig") -> "LaunchConfig":
     """`launch` with the flags engines it starts need to serve the run's adapter (`trainer.lora`):
     LoRA on, its rank, its target modules (SGLang's flag names, for the built-in engine too). A
@@ -86,6 +94,21 @@ def lora_launch(launch: "LaunchConfig", lora: "LoraConfig") -> "LaunchConfig":
         "max_lora_rank": [str(lora.rank)],
         "lora_target_modules": list(lora.target_modules),
     }
+    return _with_flags(launch, flags, switches={"enable_lora"})
+
+
+def routing_replay_launch(launch: "LaunchConfig", algorithm: "AlgorithmConfig") -> "LaunchConfig":
+    """`launch` with routes returned by the engines it starts where the run replays them
+    (`algorithm.routing_replay: r3`): SGLang's `--enable-return-routed-experts`, the built-in
+    engine's `enable_return_routed_experts`. A flag the user set already is left as set."""
+    if algorithm.routing_replay != "r3":
+        return launch
+    return _with_flags(launch, {"enable_return_routed_experts": ["true"]}, switches={"enable_return_routed_experts"})
+
+
+def _with_flags(launch: "LaunchConfig", flags: dict[str, list[str]], switches: set[str]) -> "LaunchConfig":
+    """`launch` with `flags` (SGLang's names and values) added to both engine kinds' arguments,
+    except those the user set; `switches` are bare flags on SGLang's command line."""
     given = {pair.split("=", 1)[0].lstrip("-").replace("-", "_") for pair in launch.engine_flag}
     given_sglang = {
         arg.split("=", 1)[0].removeprefix("--sglang-").lstrip("-").replace("-", "_") for arg in launch.sglang_args
@@ -95,7 +118,7 @@ def lora_launch(launch: "LaunchConfig", lora: "LoraConfig") -> "LaunchConfig":
         arg
         for name, values in flags.items()
         if name not in given_sglang
-        for arg in ["--" + name.replace("_", "-"), *(v for v in values if name != "enable_lora")]
+        for arg in ["--" + name.replace("_", "-"), *(v for v in values if name not in switches)]
     ]
     return dataclasses.replace(
         launch, engine_flag=[*launch.engine_flag, *engine_flag], sglang_args=[*launch.sglang_args, *sglang_args]

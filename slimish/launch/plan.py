@@ -25,7 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from slimish.launch.commands import engine_command, engine_flags, lora_launch, teacher_launch_config
+from slimish.launch.commands import (
+    engine_command,
+    engine_flags,
+    run_launch,
+    teacher_launch_config,
+)
 from slimish.launch.sglang import flag_value, sglang_tp
 
 if TYPE_CHECKING:
@@ -322,7 +327,8 @@ Use = tuple[str, list[Part], str]  # who, what it holds, a note on the figure
 def describe(cfg: "RunConfig", m: "BridgeConfig", source: Path, machine: Machine) -> list[str]:
     """The plan as lines of text; raises ValueError (naming the field) when a size does not
     divide, a GPU is missing, or a GPU's memory does not hold what is put on it."""
-    t, launch, teacher = cfg.trainer, lora_launch(cfg.launch, cfg.trainer.lora), teacher_launch(cfg)
+    t, teacher = cfg.trainer, teacher_launch(cfg)
+    launch = run_launch(cfg)
     first = first_free_gpu(cfg, cuda=True)
     check_sizes(cfg, m)
     check_placement(launch, t.nproc, first, machine.gpus_per_node, teacher)

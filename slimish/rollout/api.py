@@ -20,16 +20,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from slimish.client import Client
 from slimish.rollout.config import RolloutConfig
 from slimish.formats.model import ModelFormat
 from slimish.formats.tokens import ChatTokens, same_message
 from slimish.gateway.server import Gateway
+from slimish.moe import route_shape
 from slimish.protocol import GenerateResponse, version_number
 from slimish.rollout.teacher import Teacher
-from slimish.types import GenerateResult, Sample, SampleStatus, status_of
+from slimish.types import GenerateResult, Sample, SampleStatus, reply_routes, status_of
 
 if TYPE_CHECKING:
     from slimish.config import RunConfig
@@ -73,8 +74,24 @@ def default_sampling_params(cfg: RolloutConfig) -> dict[str, Any]:
     return params
 
 
-def to_result(out: GenerateResponse) -> GenerateResult:
-    """A `/generate` reply as rollout code sees it; a reply without one logprob per id is refused."""
+def run_route_shape(cfg: RunConfig) -> tuple[int, int] | None:
+    """`(layers, top_k)` of the routes a run asks its engines for (`algorithm.routing_replay: r3`),
+    from the model's config; None when it asks for none. A dense model has nothing to replay."""
+    if cfg.algorithm.routing_replay != "r3":
+        return None
+    shape = route_shape(AutoConfig.from_pretrained(cfg.model))
+    if shape is None:
+        raise ValueError(
+            f"algorithm.routing_replay=r3 replays a mixture-of-experts model's routes; {cfg.model} is not one"
+        )
+    return shape
+
+
+def to_result(
+    out: GenerateResponse, route_shape: tuple[int, int] | None = None, routes_start: int = 0
+) -> GenerateResult:
+    """A `/generate` reply as rollout code sees it; a reply without one logprob per id is refused,
+    and so is one without routes where they were asked for (`route_shape`: their rows' shape)."""
     meta = out.meta_info
     logprobs = [float(entry[0]) for entry in meta.output_token_logprobs or []]
     if len(logprobs) != len(out.output_ids):
@@ -89,15 +106,21 @@ def to_result(out: GenerateResponse) -> GenerateResult:
         weight_version=version_number(meta.weight_version),
         prompt_tokens=meta.prompt_tokens,
         token_versions=meta.output_versions(len(out.output_ids)),
+        # No output id (aborted before its first): nothing to route, the next request asks again.
+        routed_experts=reply_routes(meta, route_shape) if route_shape and out.output_ids else None,
+        routes_start=routes_start,
     )
 
 
-def sample_from_reply(prompt_ids: list[int], reply: dict[str, Any], **fields: Any) -> Sample:
+def sample_from_reply(
+    prompt_ids: list[int], reply: dict[str, Any], route_shape: tuple[int, int] | None = None, **fields: Any
+) -> Sample:
     """A single-turn sample from a raw `/generate` reply (its JSON), with the ids, logprobs and
-    versions as served: for code that calls an engine directly (benchmarks, tests)."""
-    result = to_result(GenerateResponse(**reply))
+    versions as served, and its routes (`route_shape`: a request with `return_routed_experts`):
+    for code that calls an engine directly (benchmarks, tests)."""
+    result = to_result(GenerateResponse(**reply), route_shape)
     sample = Sample(prompt="", tokens=list(prompt_ids), **fields)
-    sample.append_model(result.output_ids, result.logprobs, result.token_versions)
+    sample.append_model(result.output_ids, result.logprobs, result.token_versions, routes=result.routed_experts)
     return sample
 
 
@@ -116,6 +139,9 @@ class RolloutRuntime:
         # trainer.lora: every generate call of the run (training, evaluation, the gateway) names
         # the run's adapter; the teacher's calls go through their own client and never do.
         self.lora = {"lora_path": cfg.trainer.lora.adapter} if cfg.trainer.lora.enabled else {}
+        # algorithm.routing_replay=r3: every generate call of the run asks for the engine's routes
+        # (the gateway's too), `(layers, top_k)` their rows' shape; None when the run does not.
+        self.route_shape = run_route_shape(cfg)
 
     def chat_tokens(
         self, tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None
@@ -146,6 +172,7 @@ class RolloutRuntime:
                     r.history,
                     r.realign_tokens,
                     self.lora,
+                    self.route_shape,
                 )
                 await gateway.start()
                 self.gateway = gateway
@@ -261,15 +288,27 @@ class RolloutContext:
                 [], [], "", "abort", weight_version=-1, prompt_tokens=len(input_ids)
             )  # nothing was asked
         params.setdefault("no_stop_trim", True)  # rollout code parses the text: a matched stop string stays in it
+        shape, start = self.runtime.route_shape, self._routes_held(input_ids)
+        routes = {"return_routed_experts": True, "routed_experts_start_len": start} if shape else {}
         out = await self.client.generate(
             routing_key=self._routing_key,
             input_ids=list(input_ids),
             sampling_params=params,
             return_logprob=True,
             **self.runtime.lora,
+            **routes,
         )
         assert isinstance(out, GenerateResponse)
-        return to_result(out)
+        return to_result(out, shape, start)
+
+    def _routes_held(self, input_ids: list[int]) -> int:
+        """Where the routes a request asks for start: after the rows `ctx.sample` holds already
+        when the request continues its tokens (each token is routed once, and the sample keeps
+        the routes its tokens were generated with), else from the first token."""
+        sample = self.sample
+        if sample is None or sample.routed_experts is None or list(input_ids[: len(sample.tokens)]) != sample.tokens:
+            return 0
+        return len(sample.routed_experts)
 
     async def generate_sample(
         self, sampling_params: dict[str, Any] | None = None, chat_template_kwargs: dict[str, Any] | None = None
@@ -369,7 +408,13 @@ class RolloutContext:
 
     def _record(self, result: GenerateResult, what: str = "generate") -> None:
         sample = self._need_sample(what)
-        sample.append_model(result.output_ids, result.logprobs, result.token_versions or result.weight_version)
+        sample.append_model(
+            result.output_ids,
+            result.logprobs,
+            result.token_versions or result.weight_version,
+            result.routed_experts,
+            result.routes_start,
+        )
         sample.status = status_of(result.finish_reason)
 
     # ---- agents on the gateway (OpenAI / Anthropic SDKs, black-box harnesses) ---------------

@@ -76,6 +76,7 @@ class Backend(ABC):
     cpu_threads: int
     ref: Any  # the frozen reference model, None until needed
     critic: Any = None  # the value model (algorithm.advantage=gae), None without
+    routes: Any = None  # a mixture-of-experts model's routing (routing.py RouteState), None for a dense one
     optimizer: Any
     sft_optimizer: Any
 

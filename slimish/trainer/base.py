@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +48,7 @@ from slimish.trainer.losses import (
     teacher_log_ratio,
     value_loss,
 )
+from slimish.trainer.routing import check_replayable, route_metrics
 from slimish.types import Sample
 
 if TYPE_CHECKING:
@@ -106,6 +108,10 @@ class Trainer(Backend):
         batch = self._prepare(groups, step)
         batch.demos = demos or []
         grad_norms, lrs = self._update(batch)
+        if self.routes is not None:
+            for key, value in self.routes.counts.items():
+                batch.stats[key] += value
+            self.routes.recorded.clear()  # R2's routes, by id(sample): a sample freed after the step frees its id
         totals = dict(
             zip(
                 STAT_KEYS,
@@ -118,6 +124,8 @@ class Trainer(Backend):
             totals, batch.samples, batch.raw_rewards, grad_norms, time.perf_counter() - started, batch.ref is not None
         )
         metrics["train/lr"] = lrs[-1]
+        if self.routes is not None:
+            metrics.update(route_metrics(totals, self._all_reduce(self.routes.load.to(self.device)).cpu()))
         if batch.values is not None:
             updates = max(len(batch.minis), 1)
             metrics.update(
@@ -135,6 +143,10 @@ class Trainer(Backend):
         algo, tc = self.cfg.algorithm, self.cfg.trainer
         samples = [s for g in groups for s in g]
         check_samples(samples)
+        if algo.routing_replay == "r3":
+            check_replayable(samples)
+        if self.routes is not None:
+            self.routes.reset()
         rewards = torch.tensor([s.reward_value(self.cfg.rollout.reward_key) for s in samples], dtype=torch.float32)
         lengths = [len(s.tokens) for s in samples]
         minis = split_minibatches(len(samples), tc.updates_per_step)
@@ -147,7 +159,8 @@ class Trainer(Backend):
 
         old = {i: self._rollout_logprobs(samples[i]) for i in mine}
         if algo.recompute_old_logprobs:
-            recomputed = dict(zip(mine, self.logprobs([samples[i] for i in mine])))
+            with self._route_pass(measure=True, record=algo.routing_replay == "r2"):
+                recomputed = dict(zip(mine, self.logprobs([samples[i] for i in mine])))
             rows = [samples[i] for i in mine]
             measured = mismatch(
                 self._pad([recomputed[i] for i in mine]),
@@ -302,7 +315,9 @@ class Trainer(Backend):
                 return loss, st
 
             entropy = True if algo.entropy_coef > 0 else None  # else measured without gradient
-            for key, value in self._accumulate([samples[i] for i in share], share, loss_fn, entropy).items():
+            with self._route_pass(measure=measure):
+                stats = self._accumulate([samples[i] for i in share], share, loss_fn, entropy)
+            for key, value in stats.items():
                 b.stats[key] += value
             if demo_minis[u]:
                 b.stats["loss/ptx"] += self._nll([b.demos[i] for i in demo_minis[u]], algo.ptx_coef).get("nll", 0.0)
@@ -311,6 +326,20 @@ class Trainer(Backend):
         if critic_norms:
             b.critic_metrics["critic/grad_norm"] = sum(critic_norms) / len(critic_norms)
         return grad_norms, lrs
+
+    @contextmanager
+    def _route_pass(self, measure: bool, record: bool = False) -> Iterator[None]:
+        """What the forwards inside do with a MoE model's routes (routing.py `RouteState`): count
+        the routing statistics (the one pass at the rollout's weights, as the mismatch), record the
+        own routes (R2's old-logprob pass)."""
+        if self.routes is None:
+            yield
+            return
+        self.routes.measure, self.routes.record = measure, record
+        try:
+            yield
+        finally:
+            self.routes.measure = self.routes.record = False
 
     def _critic_update(self, b: Batch, share: list[int], n_tokens: int) -> float:
         """One critic optimiser step on a minibatch (this rank's `share`, `n_tokens` trained tokens
@@ -361,6 +390,8 @@ class Trainer(Backend):
         }
         if t["mismatch_tokens"]:
             out["train/mismatch"] = t["mismatch"] / t["mismatch_tokens"]
+        if t["mismatch_seqs"]:  # the mean over sequences of each one's largest |trainer - engine logprob|
+            out["train/mismatch_seq_max"] = t["mismatch_seq_max"] / t["mismatch_seqs"]
         if t["mismatch_fresh_tokens"]:  # tokens of the weights this step started from
             out["train/mismatch_fresh"] = t["mismatch_fresh"] / t["mismatch_fresh_tokens"]
         stale_tokens = t["mismatch_tokens"] - t["mismatch_fresh_tokens"]

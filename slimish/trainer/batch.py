@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slimish.trainer.routing import REPLAYED_STATS
 from slimish.types import Sample
 
 # Additive statistics summed over micro-batches, updates and ranks (rl_loss's, plus the step's).
@@ -33,6 +34,9 @@ STAT_KEYS = (
     "mismatch_tokens",
     "mismatch_fresh",
     "mismatch_fresh_tokens",
+    "mismatch_seq_max",
+    "mismatch_seqs",
+    *REPLAYED_STATS,
     "teacher_kl",
     "loss/value",
     "value_clip",
@@ -127,10 +131,15 @@ def trajectory_index(groups: list[list[Sample]]) -> tuple[list[int], list[int]]:
 
 def mismatch(logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, fresh: list[float]) -> dict[str, Tensor]:
     """Sums of |trainer - engine logprob| over trained tokens, and token counts, over all rows
-    and over the `fresh` ones (1.0: made by the weights the step starts from)."""
-    per_row, tokens = ((logprobs - rollout_logprobs).abs() * mask).sum(-1), mask.sum(-1)
+    and over the `fresh` ones (1.0: made by the weights the step starts from); and the sum over
+    rows with trained tokens of each one's largest (one bad token in a sequence, as a flipped
+    route makes, is diluted in the per-token mean), with the count of such rows."""
+    gap = (logprobs - rollout_logprobs).abs() * mask
+    per_row, tokens = gap.sum(-1), mask.sum(-1)
     is_fresh = torch.tensor(fresh, dtype=per_row.dtype, device=per_row.device)
     return {
+        "mismatch_seq_max": torch.nn.functional.pad(gap, (0, 1)).amax(-1).sum(),  # a 0 column: rows of no tokens
+        "mismatch_seqs": (tokens > 0).sum(),
         "mismatch": per_row.sum(),
         "mismatch_tokens": tokens.sum(),
         "mismatch_fresh": (per_row * is_fresh).sum(),

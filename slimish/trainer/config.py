@@ -188,7 +188,8 @@ class LoraConfig:
     )
     target_modules: list[str] = doc_factory(
         lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-        "the modules the adapter wraps (peft's target_modules)",
+        "the modules the adapter wraps (peft's target_modules); on a mixture-of-experts model gate_proj, up_proj and "
+        "down_proj also adapt every expert (per-expert A and B; no dropout there), never the router",
     )
     name: str = doc(
         "policy",

@@ -6,6 +6,11 @@ pipeline parallelism), with Megatron's DDP and optimiser (Adam, fp32 main weight
 `trainer.tp` x `trainer.pp` x data-parallel ranks; the ranks of one tensor/pipeline group see the
 same samples, so a batch is sharded over data-parallel ranks only.
 
+Mixture-of-experts models. `trainer.ep` splits each layer's experts over that many data-parallel
+ranks (an expert group; Megatron's allgather dispatcher, the one that runs on gloo), which must
+then run their forwards in lockstep (`_lockstep`). MoE trains at TP=1. Routing replay
+(`algorithm.routing_replay`) drives Megatron's own `RouterReplay` (megatron_routes.py).
+
 Loss scaling. The loss a micro-batch returns is its share of the global batch's loss. The
 schedule divides it by the number of micro-batches and DDP averages gradients over data-parallel
 ranks, so it is multiplied by both first: the gradient is then the full batch's, exactly as in the
@@ -15,7 +20,7 @@ and the engines do.
 
 What is collective: every rank calls every public method (train.py does). `hf_tensors` streams
 full HF-named tensors to rank 0, gathered over TP and sent from each pipeline stage; a checkpoint
-(`state_dict`) carries one shard per (tp, pp) rank and resumes only with the same tp and pp.
+(`state_dict`) carries one shard per (tp, pp[, ep]) rank and resumes only with the same tp, pp and ep.
 
 On a machine without CUDA `megatron_bridge.cpu.apply()` patches Megatron's CUDA-only call sites.
 Keep `use_distributed_optimizer` off there: its reported grad norm is off on gloo, so clipping
@@ -32,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from megatron_bridge import cpu
 from megatron_bridge.config import load_hf_config
@@ -44,6 +49,7 @@ from slimish.net import free_port
 from slimish.trainer.backend import LossFn, lr_factor
 from slimish.trainer.base import Trainer
 from slimish.trainer.batch import micro_batches, response_index
+from slimish.trainer.routing import route_state
 from slimish.types import Sample
 
 if TYPE_CHECKING:
@@ -60,6 +66,8 @@ from megatron.core.distributed import (  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
+from slimish.trainer.megatron_routes import MegatronRoutes  # noqa: E402
+
 # (payload, samples of the micro-batch, input ids, this stage's logits shard) -> the loss to backpropagate
 OnLogits = Callable[[Any, list[Sample], Tensor, Tensor], Tensor]
 
@@ -71,16 +79,23 @@ def _init_world() -> None:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
-def _init_model_parallel(tp: int, pp: int, world: int) -> None:
+def _init_model_parallel(tp: int, pp: int, ep: int, world: int) -> None:
     if world % (tp * pp):
         raise ValueError(f"trainer.tp * trainer.pp = {tp} * {pp} must divide the world size {world}")
+    if (world // pp) % ep:
+        raise ValueError(f"trainer.ep={ep} must divide the world size / trainer.pp = {world} / {pp}")
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tp, pp)
+        ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
         return
-    have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-    if have != (tp, pp):
+    have = (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+    )
+    if have != (tp, pp, ep):
         raise ValueError(
-            f"Megatron's parallel state is already tp={have[0]}, pp={have[1]}; trainer.tp={tp}, trainer.pp={pp}"
+            f"Megatron's parallel state is already tp={have[0]}, pp={have[1]}, ep={have[2]}; "
+            f"trainer.tp={tp}, trainer.pp={pp}, trainer.ep={ep}"
         )
 
 
@@ -104,14 +119,27 @@ class MegatronTrainer(Trainer):
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        _init_model_parallel(tc.tp, tc.pp, self.world)
-        self.tp, self.pp = tc.tp, tc.pp
+        _init_model_parallel(tc.tp, tc.pp, tc.ep, self.world)
+        self.tp, self.pp, self.ep = tc.tp, tc.pp, tc.ep
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.dtype = getattr(torch, tc.compute_dtype(self.device.type))
         self._setup(cfg, AutoTokenizer.from_pretrained(cfg.model), int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
         self.bridge = load_hf_config(cfg.model, spec=tc.megatron_spec)
+        if self.bridge.num_experts and self.tp > 1:
+            raise ValueError(
+                f"trainer.tp={self.tp}: Megatron trains a MoE model ({cfg.model}) only at tensor parallelism 1 "
+                "here (MoE at TP>1 needs sequence parallelism, which the torch norms cannot do); use trainer.ep"
+            )
+        try:
+            self.bridge.check_parallel(self.tp, self.pp, self.ep)
+        except ValueError as exc:
+            raise ValueError(f"trainer.ep={self.ep} ({cfg.model}): {exc}") from None
+        self.routes = route_state(cfg.algorithm.routing_replay, AutoConfig.from_pretrained(cfg.model), cfg.model)
+        self.replay = None
+        if self.routes is not None:  # every MoE model: the statistics are measured without replay too
+            self.replay = MegatronRoutes(self.routes, self.pp_rank * (self.bridge.num_layers // self.pp))
         self.model = self._build()
         load_hf_weights(self.model, self.bridge, cfg.model)
         ddp_config = DistributedDataParallelConfig(
@@ -119,7 +147,10 @@ class MegatronTrainer(Trainer):
         )
         self.ddp = DistributedDataParallel(self.model.config, ddp_config, self.model)
         config = self.model.config
-        config.finalize_model_grads_func = finalize_model_grads  # DP all-reduce; tied embedding across stages
+        # The grad all-reduce (over data-parallel ranks; the tied embedding across stages) runs once per
+        # optimiser step, in `_optimizer_step`, not at the end of each schedule: an update may run
+        # several (the RL loss, then ptx's NLL), and reducing twice scales expert grads twice.
+        config.finalize_model_grads_func = None
         config.no_sync_func = self.ddp.no_sync
         self.optimizer = self._new_optimizer(tc.lr)
         self.updates = 0
@@ -132,8 +163,11 @@ class MegatronTrainer(Trainer):
     def _build(self, frozen: bool = False) -> torch.nn.Module:
         """This rank's (unloaded) GPTModel shard. Building seeds Megatron's RNG, which reseeds
         torch's CPU generator: forked, so a trainer built mid-run leaves the run's RNG alone."""
+        replay = {} if self.replay is None else {"moe_enable_routing_replay": True}
         with torch.random.fork_rng(devices=[]):
-            model = build_model(self.bridge, self.dtype, seed=self.cfg.trainer.seed)
+            model = build_model(self.bridge, self.dtype, seed=self.cfg.trainer.seed, **replay)
+        if self.replay is not None:
+            self.replay.install(model)
         model.config.variable_seq_lengths = self.pp > 1  # stages exchange each micro-batch's shape: no padding to one
         model.eval()  # no dropout: the loss's logprobs must be those of the policy the engines sample
         if frozen:
@@ -182,27 +216,64 @@ class MegatronTrainer(Trainer):
 
     # -- forward, accumulation, optimiser ------------------------------------------------------
 
+    def _lockstep(self, items: list[tuple[Any, list[Sample]]]) -> tuple[int, int, int]:
+        """(micro-batches, rows, length) every rank of this rank's expert group runs: with expert
+        parallelism the allgather dispatcher gathers equal token counts from each of them at every
+        MoE layer, forward and backward, so they must run the same forwards with the same
+        `[B, S]` (the maxima here; `_schedule` pads). Without it, this rank's own."""
+        shape = [len(items), max((len(b) for _, b in items), default=0)]
+        shape.append(max((len(s.tokens) for _, b in items for s in b), default=0))
+        if self.ep == 1:
+            return shape[0], shape[1], shape[2]
+        agreed = torch.tensor(shape, dtype=torch.long, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=ps.get_expert_tensor_and_model_parallel_group())
+        n, rows, length = agreed.tolist()
+        return n, rows, length
+
     def _schedule(
         self, model: torch.nn.Module, items: list[tuple[Any, list[Sample]]], on_logits: OnLogits, forward_only: bool
     ) -> None:
         """Micro-batches `items` (payload, samples) through Megatron's schedule; `on_logits`
-        runs on the last pipeline stage for each. With `forward_only=False` the gradients of
-        its losses end up in the grad buffers, all-reduced over data-parallel ranks."""
+        runs on the last pipeline stage for each and returns its share of the global batch's
+        loss. With `forward_only=False` the gradients of those losses end up in the grad buffers,
+        all-reduced over data-parallel ranks at the optimiser step. Under expert parallelism every
+        micro-batch is padded to the group's `[B, S]` with pad rows, and all-pad micro-batches
+        (loss 0, still backpropagated: the dispatcher's backward is collective too) make up the
+        group's count (`_lockstep`)."""
+        n, rows, length = self._lockstep(items)
+        if n == 0:
+            return
+        # The schedule divides each loss by the micro-batch count and DDP averages over data-parallel
+        # ranks: multiplied by both first, the gradient is the whole batch's.
+        scale = n * self.dp_size
+        items = items + [(None, [])] * (n - len(items))
 
         def forward_step(data: Iterator[tuple[Any, list[Sample]]], model: torch.nn.Module):
             payload, batch = next(data)
-            ids = self._input_ids(batch)
-            positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)  # RoPE ignores them: right-padded
-            output = model(ids, positions, attention_mask=None)
-            return output, lambda logits: (on_logits(payload, batch, ids, logits), {})
+            ids = self._input_ids(batch) if batch else torch.empty(0, 0, dtype=torch.long, device=self.device)
+            inputs = ids
+            if self.ep > 1:
+                inputs = torch.full((rows, length), self.pad_id, dtype=torch.long, device=self.device)
+                inputs[: ids.shape[0], : ids.shape[1]] = ids
+            positions = torch.arange(inputs.shape[1], device=self.device).expand_as(inputs)  # RoPE ignores them
+            routing = nullcontext() if self.replay is None else self.replay.forward(model, batch, *inputs.shape)
+            with routing:
+                output = model(inputs, positions, attention_mask=None)
+
+            def loss(logits: Tensor) -> tuple[Tensor, dict]:
+                if not batch:  # a lockstep filler: zero, but connected to the graph
+                    return logits.sum() * 0.0, {}
+                return on_logits(payload, batch, ids, logits[: ids.shape[0], : ids.shape[1]]) * scale, {}
+
+            return output, loss
 
         get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(items),
             model=[model],
-            num_microbatches=len(items),
-            seq_length=max(len(s.tokens) for _, b in items for s in b),
-            micro_batch_size=max(len(b) for _, b in items),
+            num_microbatches=n,
+            seq_length=length,
+            micro_batch_size=rows,
             forward_only=forward_only,
         )
 
@@ -237,10 +308,9 @@ class MegatronTrainer(Trainer):
                 out[i] = row[: s.response_length].clone()
             return logits.new_zeros(())
 
-        if samples:
-            self._schedule(
-                self.ddp if model is None else model, [(g, [samples[i] for i in g]) for g in groups], on_logits, True
-            )
+        self._schedule(
+            self.ddp if model is None else model, [(g, [samples[i] for i in g]) for g in groups], on_logits, True
+        )
         return out
 
     def _accumulate(
@@ -248,22 +318,19 @@ class MegatronTrainer(Trainer):
     ) -> dict[str, float]:
         groups = self._micro_groups(batch)
         stats: dict[str, float] = {}
-        if not groups:  # nothing to train on: still take part in the gradient all-reduce
-            finalize_model_grads([self.ddp])
-            return stats
-        scale = len(groups) * self.dp_size  # undoes the schedule's 1/micro-batches and DDP's 1/DP average
 
         def on_logits(group: list[int], sub: list[Sample], ids: Tensor, logits: Tensor) -> Tensor:
             logprobs, ent = self._response(sub, ids, logits, entropy)
             loss, st = loss_fn([idx[k] for k in group], logprobs, ent)
             for key, value in st.items():
                 stats[key] = stats.get(key, 0.0) + float(value)
-            return loss * scale
+            return loss
 
         self._schedule(self.ddp, [(g, [batch[k] for k in g]) for g in groups], on_logits, forward_only=False)
         return stats
 
     def _optimizer_step(self, optimizer: Any) -> float:
+        finalize_model_grads([self.ddp])  # every rank: the gradient all-reduces
         ok, norm, _ = optimizer.step()
         if not ok:
             raise RuntimeError("the Megatron optimiser skipped its step: non-finite gradients")
@@ -287,9 +354,10 @@ class MegatronTrainer(Trainer):
 
     def hf_tensors(self) -> Iterator[tuple[str, Tensor]]:
         """Rank 0 yields every HF tensor; the other ranks yield nothing but must iterate too:
-        data-parallel replica 0's TP ranks gather each tensor, and each later pipeline stage's
-        TP rank 0 sends its stage to rank 0 (names, shapes and dtypes first)."""
-        if self.dp_rank != 0:
+        data-parallel replica 0's TP ranks gather each tensor (and, under expert parallelism, its
+        expert group gathers the experts), and each later pipeline stage's TP rank 0 sends its
+        stage to rank 0 (names, shapes and dtypes first)."""
+        if not self._holds_replica_0():
             return
         stage = export_hf(self.ddp, self.bridge, tp_group=ps.get_tensor_model_parallel_group())
         pipeline = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
@@ -311,13 +379,23 @@ class MegatronTrainer(Trainer):
             for _ in stage:  # this rank's part of each TP gather
                 pass
 
+    def _holds_replica_0(self) -> bool:
+        """Whether this rank holds part of data-parallel replica 0: its data-parallel rank is 0, or
+        under expert parallelism its expert group is replica 0's (each rank has other experts)."""
+        return (ps.get_expert_data_parallel_rank() if self.ep > 1 else self.dp_rank) == 0
+
+    def _shard_name(self) -> str:
+        name = f"tp{self.tp_rank}_pp{self.pp_rank}"
+        return f"{name}_ep{ps.get_expert_model_parallel_rank()}" if self.ep > 1 else name
+
     def state_dict(self) -> dict[str, Any]:
-        """On rank 0: {"tp", "pp", "shards": {"tp{t}_pp{p}": that rank's model, optimiser and
-        schedule}} from data-parallel replica 0 (the replicas are identical); {} elsewhere."""
+        """On rank 0: {"tp", "pp", "ep", "shards": {"tp{t}_pp{p}[_ep{e}]": that rank's model,
+        optimiser and schedule}} from data-parallel replica 0 (the replicas are identical); {}
+        elsewhere."""
         mine = None
-        if self.dp_rank == 0:
+        if self._holds_replica_0():
             mine = {
-                "name": f"tp{self.tp_rank}_pp{self.pp_rank}",
+                "name": self._shard_name(),
                 "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "updates": self.updates,
@@ -329,15 +407,17 @@ class MegatronTrainer(Trainer):
         dist.gather_object(mine, gathered, dst=0)
         if gathered is None:
             return {}
-        return {"tp": self.tp, "pp": self.pp, "shards": {s.pop("name"): s for s in gathered if s is not None}}
+        shards = {s.pop("name"): s for s in gathered if s is not None}
+        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "shards": shards}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (state.get("tp"), state.get("pp")) != (self.tp, self.pp):
+        have = (state.get("tp"), state.get("pp"), state.get("ep", 1))
+        if have != (self.tp, self.pp, self.ep):
             raise ValueError(
-                f"checkpoint: trainer state of tp={state.get('tp')}, pp={state.get('pp')} (Megatron backend), "
-                f"but this run has trainer.tp={self.tp}, trainer.pp={self.pp}"
+                f"checkpoint: trainer state of tp={have[0]}, pp={have[1]}, ep={have[2]} (Megatron backend), "
+                f"but this run has trainer.tp={self.tp}, trainer.pp={self.pp}, trainer.ep={self.ep}"
             )
-        mine = state["shards"][f"tp{self.tp_rank}_pp{self.pp_rank}"]
+        mine = state["shards"][self._shard_name()]
         self.model.load_state_dict(mine["model"])
         self.optimizer.load_state_dict(mine["optimizer"])
         self.updates = mine["updates"]

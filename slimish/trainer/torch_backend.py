@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
+from slimish.moe import checkpoint_tensors, routers
 from slimish.trainer.backend import LossFn, lr_factor
 from slimish.trainer.base import Trainer
 from slimish.trainer.batch import micro_batches, response_index
@@ -40,7 +41,9 @@ from slimish.trainer.lora import (
     add_adapter,
     dropout_on,
     load_adapter_tensors,
+    write_adapter_dir,
 )
+from slimish.trainer.routing import replaying, route_state
 from slimish.types import Sample
 
 if TYPE_CHECKING:
@@ -66,6 +69,7 @@ class TorchTrainer(Trainer):
         self.dp_rank, self.dp_size = self.rank, self.world
         self._setup(cfg, AutoTokenizer.from_pretrained(cfg.model), int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
         self.model = self._load(cfg.model)
+        self.routes = route_state(cfg.algorithm.routing_replay, self.model.config, cfg.model)
         self.lora = tc.lora.enabled
         if self.lora:
             self.model = add_adapter(self.model, tc.lora)
@@ -157,9 +161,9 @@ class TorchTrainer(Trainer):
         index = response_index(batch, first).to(self.device)
         chunk = self.cfg.trainer.logprob_chunk_tokens
         if chunk and not getattr(_unwrap(model).config, "final_logit_softcapping", None):
-            with self._autocast():
+            with self._autocast(), self._routing(model, batch, length):
                 return self._chunked_forward(model, batch, ids, keep, index, entropy, chunk)
-        with self._autocast():
+        with self._autocast(), self._routing(model, batch, length):
             logits = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
         labels = torch.nn.functional.pad(ids[:, first + 1 :], (0, 1), value=self.pad_id)
         logprobs = logprobs_from_logits(logits, labels, self.temperature).gather(1, index)
@@ -168,6 +172,20 @@ class TorchTrainer(Trainer):
             with nullcontext() if entropy else torch.no_grad():
                 ent = entropy_from_logits(logits, self.temperature).gather(1, index)
         return logprobs, ent
+
+    def _routing(self, model: torch.nn.Module, batch: list[Sample], width: int) -> AbstractContextManager:
+        """A MoE model's forward of `batch` under `self.routes` (routing.py `replaying`): the
+        replayed routes, the statistics, R2's recording. The routers are found under DDP, a PEFT
+        adapter or `AdaptersOff`."""
+        if self.routes is None:
+            return nullcontext()
+        net = _unwrap(model)
+        net = getattr(net, "peft_model", net)  # AdaptersOff
+        net = net.get_base_model() if hasattr(net, "get_base_model") else net  # PeftModel
+        found = routers(net)
+        if not found:
+            raise RuntimeError(f"routing: {type(net).__name__} is a mixture-of-experts model with no router found")
+        return replaying(self.routes, found, batch, width)
 
     def _chunked_forward(
         self,
@@ -301,9 +319,10 @@ class TorchTrainer(Trainer):
 
     def hf_tensors(self) -> Iterator[tuple[str, Tensor]]:
         """Every rank holds the whole model: its parameters, a tied one under its first name, in
-        the compute dtype (fp32: the parameters themselves)."""
-        for name, p in self.model.named_parameters():
-            yield name, p.detach().to(self.dtype)
+        the compute dtype (fp32: the parameters themselves, or contiguous views of them). Fused
+        MoE experts go under their checkpoint names, one tensor per expert, as SGLang loads them."""
+        for name, t in checkpoint_tensors(self.model.named_parameters()):
+            yield name, t.detach().to(self.dtype).contiguous()
 
     def adapter_tensors(self) -> dict[str, Tensor]:
         """trainer.lora: the adapter under its PEFT names (what the engines load and are pushed),
@@ -352,7 +371,10 @@ class TorchTrainer(Trainer):
         model in `path/merged` (merged in a copy: the policy keeps its adapter)."""
         if self.rank != 0:
             return
-        self.model.save_pretrained(path)
+        if self.lora:  # the adapter as the engines load it (the experts' per expert)
+            write_adapter_dir(path, adapter_config(self.model), adapter_tensors(self.model))
+        else:
+            self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
         if self.lora and self.cfg.trainer.lora.export_merged:
             merged = copy.deepcopy(self.model).merge_and_unload()

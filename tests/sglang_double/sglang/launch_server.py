@@ -38,6 +38,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         served_model_name=args.served_model_name,
         context_length=args.context_length,
         disable_radix_cache=args.disable_radix_cache,
+        enable_return_routed_experts=args.enable_return_routed_experts,
         seed=args.random_seed or 0,
         **({"max_running_requests": args.max_running_requests} if args.max_running_requests else {}),
         **lora,

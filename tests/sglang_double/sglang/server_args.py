@@ -121,6 +121,7 @@ FLAGS: list[tuple[tuple[str, ...], str, dict]] = [
     # memory.py, exec_.py
     (("--disable-radix-cache",), "bool", {}),  # memory.py:64
     (("--enable-memory-saver",), "bool", {}),  # exec_.py:58
+    (("--enable-return-routed-experts",), "bool", {}),  # exec_.py:158
     (("--attention-backend",), "str", {}),  # exec_.py:207
     (("--sampling-backend",), "str", {}),  # server_args.py:359
     (("--enable-torch-compile",), "bool", {}),  # exec_.py:691

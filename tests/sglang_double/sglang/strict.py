@@ -22,6 +22,11 @@ managers/tokenizer_manager.py). What it copies:
   (weight_updater.py:120-132).
 - Request bodies: fields outside SGLang's schema are dropped (utils/msgspec_utils.py:98,
   `extra_behavior="ignore"`; the schemas are managers/io_struct.py's).
+- Routed experts: without --enable-return-routed-experts SGLang captures nothing and a reply has
+  no `routed_experts`, with no error (state_capturer/routed_experts.py:50-51,
+  scheduler_components/batch_result_processor.py:149-153); the built-in engine refuses such a
+  request (400), so the double drops `return_routed_experts` from /generate bodies instead. (A bad
+  `routed_experts_start_len` is then not refused as SGLang's scheduler.py:3300-3318 would.)
 - `/health` runs a one-token generation, so it waits while paused and answers 503 after
   HEALTH_CHECK_TIMEOUT (entrypoints/http_server.py:218, :721-800), unless
   SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false (environ.py:143, :344).
@@ -347,6 +352,8 @@ class StrictSGLang:
         if scope["method"] in ("POST", "PUT"):
             body = await read_body(receive)
             body = drop_unknown_fields(path, body)
+            if path == "/generate" and not self.server_args.get("enable_return_routed_experts"):
+                body = without_routes(body)
         handler = self.handlers.get(path)
         await (handler or self.forward)(scope, body, receive, send)
 
@@ -552,6 +559,17 @@ def replay(body: bytes, receive: Receive) -> Receive:
 def with_body_length(scope: Scope, body: bytes) -> Scope:
     headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
     return {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+
+
+def without_routes(body: bytes) -> bytes:
+    """A /generate body as a server without --enable-return-routed-experts serves it: no routes asked."""
+    try:
+        req = json.loads(body) if body else None
+    except ValueError:
+        return body  # the engine's parser answers a bad body
+    if not isinstance(req, dict) or "return_routed_experts" not in req:
+        return body
+    return json.dumps({k: v for k, v in req.items() if k != "return_routed_experts"}).encode()
 
 
 def drop_unknown_fields(path: str, body: bytes) -> bytes:
