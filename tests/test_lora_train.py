@@ -90,6 +90,7 @@ def test_adapter_push_lands_versioned_and_rollouts_sample_the_adapter(tiny_model
     rollout path (which names the adapter) samples tokens whose engine log-probs are the
     trainer's policy's, not the base's. The push's bytes are the adapter's alone."""
     cfg = config(tiny_model_dir, *LORA, "trainer.lora.name=a")
+    torch.manual_seed(cfg.seed)  # the adapter's init (how far one step moves it), not what earlier tests left
     trainer = TorchTrainer(cfg)
     with lora_pool(tiny_model_dir, tmp_path_factory) as (engine, router):
         base_version = version(engine)

@@ -17,17 +17,18 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-from peft.tuners.lora.layer import ParamWrapper
 from safetensors.torch import save_file
 from torch import Tensor
 
 from slimish.moe import EXPERT_PROJECTIONS, fused_experts, router_paths
 from slimish.trainer.config import LoraConfig
+
+if TYPE_CHECKING:  # peft is imported where an adapter is made or read: 1.5 s a process that never uses it
+    from peft import PeftModel
+    from peft.tuners.lora.layer import ParamWrapper
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
@@ -39,6 +40,9 @@ def add_adapter(model: torch.nn.Module, lora: LoraConfig) -> PeftModel:
     """`model` under a fresh adapter (B = 0: the policy starts as the base); its base frozen. On a
     MoE model, gate_proj/up_proj/down_proj in target_modules also adapt the fused experts, through
     PEFT's ParamWrapper on `gate_up_proj` and `down_proj` (which has no dropout)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
     targets, experts = list(lora.target_modules), expert_targets(model, lora)
     linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     config = PeftLoraConfig(
@@ -112,10 +116,18 @@ def dropout_on(model: torch.nn.Module) -> Iterator[None]:
             m.eval()
 
 
+def _param_wrapper() -> type:
+    from peft.tuners.lora.layer import ParamWrapper
+
+    return ParamWrapper
+
+
 def expert_wrappers(model: PeftModel) -> dict[str, tuple[str, ParamWrapper]]:
     """PEFT state-dict prefix of each fused-experts adapter -> (the experts' module path, its wrapper)."""
     return {
-        name: (name.replace(".base_layer", ""), m) for name, m in model.named_modules() if isinstance(m, ParamWrapper)
+        name: (name.replace(".base_layer", ""), m)
+        for name, m in model.named_modules()
+        if isinstance(m, _param_wrapper())
     }
 
 
@@ -126,6 +138,8 @@ def adapter_tensors(model: PeftModel) -> dict[str, Tensor]:
     A ParamWrapper over `[E, out, in]` holds A `[E*r, in]` (rows expert-major) and B `[out, r*E]`
     (columns expert-minor): expert e's A is `A.view(E, r, in)[e]`, its B `B.view(out, r, E)[..., e]`.
     gate_up_proj's A is shared by gate and up (each gets a copy: exact) and its B's rows split [:I], [I:]."""
+    from peft import get_peft_model_state_dict
+
     state = get_peft_model_state_dict(model)
     for prefix, (experts, wrapper) in expert_wrappers(model).items():
         a, b = state.pop(f"{prefix}.lora_A.weight"), state.pop(f"{prefix}.lora_B.weight")
@@ -166,6 +180,8 @@ def to_wrapper_form(model: PeftModel, tensors: dict[str, Tensor]) -> dict[str, T
 def load_adapter_tensors(model: PeftModel, tensors: dict[str, Tensor]) -> None:
     """Set the adapter from `adapter_tensors`' output; every tensor must land."""
     tensors = to_wrapper_form(model, tensors)
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
     expected = set(get_peft_model_state_dict(model))
     if set(tensors) != expected:
         missing, extra = sorted(expected - set(tensors))[:3], sorted(set(tensors) - expected)[:3]
