@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "slimish.view",
         "a run in the browser: samples token by token, steps, a timeline (one HTML file; --serve)",
     ),
+    "tinker": ("slimish.tinker.server", "serve the Tinker API (SDK tinker 0.38): LoRA training and sampling here"),
     "convert": ("megatron_bridge.convert", "convert an HF checkpoint to per-rank Megatron-Core shards and back"),
 }
 

@@ -44,7 +44,7 @@ FLOORS = [
     {"compat"},
     {"trainer"},
     {"launch"},
-    {"config"},
+    {"config", "tinker"},
     {"train", "view", "view_page", "plot", "docs_config"},
     {"cli"},
 ]

@@ -38,6 +38,7 @@ from slimish.protocol import DEFAULT_WEIGHT_VERSION
 PEFT_PREFIX = "base_model.model."  # PEFT's name for the wrapped model, in front of every HF module path
 LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 ALL_TARGETS = "all"
+LM_HEAD = "lm_head"
 # The fused-experts layout `LoraExperts` serves (transformers 5's `use_experts_implementation` attributes).
 EXPERTS_LAYOUT = {
     "is_transposed": False,
@@ -290,10 +291,13 @@ class LoraManager:
         self.max_slots = cfg.max_loras_per_batch
         self.max_loaded = cfg.max_loaded_loras
         initial = [read_adapter(AdapterRef.parse(e), self.dtype, self.device) for e in cfg.lora_paths]
+        # The LM head only where named (by the flag or a start-up adapter): a [vocab, rank] B per slot
+        # (SGLang serves it too: sglang 0.5.23: python/sglang/srt/lora/layers.py:266, ParallelLMHeadWithLoRA).
+        head = LM_HEAD in set(cfg.lora_target_modules) | {m.split(".")[-1] for a in initial for m in a.modules()}
         linears = {
             name: m
             for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and name.split(".")[-1] != "lm_head"
+            if isinstance(m, nn.Linear) and (name.split(".")[-1] != LM_HEAD or head)
         }
         experts = fused_experts(model)
         kinds = sorted({name.split(".")[-1] for name in linears} | (set(EXPERT_PROJECTIONS) if experts else set()))

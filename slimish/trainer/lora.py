@@ -40,12 +40,23 @@ def add_adapter(model: torch.nn.Module, lora: LoraConfig) -> PeftModel:
     """`model` under a fresh adapter (B = 0: the policy starts as the base); its base frozen. On a
     MoE model, gate_proj/up_proj/down_proj in target_modules also adapt the fused experts, through
     PEFT's ParamWrapper on `gate_up_proj` and `down_proj` (which has no dropout)."""
-    from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    return get_peft_model(model, peft_config(model, lora)).eval()  # new dropout layers start in train mode
+
+
+def peft_config(model: torch.nn.Module, lora: LoraConfig) -> Any:
+    """PEFT's LoraConfig of `lora` on `model` (also what `PeftModel.add_adapter` takes for a further adapter)."""
+    from peft import LoraConfig as PeftLoraConfig
+
     targets, experts = list(lora.target_modules), expert_targets(model, lora)
-    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    config = PeftLoraConfig(
+    # a linear that an earlier adapter already wraps (a PEFT layer over its `base_layer`) still counts
+    linear = {
+        name.rsplit(".", 1)[-1]
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "base_layer", m), torch.nn.Linear)
+    }
+    return PeftLoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
@@ -54,7 +65,6 @@ def add_adapter(model: torch.nn.Module, lora: LoraConfig) -> PeftModel:
         target_parameters=experts or None,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config).eval()  # new dropout layers start in train mode
 
 
 def expert_targets(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
@@ -131,7 +141,7 @@ def expert_wrappers(model: PeftModel) -> dict[str, tuple[str, ParamWrapper]]:
     }
 
 
-def adapter_tensors(model: PeftModel) -> dict[str, Tensor]:
+def adapter_tensors(model: PeftModel, adapter: str = "default") -> dict[str, Tensor]:
     """The adapter's tensors under their PEFT state-dict names (as in `adapter_model.safetensors`),
     the experts' per expert as SGLang and PEFT's v4 converter name them.
 
@@ -140,7 +150,8 @@ def adapter_tensors(model: PeftModel) -> dict[str, Tensor]:
     gate_up_proj's A is shared by gate and up (each gets a copy: exact) and its B's rows split [:I], [I:]."""
     from peft import get_peft_model_state_dict
 
-    state = get_peft_model_state_dict(model)
+    # save_embedding_layers=False: with lm_head a target, PEFT would also save the whole base head
+    state = get_peft_model_state_dict(model, adapter_name=adapter, save_embedding_layers=False)
     for prefix, (experts, wrapper) in expert_wrappers(model).items():
         a, b = state.pop(f"{prefix}.lora_A.weight"), state.pop(f"{prefix}.lora_B.weight")
         n = wrapper.num_experts
@@ -177,24 +188,24 @@ def to_wrapper_form(model: PeftModel, tensors: dict[str, Tensor]) -> dict[str, T
     return tensors
 
 
-def load_adapter_tensors(model: PeftModel, tensors: dict[str, Tensor]) -> None:
-    """Set the adapter from `adapter_tensors`' output; every tensor must land."""
+def load_adapter_tensors(model: PeftModel, tensors: dict[str, Tensor], adapter: str = "default") -> None:
+    """Set the adapter (`adapter`: its PEFT name) from `adapter_tensors`' output; every tensor must land."""
     tensors = to_wrapper_form(model, tensors)
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-    expected = set(get_peft_model_state_dict(model))
+    expected = set(get_peft_model_state_dict(model, adapter_name=adapter, save_embedding_layers=False))
     if set(tensors) != expected:
         missing, extra = sorted(expected - set(tensors))[:3], sorted(set(tensors) - expected)[:3]
         raise ValueError(
             f"trainer.lora: the checkpoint's adapter does not fit this run's (missing {missing}, unexpected {extra}); "
             "rank and target_modules must be those of the run that saved it"
         )
-    set_peft_model_state_dict(model, tensors)
+    set_peft_model_state_dict(model, tensors, adapter_name=adapter)
 
 
-def adapter_config(model: PeftModel) -> dict[str, Any]:
+def adapter_config(model: PeftModel, adapter: str = "default") -> dict[str, Any]:
     """`adapter_config.json`'s content (sets become sorted lists)."""
-    config = model.peft_config["default"].to_dict()
+    config = model.peft_config[adapter].to_dict()
     if fused := config.pop("target_parameters", None):  # per expert: the experts' projections are module targets
         projs = {p for name in fused for p in FUSED[name.rsplit(".", 1)[-1]]}
         config["target_modules"] = sorted(set(config["target_modules"] or ()) | projs)
