@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps "tinker-cookbook==0.6.1"  # its tml-renderers pin is not on PyPI (pyproject.toml)
 	touch $(STAMP)
 
 # The quickstart: a tiny model, an SFT warm start, then GRPO that raises held-out accuracy.

@@ -30,6 +30,12 @@ async def rollout(ctx, sample: Sample) -> list[Sample]:
     files = task_files(sample.prompt, sample.metadata)
     with await run_harness([sys.executable, str(AGENT)], env=await ctx.agent_env(), limits=LIMITS, files=files) as run:
         reward = score(run.workdir, sample.label)
+    return scored(ctx, sample, run, reward)
+
+
+def scored(ctx, sample: Sample, run: HarnessRun, reward: float | None) -> list[Sample]:
+    """The session's captured samples, each with the run's reward, or all `infra_failed` when the
+    run says nothing about the policy (the harness runners of rollout_plugins share this end)."""
     samples = ctx.captured_samples()  # one per exact-token segment of the session
     error = run.infra_error or (None if samples else no_model_call(run))
     if error is not None:

@@ -34,6 +34,18 @@ def route_shape(config) -> tuple[int, int] | None:
     return config.num_hidden_layers, int(top_k)
 
 
+def replay_shape(mode: str, config, model: str) -> tuple[int, int] | None:
+    """`route_shape` of a model whose routes `algorithm.routing_replay=mode` replays: None for a
+    dense model under `none`; a dense model under r2 or r3 is refused, naming the field."""
+    shape = route_shape(config)
+    if shape is None and mode != "none":
+        raise ValueError(
+            f"algorithm.routing_replay={mode}: {model} is not a mixture-of-experts model (its config has no "
+            "num_experts_per_tok); set algorithm.routing_replay=none"
+        )
+    return shape
+
+
 def router_class(model: nn.Module) -> type[nn.Module] | None:
     """The model's top-k router class, as transformers itself names it for `output_router_logits`."""
     recorder = getattr(type(model), "_can_record_outputs", None) or {}

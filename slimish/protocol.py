@@ -61,6 +61,8 @@ class _Strict(BaseModel):
 # /generate
 # --------------------------------------------------------------------------------------------
 
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")  # constrained decoding: at most one per request
+
 
 class SamplingParams(BaseModel):
     """One request's sampling parameters (docs/protocol.md 1.2). Unknown keys are an error."""

@@ -12,12 +12,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 import torch
+from fastapi import FastAPI, Request
 
 from slimish import moe
 
@@ -137,6 +140,55 @@ def serving(app, what: str) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+@dataclass
+class FakeModel:
+    """An OpenAI-compatible `/v1/chat/completions` that replies from a script: each entry is a
+    list of (tool name, raw arguments) calls, or a final text. Past the script it says "done"."""
+
+    url: str = ""
+    script: list[list[tuple[str, str]] | str] = field(default_factory=list)
+    requests: list[dict[str, Any]] = field(default_factory=list)  # {"key", "body"} per call
+
+    def reply(self, body: dict[str, Any], key: str) -> dict[str, Any]:
+        self.requests.append({"key": key, "body": body})
+        step = self.script.pop(0) if self.script else "done"
+        n = len(self.requests)
+        if isinstance(step, str):
+            message, finish = {"role": "assistant", "content": step}, "stop"
+        else:
+            calls = [
+                {"id": f"call_{n}_{i}", "type": "function", "function": {"name": name, "arguments": args}}
+                for i, (name, args) in enumerate(step)
+            ]
+            message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        return {
+            "id": f"chatcmpl-{n}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body.get("model", "m"),
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+
+    def tool_results(self, request: int = -1) -> list[str]:
+        """What the agent had sent back as tool results by that request."""
+        return [m["content"] for m in self.requests[request]["body"]["messages"] if m["role"] == "tool"]
+
+
+@contextmanager
+def fake_model_server() -> Iterator[FakeModel]:
+    """A `FakeModel` served in a thread of the test process (`model.url` its URL), for as long as the block runs."""
+    model, app = FakeModel(), FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> dict[str, Any]:
+        return model.reply(await request.json(), request.headers.get("authorization", ""))
+
+    with serving(app, "fake model server") as url:
+        model.url = url
+        yield model
 
 
 @contextmanager

@@ -254,9 +254,14 @@ def stop_in(text: str) -> str:
         ({"messages": OPENING, "max_tokens": 4, "stop_sequences": "x"}, "stop_sequences"),
         (
             {"messages": OPENING, "max_tokens": 4, "tools": [{"name": "web_search", "type": "web_search_20250305"}]},
-            "tools.0.input_schema",
+            "tools.0.type",
         ),
-        ({"messages": OPENING, "max_tokens": 4, "tools": [CALCULATOR], "tool_choice": {"type": "any"}}, "tool_choice"),
+        (
+            {"messages": OPENING, "max_tokens": 4, "tools": [CALCULATOR], "tool_choice": {"type": "tool", "name": "x"}},
+            "tool_choice.name",
+        ),
+        ({"messages": OPENING, "max_tokens": 4, "tool_choice": {"type": "any"}}, "tool_choice"),
+        ({"messages": OPENING, "max_tokens": 4, "container": "c"}, "container"),
         ({"messages": OPENING, "max_tokens": 4, "thinking": {"type": "sometimes"}}, "thinking.type"),
     ],
 )
@@ -282,7 +287,7 @@ def test_errors_in_anthropics_shape(engine: str, tok: Any) -> None:
             out.append(await http.post(gateway.session_url("x") + "/v1/messages", content=b"{not json"))
         try:
             await sdk(gateway.session_url("x")).messages.create(
-                model="m", messages=OPENING, max_tokens=4, tool_choice={"type": "any"}, tools=[CALCULATOR]
+                model="m", messages=OPENING, max_tokens=4, tool_choice={"type": "tool", "name": "x"}, tools=[CALCULATOR]
             )
         except anthropic.BadRequestError as exc:
             out.append(exc)
@@ -295,7 +300,7 @@ def test_errors_in_anthropics_shape(engine: str, tok: Any) -> None:
     no_session, malformed, bad, thinking = with_gateway(engine, tok, calls)
     assert no_session.status_code == 401 and no_session.json()["error"]["type"] == "authentication_error"
     assert malformed.status_code == 400 and malformed.json()["error"]["message"].startswith("body:")
-    assert isinstance(bad, anthropic.BadRequestError) and bad.body["error"]["message"].startswith("tool_choice:")
+    assert isinstance(bad, anthropic.BadRequestError) and bad.body["error"]["message"].startswith("tool_choice.name:")
     assert thinking == "max_tokens"
 
     async def unreachable(gateway: Gateway) -> Any:

@@ -203,6 +203,8 @@ def test_stored_responses_are_per_session_and_store_false_keeps_none(served: tup
 
 # ---- without an engine: what is refused before any generation -----------------------------------
 
+TOOL = {"type": "function", "name": "add", "parameters": {"type": "object", "properties": {}}}
+
 
 @pytest.mark.parametrize(
     "body, field",
@@ -211,7 +213,13 @@ def test_stored_responses_are_per_session_and_store_false_keeps_none(served: tup
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"input": "hi", "tools": [{"type": "function"}]}, "tools.0.name"),
         ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
-        ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"input": "hi", "tools": [TOOL], "tool_choice": {"type": "function", "name": "x"}}, "tool_choice"),
+        ({"input": "hi", "tools": [TOOL], "tool_choice": {"type": "file_search"}}, "tool_choice"),
+        ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+        ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format.type"),
+        ({"input": "hi", "background": True}, "background"),
+        ({"input": "hi", "conversation": "conv_1"}, "conversation"),
+        ({"input": "hi", "truncation": "sometimes"}, "truncation"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
         ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input.0.type"),
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id"),

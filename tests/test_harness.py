@@ -13,15 +13,13 @@ import json
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fastapi import FastAPI, Request
 
 from rollout_plugins.harness_task.task import TASK, score, task_files
-from helpers import serving
+from helpers import FakeModel, fake_model_server
 from slimish.gateway.harness import HarnessLimits, HarnessRun, gateway_env, run_harness
 from slimish.net import free_port
 from slimish.types import Sample, SampleStatus
@@ -211,51 +209,9 @@ def test_gateway_env_names_the_session_by_its_key() -> None:
 # ---- the example harness against a scripted model ---------------------------------------------
 
 
-@dataclass
-class FakeModel:
-    """An OpenAI-compatible `/v1/chat/completions` that replies from a script: each entry is a
-    list of (tool name, raw arguments) calls, or a final text. Past the script it says "done"."""
-
-    url: str = ""
-    script: list[list[tuple[str, str]] | str] = field(default_factory=list)
-    requests: list[dict[str, Any]] = field(default_factory=list)  # {"key", "body"} per call
-
-    def reply(self, body: dict[str, Any], key: str) -> dict[str, Any]:
-        self.requests.append({"key": key, "body": body})
-        step = self.script.pop(0) if self.script else "done"
-        n = len(self.requests)
-        if isinstance(step, str):
-            message, finish = {"role": "assistant", "content": step}, "stop"
-        else:
-            calls = [
-                {"id": f"call_{n}_{i}", "type": "function", "function": {"name": name, "arguments": args}}
-                for i, (name, args) in enumerate(step)
-            ]
-            message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-        return {
-            "id": f"chatcmpl-{n}",
-            "object": "chat.completion",
-            "created": 0,
-            "model": body.get("model", "m"),
-            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-        }
-
-    def tool_results(self, request: int = -1) -> list[str]:
-        """What the agent had sent back as tool results by that request."""
-        return [m["content"] for m in self.requests[request]["body"]["messages"] if m["role"] == "tool"]
-
-
 @pytest.fixture(scope="module")
 def fake_server() -> Iterator[FakeModel]:
-    model, app = FakeModel(), FastAPI()
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> dict[str, Any]:
-        return model.reply(await request.json(), request.headers.get("authorization", ""))
-
-    with serving(app, "fake model server") as url:
-        model.url = url
+    with fake_model_server() as model:
         yield model
 
 

@@ -14,12 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from slimish.protocol import SamplingParams
+from slimish.protocol import GRAMMAR_FIELDS, SamplingParams
 
 if TYPE_CHECKING:  # xgrammar takes a second to import: only engines that get a grammar pay it
     import xgrammar
-
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 class GrammarError(ValueError):

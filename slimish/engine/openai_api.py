@@ -24,14 +24,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from slimish.engine.engine import Engine
-from slimish.engine.items import Item, RequestError
+from slimish.engine.items import Item, RequestError, nth_copy
 from slimish.engine.scheduler import LogprobWish, Sequence
 from slimish.formats.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
     active_tools,
-    check_tool_choice,
     field_error,
     finish,
     parse_body,
@@ -39,7 +38,14 @@ from slimish.formats.openai import (
     sampling_params_of,
 )
 from slimish.formats.template import TemplateError
-from slimish.protocol import SamplingParams
+from slimish.formats.tool_choice import (
+    ToolChoiceError,
+    clamp_max_tokens,
+    forced_tool,
+    forcing_fields,
+    normalize_tools,
+)
+from slimish.protocol import GRAMMAR_FIELDS, SamplingParams
 
 
 def build_openai_router(engine: Engine) -> APIRouter:
@@ -96,7 +102,7 @@ def _items(
     except RequestError as exc:
         raise field_error(str(exc)) from None
     items = [
-        Item(ids, params, base if count == 1 else f"{base}-{i * body.n + j}", wish, lora=lora)
+        Item(ids, nth_copy(params, j), base if count == 1 else f"{base}-{i * body.n + j}", wish, lora=lora)
         for i, ids in enumerate(prompts)
         for j in range(body.n)
     ]
@@ -137,30 +143,39 @@ def completion_items(engine: Engine, body: CompletionRequest) -> tuple[list[Item
 
 
 def chat_items(engine: Engine, body: ChatCompletionRequest) -> list[Item]:
-    check_tool_choice(body)
+    """A forced tool call (`tool_choice` "required" or a named function) is constrained to the
+    family's own call syntax; `max_tokens` is clamped to the room the prompt leaves (docs/model-families.md)."""
     if body.stream:
         for flag in ("return_token_ids", "return_prompt_token_ids", "return_meta_info"):
             if getattr(body, flag):
                 raise OpenAIError(f"{flag}: not supported with streaming; set stream=false to use {flag}=true", flag)
+    tools = active_tools(body)
+    max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     try:
-        ids = engine.format.template.render(
-            body.messages, active_tools(body), True, **(body.chat_template_kwargs or {})
-        )
+        offered = normalize_tools(tools)
+        forced = forced_tool(body.tool_choice, offered)
+        ids = engine.format.template.render(body.messages, tools, True, **(body.chat_template_kwargs or {}))
+        max_tokens = clamp_max_tokens(requested, len(ids), engine.context_length, field=max_field)
     except TemplateError as exc:
         raise OpenAIError.of(exc) from None
-    max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens is None:  # SGLang: up to the end of the context
-        max_tokens = engine.default_max_new_tokens(engine.context_length - len(ids))
-        if max_tokens < 1:
-            raise OpenAIError(
-                f"messages: the prompt ({len(ids)} tokens) fills the model's context length ({engine.context_length} tokens)",
-                "messages",
-            )
-    if max_tokens < 1:
-        raise OpenAIError(f"{max_field}: must be at least 1, got {max_tokens}", max_field)
+    except ToolChoiceError as exc:
+        raise OpenAIError(str(exc), exc.field) from None
+    if requested is None:  # a default the client did not choose is lowered to the engine's cap
+        max_tokens = engine.default_max_new_tokens(max_tokens)
     params = sampling_params_of(body, max_tokens, max_field)
-    if engine.format.parses(active_tools(body), body.separate_reasoning):
+    if forced is not None:
+        if any(getattr(params, name) is not None for name in GRAMMAR_FIELDS):  # SGLang refuses this too
+            raise OpenAIError(
+                "tool_choice: 'required' or a named tool cannot be combined with response_format, regex, or ebnf",
+                "tool_choice",
+            )
+        try:
+            fields = forcing_fields(engine.format, ids, offered, forced)
+        except ToolChoiceError as exc:
+            raise OpenAIError(str(exc), exc.field) from None
+        params = params.model_copy(update=fields)
+    if engine.format.parses(tools, body.separate_reasoning):
         params = params.model_copy(update={"skip_special_tokens": False})
     wish = LogprobWish(return_logprob=body.logprobs, top_logprobs_num=(body.top_logprobs or 0) if body.logprobs else 0)
     return _items(engine, body, [ids], params, wish, "chatcmpl-", "messages", max_field)

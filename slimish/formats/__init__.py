@@ -8,4 +8,6 @@ One place, imported by the engine's OpenAI routes, `ctx.chat`, the agent gateway
 - `tokens.py`: `ChatTokens`, a conversation continued in token space after the model's own ids.
 - `tool_parsers.py`: tool-call parsers by SGLang's `--tool-call-parser` names, streaming included.
 - `reasoning.py`: reasoning parsers by SGLang's `--reasoning-parser` names, streaming included.
+- `tool_choice.py`: one tool normalisation for every protocol, forced tool calls as constraints in
+  each family's own call syntax, and the `max_tokens` rule.
 """

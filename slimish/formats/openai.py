@@ -187,14 +187,6 @@ def sampling_params_of(
         raise field_error(describe_validation_error(exc), max_field=max_field) from None
 
 
-def check_tool_choice(body: ChatCompletionRequest) -> None:
-    if body.tool_choice not in (None, "auto", "none"):
-        raise OpenAIError(
-            "tool_choice: only 'auto' and 'none' are supported (forcing a tool needs constrained decoding)",
-            "tool_choice",
-        )
-
-
 def active_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     """The tools the model is offered: none when `tool_choice` is "none"."""
     return body.tools if body.tools and body.tool_choice != "none" else None

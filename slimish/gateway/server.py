@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse
 from slimish.client import Client, ServerError
 from slimish.formats.model import ModelFormat
 from slimish.formats.template import normalize_message
+from slimish.formats.tool_choice import clamp_max_tokens, forcing_fields, json_answer_fields, normalize_tools
 from slimish.gateway.protocols import anthropic, openai_chat, openai_responses
 from slimish.gateway.trajectory import TrajectoryTree
 from slimish.gateway.turns import TurnRequest, TurnResult
@@ -91,6 +92,7 @@ class Gateway:
             str, dict[str, Any]
         ] = {}  # per-session defaults (ctx's: eval lowers the temperature)
         self.url = ""
+        self._context_length: int | None = None
         self._server: _UvicornServer | None = None
         self._task: asyncio.Task | None = None
 
@@ -130,14 +132,29 @@ class Gateway:
     # ---- the core ---------------------------------------------------------------------------
 
     async def turn(self, session_id: str, req: TurnRequest) -> TurnResult:
-        """One model turn of a session: placed in its tree, generated, recorded, parsed.
-        Template errors raise `TemplateError` (a 400 naming the field, in each protocol's shape)."""
+        """One model turn of a session: placed in its tree, generated (a forced tool call
+        constrained, `max_new_tokens` clamped by `clamp_max_tokens`), recorded, parsed. Template
+        errors raise `TemplateError`, tool and length errors `ToolChoiceError` (each a 400 naming
+        the field, in each protocol's shape)."""
         tree = self.sessions.setdefault(session_id, TrajectoryTree(self.history, self.realign_tokens))
         kwargs = {**self.chat_template_kwargs, **req.chat_template_kwargs}
         render_key = json.dumps([req.tools, kwargs], sort_keys=True, default=str)
         messages = [normalize_message(m, i) for i, m in enumerate(req.messages)]
         at = tree.place(messages, render_key, self.format.chat(req.tools, **kwargs))
-        params = {**self.default_sampling, **self.session_sampling.get(session_id, {}), **req.sampling}
+        defaults = {**self.default_sampling, **self.session_sampling.get(session_id, {})}
+        params = {**defaults, **req.sampling}
+        if params.get("max_new_tokens") is not None:  # the run's max_new_tokens caps what an agent asks for
+            params["max_new_tokens"] = clamp_max_tokens(
+                params["max_new_tokens"],
+                len(at.prompt_ids),
+                await self.context_length(),
+                defaults.get("max_new_tokens"),
+                req.max_field,
+            )
+        if req.forced is not None:
+            params |= forcing_fields(self.format, at.prompt_ids, normalize_tools(req.tools), req.forced)
+        if "json_schema" in req.sampling:  # a structured answer: after the reasoning a prompt opened
+            params |= json_answer_fields(self.format, at.prompt_ids, params.pop("json_schema"))
         if self.format.parses(req.tools, req.separate_reasoning):
             params["skip_special_tokens"] = False
         start = tree.routes_held(at)
@@ -175,6 +192,15 @@ class Gateway:
         )
         matched = meta.finish_reason.matched if meta.finish_reason else None
         return TurnResult(meta.id, reply, reason, matched, at.prompt_ids, ids, meta.weight_version, meta)
+
+    async def context_length(self) -> int:
+        """The engines' context length (`max_model_len` of `/v1/models`, SGLang's), asked once."""
+        if self._context_length is None:
+            lengths = [c["max_model_len"] for c in (await self.client.models())["data"] if c.get("max_model_len")]
+            if not lengths:
+                raise ServerError(self.client.base_url + "/v1/models", 502, "no model lists its max_model_len")
+            self._context_length = min(lengths)
+        return self._context_length
 
     def count_tokens(self, req: TurnRequest) -> int:
         """The prompt a new conversation of `req` would have (Anthropic's `count_tokens`)."""

@@ -4,11 +4,14 @@ and which session a request belongs to: the adapters and the core both import th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
 from slimish.formats.model import ParsedReply
+
+if TYPE_CHECKING:
+    from slimish.formats.tool_choice import ForcedTool
 
 
 @dataclass
@@ -21,6 +24,8 @@ class TurnRequest:
     sampling: dict[str, Any] = field(default_factory=dict)  # native sampling params the request set explicitly
     top_logprobs: int = 0
     separate_reasoning: bool = True
+    forced: ForcedTool | None = None  # tool_choice "required" or a named tool: the core constrains the reply
+    max_field: str = "max_tokens"  # the protocol's name for `sampling["max_new_tokens"]`, for its 400s
 
 
 @dataclass
@@ -35,6 +40,15 @@ class TurnResult:
     completion_ids: list[int]
     weight_version: str
     meta: Any  # the native MetaInfo (logprobs, top logprobs)
+
+
+def refused_field(data: dict[str, Any], refused: dict[str, tuple[str, tuple[Any, ...]]]) -> tuple[str, str] | None:
+    """The first field of a request body set to what the gateway cannot honour, as (field, message):
+    `refused` maps a field to why, and the values it accepts (null always is)."""
+    for name, (why, accepted) in refused.items():
+        if data.get(name) is not None and data[name] not in accepted:
+            return name, f"{name}: {why}"
+    return None
 
 
 def session_of(request: Request) -> str:

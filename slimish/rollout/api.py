@@ -27,7 +27,7 @@ from slimish.rollout.config import RolloutConfig
 from slimish.formats.model import ModelFormat
 from slimish.formats.tokens import ChatTokens, same_message
 from slimish.gateway.server import Gateway
-from slimish.moe import route_shape
+from slimish.moe import replay_shape
 from slimish.protocol import GenerateResponse, version_number
 from slimish.rollout.teacher import Teacher
 from slimish.types import GenerateResult, Sample, SampleStatus, reply_routes, status_of
@@ -79,12 +79,7 @@ def run_route_shape(cfg: RunConfig) -> tuple[int, int] | None:
     from the model's config; None when it asks for none. A dense model has nothing to replay."""
     if cfg.algorithm.routing_replay != "r3":
         return None
-    shape = route_shape(AutoConfig.from_pretrained(cfg.model))
-    if shape is None:
-        raise ValueError(
-            f"algorithm.routing_replay=r3 replays a mixture-of-experts model's routes; {cfg.model} is not one"
-        )
-    return shape
+    return replay_shape("r3", AutoConfig.from_pretrained(cfg.model), str(cfg.model))
 
 
 def to_result(

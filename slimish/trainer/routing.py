@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from slimish.moe import route_shape
-from slimish.types import Sample
+from slimish.moe import replay_shape
+from slimish.types import ROUTES_FLAG, Sample
 
 REPLAYED_STATS = ("route_agree", "route_replayed", "route_tokens")  # additive, summed as batch.py's STAT_KEYS
 
@@ -70,13 +70,8 @@ def expert_load(indices: Tensor, valid: Tensor, num_experts: int) -> Tensor:
 def route_state(mode: str, config: Any, model: str) -> RouteState | None:
     """The routing state of a trainer of `model` (its HF `config`): None for a dense model, where
     `algorithm.routing_replay` must be none (refused here, when the trainer starts)."""
-    shape = route_shape(config)
+    shape = replay_shape(mode, config, model)
     if shape is None:
-        if mode != "none":
-            raise ValueError(
-                f"algorithm.routing_replay={mode}: {model} is not a mixture-of-experts model (its config has no "
-                "num_experts_per_tok); set algorithm.routing_replay=none"
-            )
         return None
     text = getattr(config, "text_config", None) or config
     experts = getattr(text, "num_experts", None) or text.n_routed_experts
@@ -123,7 +118,7 @@ def check_replayable(samples: list[Sample]) -> None:
             raise ValueError(
                 f"sample {s.group_id}/{s.index}: routed_experts covers {have} positions, its trained tokens need "
                 f"{need}; algorithm.routing_replay=r3 needs the engine's routes on every sample (SGLang's "
-                "--enable-return-routed-experts)"
+                f"{ROUTES_FLAG})"
             )
 
 

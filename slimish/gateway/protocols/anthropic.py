@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from slimish.client import ServerError
 from slimish.formats.template import TemplateError
-from slimish.gateway.turns import TurnRequest, TurnResult, session_of
+from slimish.formats.tool_choice import ForcedTool, ToolChoiceError, forced_tool, function_tool
+from slimish.gateway.turns import TurnRequest, TurnResult, refused_field, session_of
 from slimish.protocol import describe_validation_error
 from slimish.serving import load_json
 
@@ -45,6 +46,12 @@ BLOCKS_OF = {"user": {"text", "tool_result"}, "assistant": {"text", "thinking", 
 # A thinking block must carry a signature for SDKs and harnesses to send it back; the gateway
 # verifies none (a reply sent back is matched by its content and calls), so it is a fixed tag.
 SIGNATURE = "slimish"
+# Fields of the API the gateway cannot honour: a 400 naming the field when set to anything but
+# what is listed (the fields it accepts and ignores are listed, with why, in docs/agents.md).
+REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "container": ("code execution containers run on Anthropic's side", ()),
+    "mcp_servers": ("MCP servers are called from Anthropic's side: offer their tools as tools instead", ()),
+}
 
 
 # ---- request bodies (unknown fields ignored, as Anthropic adds them often) -----------------------
@@ -96,14 +103,30 @@ class MessageParam(_Body):
 
 
 class Tool(_Body):
+    type: Literal["custom"] | None = None  # server tools (web search, code execution...) run on Anthropic's side
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
+    strict: bool | None = None
 
 
 class ToolChoice(_Body):
+    """`disable_parallel_tool_use` is not read: a forced reply is one call; with auto, the model
+    writes as many calls as it writes (docs/agents.md)."""
+
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
+
+
+class JSONOutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    """`format` constrains the reply; `effort` is ignored: the chat template decides how the model reasons."""
+
+    format: JSONOutputFormat | None = None
 
 
 class ThinkingConfig(_Body):
@@ -132,7 +155,9 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(None, ge=1)
     stop_sequences: list[str] | None = None
     stream: bool = False
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None  # {user_id}: accepted, for Anthropic's abuse detection; nothing here
+    output_config: OutputConfig | None = None
+    output_format: JSONOutputFormat | None = None  # the structured-outputs beta's name for output_config.format
 
 
 class AnthropicError(Exception):
@@ -159,7 +184,7 @@ def router(gateway: Gateway) -> APIRouter:
             session = _session(request)
             body = await parse_body(request, MessagesRequest)
             result = await gateway.turn(session, turn_request(body, sampling(body)))
-        except TemplateError as exc:
+        except (TemplateError, ToolChoiceError) as exc:
             return AnthropicError(400, str(exc)).response()
         except AnthropicError as exc:
             return exc.response()
@@ -175,7 +200,7 @@ def router(gateway: Gateway) -> APIRouter:
         """Renders only: no session is needed and nothing is recorded."""
         try:
             n = gateway.count_tokens(turn_request(await parse_body(request, CountTokensRequest)))
-        except TemplateError as exc:
+        except (TemplateError, ToolChoiceError) as exc:
             return AnthropicError(400, str(exc)).response()
         except AnthropicError as exc:
             return exc.response()
@@ -199,6 +224,9 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise AnthropicError(400, f"body: malformed JSON ({exc})") from None
     if not isinstance(data, dict):
         raise AnthropicError(400, f"body: expected a JSON object, got {type(data).__name__}")
+    bad = refused_field(data, REFUSED)
+    if bad is not None:
+        raise AnthropicError(400, bad[1])
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -220,7 +248,8 @@ def turn_request(body: CountTokensRequest, sampling: dict[str, Any] | None = Non
                     400, f"messages.{i}.content.{j}.type: {block.type} blocks are not allowed in {m.role} messages"
                 )
         messages += _assistant(m.content) if m.role == "assistant" else _user(m.content)
-    return TurnRequest(messages, tools(body), body.chat_template_kwargs or {}, sampling or {})
+    offered = tools(body)
+    return TurnRequest(messages, offered, body.chat_template_kwargs or {}, sampling or {}, forced=forced(body, offered))
 
 
 def _text(content: str | list[TextBlock]) -> str | list[dict[str, Any]]:
@@ -264,32 +293,39 @@ def _call(block: ToolUseBlock) -> dict[str, Any]:
 
 
 def tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
-    """The tools the model is offered, as OpenAI function tools: none when `tool_choice` is none."""
-    choice = body.tool_choice.type if body.tool_choice else "auto"
-    if choice not in ("auto", "none"):
-        raise AnthropicError(
-            400,
-            f"tool_choice: only 'auto' and 'none' are supported (forcing a tool needs constrained "
-            f"decoding), got {choice!r}",
-        )
-    if not body.tools or choice == "none":
+    """The tools the model is offered, as OpenAI function tools (`strict` kept, so a tool renders
+    as on the OpenAI protocols): none when `tool_choice` is none."""
+    if not body.tools or (body.tool_choice and body.tool_choice.type == "none"):
         return None
-    described = [
-        {
-            "name": t.name,
-            **({"description": t.description} if t.description is not None else {}),
-            "parameters": t.input_schema,
-        }
-        for t in body.tools
+    return [
+        function_tool(t.name, t.input_schema, t.description, t.strict, f"tools.{i}") for i, t in enumerate(body.tools)
     ]
-    return [{"type": "function", "function": fn} for fn in described]
+
+
+def forced(body: CountTokensRequest, offered: list[dict[str, Any]] | None) -> ForcedTool | None:
+    """`tool_choice` any (some tool) or tool (that one), read as OpenAI's "required" and named
+    function. The forced reply is one call, so `disable_parallel_tool_use` holds."""
+    choice = body.tool_choice
+    if choice is None or choice.type in ("auto", "none"):
+        return None
+    if choice.type == "any":
+        return forced_tool("required", offered)
+    if not choice.name:
+        raise AnthropicError(400, "tool_choice.name: required when tool_choice.type is 'tool'")
+    return forced_tool({"type": "function", "name": choice.name}, offered, "tool_choice.name")
 
 
 def sampling(body: MessagesRequest) -> dict[str, Any]:
-    """What the request set, in native names (the body's bounds are the engine's, so they are valid)."""
+    """What the request set, in native names (the body's bounds are the engine's, so they are
+    valid), and the grammar of a structured output (`output_config.format`)."""
     params = {
         ours: getattr(body, theirs) for theirs, ours in ANTHROPIC_SAMPLING.items() if getattr(body, theirs) is not None
     }
+    fmt = (body.output_config.format if body.output_config else None) or body.output_format
+    if fmt is not None:
+        if body.tool_choice and body.tool_choice.type in ("any", "tool"):
+            raise AnthropicError(400, "output_config.format: cannot be combined with forcing a tool (tool_choice)")
+        params["json_schema"] = json.dumps(fmt.schema_)
     return {"max_new_tokens": body.max_tokens, **params}
 
 

@@ -26,10 +26,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from slimish.formats.openai import OpenAIError, parse_body
-from slimish.gateway.protocols.openai_chat import openai_errors
+from slimish.formats.openai import OpenAIError, ResponseFormat
+from slimish.formats.tool_choice import forced_tool, function_tool
+from slimish.gateway.protocols.openai_chat import checked_body, openai_errors, token_logprobs
 from slimish.gateway.turns import TurnRequest, TurnResult, session_of
-from slimish.protocol import describe_validation_error
+from slimish.protocol import GRAMMAR_FIELDS, describe_validation_error
 
 if TYPE_CHECKING:
     from slimish.gateway.server import Gateway
@@ -66,6 +67,9 @@ class ResponsesRequest(_Lax):
     parallel_tool_calls: bool | None = None  # accepted; the model writes as many calls as it writes
     metadata: dict[str, str] | None = None
     text: TextConfig | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs" is honoured; the rest name items not made here
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    truncation: Literal["auto", "disabled"] | None = None  # echoed; never truncates (docs/agents.md)
     chat_template_kwargs: dict[str, Any] | None = None  # SGLang's extension, as on chat completions
 
 
@@ -74,6 +78,7 @@ class FunctionTool(_Lax):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class MessageItem(_Lax):
@@ -115,15 +120,24 @@ def router(gateway: Gateway) -> APIRouter:
     async def responses(request: Request) -> Response:
         async def answer() -> Response:
             session = session_of(request)
-            body = await parse_body(request, ResponsesRequest)
-            check_options(body)
+            body, _ = await checked_body(request, ResponsesRequest, REFUSED)
+            tools, params = chat_tools(body), sampling(body)
+            choice = forced_tool(body.tool_choice, tools)  # "required" or {"type": "function", "name"}
+            if choice is not None and any(name in params for name in GRAMMAR_FIELDS):
+                raise OpenAIError("tool_choice: forcing a tool cannot be combined with text.format", "tool_choice")
             history = store.get(session, body.previous_response_id) if body.previous_response_id else []
             conversation = [*history, *chat_messages(body.input)]
             if not conversation:
                 raise OpenAIError("input: no input items (and no previous_response_id)", "input")
             system = [{"role": "system", "content": body.instructions}] if body.instructions else []
             turn = TurnRequest(
-                [*system, *conversation], chat_tools(body), body.chat_template_kwargs or {}, sampling(body)
+                [*system, *conversation],
+                tools,
+                body.chat_template_kwargs or {},
+                params,
+                (body.top_logprobs or 0) if LOGPROBS in (body.include or []) else 0,
+                forced=choice,
+                max_field="max_output_tokens",
             )
             result = await gateway.turn(session, turn)
             reply = response_object(gateway, body, result)
@@ -166,24 +180,28 @@ class ResponseStore:
             del self.by_session[gone]
 
 
-def check_options(body: ResponsesRequest) -> None:
-    """What the gateway cannot honour is a 400, not silently ignored."""
-    if body.tool_choice not in (None, "auto", "none"):
-        raise OpenAIError(
-            "tool_choice: only 'auto' and 'none' are supported (forcing a tool needs constrained decoding)",
-            "tool_choice",
-        )
-    kind = (body.text.format or {}).get("type", "text") if body.text else "text"
-    if kind != "text":
-        raise OpenAIError(
-            f"text.format: only 'text' is supported (structured output needs constrained decoding), got {kind!r}",
-            "text.format",
-        )
+# Fields of the API the gateway cannot honour: a 400 naming the field when set to anything but
+# what is listed (the fields it accepts and ignores are listed, with why, in docs/agents.md).
+REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "background": ("the gateway answers each request as it is made, background responses are not supported", (False,)),
+    "conversation": ("the Conversations API is not served: send the history as input, or previous_response_id", ()),
+    "prompt": ("stored prompt templates live on OpenAI's side: send instructions and input instead", ()),
+    "context_management": ("server-side compaction is not supported", ()),
+}
+LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for the output text's logprobs
+
+
+def text_format(body: ResponsesRequest) -> tuple[dict[str, Any], dict[str, str]]:
+    """`text.format` as sent (echoed), and its grammar: json_schema and json_object constrain the
+    reply as `response_format` does on chat completions."""
+    fmt = (body.text.format if body.text else None) or {"type": "text"}
+    return fmt, _item(ResponseFormat, fmt, "text.format").sampling_fields()
 
 
 def chat_tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
-    """Responses function tools as chat tools (none when `tool_choice` is "none"); other tool
-    types (web search, file search, MCP...) run on OpenAI's side and have no equivalent here."""
+    """Responses function tools as chat tools, `strict` kept, so a tool renders as on chat
+    completions (none when `tool_choice` is "none"); other tool types (web search, file search,
+    MCP...) run on OpenAI's side and have no equivalent here."""
     tools = []
     for i, raw in enumerate(body.tools or []):
         if raw.get("type") != "function":
@@ -191,15 +209,14 @@ def chat_tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
                 f"tools.{i}.type: only function tools are supported, got {raw.get('type')!r}", f"tools.{i}.type"
             )
         tool = _item(FunctionTool, raw, f"tools.{i}")
-        fn = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
-        tools.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
+        tools.append(function_tool(tool.name, tool.parameters, tool.description, tool.strict, f"tools.{i}"))
     return tools if tools and body.tool_choice != "none" else None
 
 
 def sampling(body: ResponsesRequest) -> dict[str, Any]:
-    """What the request set explicitly, in native names."""
+    """What the request set explicitly, in native names, and the grammar of `text.format`."""
     params = {"temperature": body.temperature, "top_p": body.top_p, "max_new_tokens": body.max_output_tokens}
-    return {k: v for k, v in params.items() if v is not None}
+    return {k: v for k, v in params.items() if v is not None} | text_format(body)[1]
 
 
 def chat_messages(items: str | list[dict[str, Any]]) -> Conversation:
@@ -288,7 +305,7 @@ FINISH: dict[str, tuple[str, dict[str, str] | None, dict[str, str] | None]] = {
 def response_object(gateway: Gateway, body: ResponsesRequest, result: TurnResult) -> dict[str, Any]:
     """The Response as OpenAI's API returns it (every field the SDK's `Response` requires)."""
     status, details, failure = FINISH[result.finish_reason]
-    output = output_items(result)
+    output = output_items(result, token_logprobs(gateway, result) if LOGPROBS in (body.include or []) else [])
     if status == "incomplete" and output:
         output[-1]["status"] = "incomplete"  # the item the token limit cut off
     reasoning = result.reply.reasoning_content
@@ -312,11 +329,12 @@ def response_object(gateway: Gateway, body: ResponsesRequest, result: TurnResult
         "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
         "store": body.store is not False,
         "temperature": body.temperature,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": text_format(body)[0]},
         "tool_choice": body.tool_choice or "auto",
         "tools": body.tools or [],
+        "top_logprobs": body.top_logprobs,
         "top_p": body.top_p,
-        "truncation": "disabled",
+        "truncation": body.truncation or "disabled",
         "usage": {
             "input_tokens": n_in,
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
@@ -330,9 +348,10 @@ def response_object(gateway: Gateway, body: ResponsesRequest, result: TurnResult
     }
 
 
-def output_items(result: TurnResult) -> list[dict[str, Any]]:
-    """Reasoning, then the assistant message, then the function calls: the order in which the
-    model wrote them and in which `chat_messages` folds them back into one turn."""
+def output_items(result: TurnResult, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Reasoning, then the assistant message (with `logprobs`, those of the whole turn when asked
+    for, as on chat completions), then the function calls: the order in which the model wrote
+    them and in which `chat_messages` folds them back into one turn."""
     reply, items = result.reply, []
     if reply.reasoning_content:
         items.append(
@@ -351,7 +370,7 @@ def output_items(result: TurnResult) -> list[dict[str, Any]]:
                 "type": "message",
                 "role": "assistant",
                 "status": "completed",
-                "content": [{"type": "output_text", "text": reply.content, "annotations": [], "logprobs": []}],
+                "content": [{"type": "output_text", "text": reply.content, "annotations": [], "logprobs": logprobs}],
             }
         )
     for call in reply.tool_calls:
@@ -406,13 +425,13 @@ def events(response: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 def _content_events(index: int, item: dict[str, Any]) -> Iterator[dict[str, Any]]:
     kind, at = TEXT_EVENTS[item["type"]], {"item_id": item["id"], "output_index": index}
-    logprobs = {"logprobs": []} if kind == "output_text" else {}
     yield {
         "type": "response.output_item.added",
         "output_index": index,
         "item": {**item, "status": "in_progress", "content": []},
     }
     for c, part in enumerate(item["content"]):
+        logprobs = {"logprobs": part["logprobs"]} if kind == "output_text" else {}
         yield {"type": "response.content_part.added", **at, "content_index": c, "part": {**part, "text": ""}}
         yield {"type": f"response.{kind}.delta", **at, "content_index": c, "delta": part["text"], **logprobs}
         yield {"type": f"response.{kind}.done", **at, "content_index": c, "text": part["text"], **logprobs}
