@@ -296,6 +296,12 @@ def unflagged_url(moe_routes_engine: str) -> Any:
             r = await client.post(moe_routes_engine + "/generate", json=body)
         return JSONResponse(r.json(), status_code=r.status_code)
 
+    @app.get("/v1/models")  # the gateway reads the context length there (its max_tokens rule)
+    async def models() -> JSONResponse:
+        async with httpx.AsyncClient(timeout=30) as client:
+            r = await client.get(moe_routes_engine + "/v1/models")
+        return JSONResponse(r.json(), status_code=r.status_code)
+
     with serving(app, "the SGLang-without-the-flag double") as url:
         yield url
 

@@ -121,33 +121,27 @@ def forced_calls(choices: list[dict], names: set[str]) -> set[tuple[int, ...]]:
 
 
 @pytest.fixture(scope="module")
-def sampled(family_url) -> dict[str, tuple[list[dict], list[dict]]]:
-    """Family -> (100 replies forced to the named tool, 20 under "required"), at temperature 1. All
-    families' requests are in flight at once: each engine decodes on one thread (the suite runs with
-    OMP_NUM_THREADS=1), so nine engines keep every core busy where one at a time would not."""
+def sampled(family_url) -> dict[str, list[dict]]:
+    """Family -> 100 replies forced to the named tool at temperature 1. All families' requests are
+    in flight at once: each engine decodes on one thread (the suite runs with OMP_NUM_THREADS=1),
+    so nine engines keep every core busy where one at a time would not."""
     named = {"type": "function", "function": {"name": "convert"}}
     families = sorted(model_families.FAMILIES)
     urls = {family: family_url(family) for family in families}  # started here, one at a time
-    with ThreadPoolExecutor(len(families) * 2) as pool:
-        jobs = {
-            family: (
-                pool.submit(chat, urls[family], family, tool_choice=named, n=100),
-                pool.submit(chat, urls[family], family, tool_choice="required", n=20),
-            )
-            for family in families
-        }
-        return {family: (a.result(), b.result()) for family, (a, b) in jobs.items()}
+    with ThreadPoolExecutor(len(families)) as pool:
+        jobs = {family: pool.submit(chat, urls[family], family, tool_choice=named, n=100) for family in families}
+        return {family: job.result() for family, job in jobs.items()}
 
 
 @pytest.mark.parametrize("family", sorted(model_families.FAMILIES))
 def test_forced_calls_parse_and_validate_for_every_family(family, sampled, family_url, family_dirs):
     """100 samples of a named tool at temperature 1 (the fitted models always pick the calculator
     under "required", with much the same expression: the named tool's integer, enum and boolean
-    arguments are where samples differ), and 20 under "required"."""
+    arguments are where samples differ); "required" greedy below, and sampled through the gateway
+    (tests/test_gateway_structured.py, tests/test_agent_frameworks.py)."""
     url = family_url(family)
-    named, required = sampled[family]
+    named = sampled[family]
     assert len(named) == 100 and len(forced_calls(named, {"convert"})) > 1
-    assert len(required) == 20 and forced_calls(required, set(SCHEMAS))
 
     # Where the model would call anyway (a fitted conversation), forcing changes nothing: the
     # greedy forced reply is the family's own call, token for token (markers as single tokens).
