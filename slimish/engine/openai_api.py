@@ -40,12 +40,13 @@ from slimish.formats.openai import (
 from slimish.formats.template import TemplateError
 from slimish.formats.tool_choice import (
     ToolChoiceError,
+    check_forced_alone,
     clamp_max_tokens,
     forced_tool,
     forcing_fields,
     normalize_tools,
 )
-from slimish.protocol import GRAMMAR_FIELDS, SamplingParams
+from slimish.protocol import SamplingParams
 
 
 def build_openai_router(engine: Engine) -> APIRouter:
@@ -165,12 +166,8 @@ def chat_items(engine: Engine, body: ChatCompletionRequest) -> list[Item]:
         max_tokens = engine.default_max_new_tokens(max_tokens)
     params = sampling_params_of(body, max_tokens, max_field)
     if forced is not None:
-        if any(getattr(params, name) is not None for name in GRAMMAR_FIELDS):  # SGLang refuses this too
-            raise OpenAIError(
-                "tool_choice: 'required' or a named tool cannot be combined with response_format, regex, or ebnf",
-                "tool_choice",
-            )
         try:
+            check_forced_alone(forced, params.model_dump(), "response_format, regex or ebnf")
             fields = forcing_fields(engine.format, ids, offered, forced)
         except ToolChoiceError as exc:
             raise OpenAIError(str(exc), exc.field) from None

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from slimish.formats.tool_parsers import tool_call_parser
+from slimish.protocol import GRAMMAR_FIELDS
 
 if TYPE_CHECKING:
     from slimish.formats.model import ModelFormat
@@ -366,6 +367,13 @@ def json_answer_fields(fmt: ModelFormat, prompt: list[int], json_schema: str) ->
     thought = _bind(_seq({"type": "any_text", "excludes": [end]}, _const(end)), markers, [])
     answer = _seq(thought, {"type": "regex", "pattern": r"\n{0,2}"}, _schema(json.loads(json_schema)))
     return {"structural_tag": json.dumps({"type": "structural_tag", "format": answer}, ensure_ascii=False)}
+
+
+def check_forced_alone(forced: ForcedTool | None, sampling: Mapping[str, Any], structured: str) -> None:
+    """Forcing a tool is itself a grammar: a request that also asks for structured output
+    (`structured`: the protocol's name for it) is refused naming `tool_choice`, as SGLang does."""
+    if forced is not None and any(sampling.get(name) is not None for name in GRAMMAR_FIELDS):
+        raise ToolChoiceError(f"forcing a tool cannot be combined with {structured}")
 
 
 # ---- max_tokens ----------------------------------------------------------------------------------

@@ -126,18 +126,12 @@ def dropout_on(model: torch.nn.Module) -> Iterator[None]:
             m.eval()
 
 
-def _param_wrapper() -> type:
-    from peft.tuners.lora.layer import ParamWrapper
-
-    return ParamWrapper
-
-
 def expert_wrappers(model: PeftModel) -> dict[str, tuple[str, ParamWrapper]]:
     """PEFT state-dict prefix of each fused-experts adapter -> (the experts' module path, its wrapper)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
     return {
-        name: (name.replace(".base_layer", ""), m)
-        for name, m in model.named_modules()
-        if isinstance(m, _param_wrapper())
+        name: (name.replace(".base_layer", ""), m) for name, m in model.named_modules() if isinstance(m, ParamWrapper)
     }
 
 

@@ -22,7 +22,7 @@ from slimish.formats.openai import (
     sampling_params_of,
 )
 from slimish.formats.template import TemplateError
-from slimish.formats.tool_choice import ToolChoiceError, forced_tool, normalize_tools
+from slimish.formats.tool_choice import ToolChoiceError, check_forced_alone, forced_tool, normalize_tools
 from slimish.gateway.turns import TurnRequest, TurnResult, refused_field, session_of
 from slimish.protocol import GRAMMAR_FIELDS
 from slimish.serving import load_json
@@ -76,8 +76,7 @@ def router(gateway: Gateway) -> APIRouter:
             metadata = _metadata(data.get("metadata"))
             tools, params = active_tools(body), sampling(body)
             forced = forced_tool(body.tool_choice, normalize_tools(tools))
-            if forced is not None and any(name in params for name in GRAMMAR_FIELDS):
-                raise OpenAIError("tool_choice: forcing a tool cannot be combined with response_format", "tool_choice")
+            check_forced_alone(forced, params, "response_format")
             turn = TurnRequest(
                 body.messages,
                 tools,

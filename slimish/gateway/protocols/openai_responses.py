@@ -27,10 +27,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from slimish.formats.openai import OpenAIError, ResponseFormat
-from slimish.formats.tool_choice import forced_tool, function_tool
+from slimish.formats.tool_choice import check_forced_alone, forced_tool, function_tool
 from slimish.gateway.protocols.openai_chat import checked_body, openai_errors, token_logprobs
 from slimish.gateway.turns import TurnRequest, TurnResult, session_of
-from slimish.protocol import GRAMMAR_FIELDS, describe_validation_error
+from slimish.protocol import describe_validation_error
 
 if TYPE_CHECKING:
     from slimish.gateway.server import Gateway
@@ -123,8 +123,7 @@ def router(gateway: Gateway) -> APIRouter:
             body, _ = await checked_body(request, ResponsesRequest, REFUSED)
             tools, params = chat_tools(body), sampling(body)
             choice = forced_tool(body.tool_choice, tools)  # "required" or {"type": "function", "name"}
-            if choice is not None and any(name in params for name in GRAMMAR_FIELDS):
-                raise OpenAIError("tool_choice: forcing a tool cannot be combined with text.format", "tool_choice")
+            check_forced_alone(choice, params, "text.format")
             history = store.get(session, body.previous_response_id) if body.previous_response_id else []
             conversation = [*history, *chat_messages(body.input)]
             if not conversation:
