@@ -76,7 +76,11 @@ def test_pydantic_ai_agent_learns_a_toy_task_with_structured_output(tmp_path: Pa
         f"eval.source={tmp_path / 'held_out.jsonl'}",
         f"sft.source={tmp_path / 'sft.jsonl'}",
         "rollout.rollout_fn=rollout_plugins.pydantic_ai_agent:rollout",
-        "rollout.max_new_tokens=32",
+        # The call is 26 tokens as the model was taught to write it (EOS included), 30 with the
+        # whitespace the grammar allows; the grammar also allows any other split of its fixed text into
+        # the tiny vocabulary's tokens, which a T=1 sample takes now and then (27 tokens seen; one reply
+        # in ~3000 ran past a limit of 32 in CI, truncated). 64 leaves room for any plausible split.
+        "rollout.max_new_tokens=64",
         "rollout.overlong_buffer=0",  # the quickstart's length penalty is for its one-turn answers
         # RL has 12 steps: nothing pulls back to the demonstrations' random digit (the quickstart's
         # ptx, for its 150), and each batch trains as two mini-batches (the trainer idles >90% of a
@@ -100,4 +104,5 @@ def test_pydantic_ai_agent_learns_a_toy_task_with_structured_output(tmp_path: Pa
     failures = [line for line in done.stderr.splitlines() if "groups failed" in line]
     assert all(r["rollout/groups_failed"] == 0 for r in steps), failures[:3]
     # One model turn per run (the forced call ends it), always a whole call within max_new_tokens.
-    assert all(r["rollout/segments_per_trajectory"] == 1.0 and r["rollout/truncated"] == 0 for r in steps)
+    odd = [r for r in steps if r["rollout/segments_per_trajectory"] != 1.0 or r["rollout/truncated"] != 0]
+    assert not odd, [(r["step"], r["rollout/segments_per_trajectory"], r["rollout/truncated"]) for r in odd]
