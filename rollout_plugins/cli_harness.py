@@ -28,7 +28,8 @@ LIMITS = HarnessLimits(wall_s=120.0, cpu_s=60, memory_mb=2048)
 
 async def rollout(ctx, sample: Sample) -> list[Sample]:
     files = task_files(sample.prompt, sample.metadata)
-    with await run_harness([sys.executable, str(AGENT)], env=await ctx.agent_env(), limits=LIMITS, files=files) as run:
+    env, readable = await ctx.agent_env(), [AGENT.parent]  # the sandbox shows the program its own code
+    with await run_harness([sys.executable, str(AGENT)], env, LIMITS, files, readable=readable) as run:
         reward = score(run.workdir, sample.label)
     return scored(ctx, sample, run, reward)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -87,8 +88,10 @@ class Rollout:
         with start_servers(run_launch(cfg), cfg.model, Path(cfg.run_dir) / "logs") as servers:
             try:
                 asyncio.run(rollout_to_jsonl(cfg, servers.router_url, fns, data, steps, Path(args.out)))
-            except (RolloutStalled, RolloutFailing) as exc:
+            except RolloutStalled as exc:
                 raise SystemExit(f"slimish rollout: {exc}") from None
+            except RolloutFailing as exc:  # nothing to resume: what finished is in --out already
+                raise SystemExit(f"slimish rollout: {exc}, then run it again") from None
         return 0
 
 
@@ -101,6 +104,10 @@ def command(name: str) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # As `python -m slimish.cli` does: `--rollout-fn my_pkg.mod:fn` names a module of the working
+    # directory (a console script's sys.path starts at its own bin directory instead).
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     parser = argparse.ArgumentParser(prog="slimish", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (_, help_text) in COMMANDS.items():

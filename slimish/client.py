@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,6 +31,8 @@ from slimish.protocol import (
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDistributedReq,
 )
+
+RECONNECT_EVERY_S = 0.2  # while a server is gone (`reconnect_s`), a request is sent again this often
 
 
 class ServerError(RuntimeError):
@@ -66,14 +69,29 @@ def _message(status: int, raw: bytes) -> str:
     return text
 
 
+def _gone(exc: BaseException) -> bool:
+    """No reply because the server is not there (refused, reset, closed mid-reply), as opposed to
+    a server too slow to answer (a timeout: sending again would only add load)."""
+    return isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)) and not isinstance(
+        exc, asyncio.TimeoutError
+    )
+
+
 class Client:
     """One server. Long timeouts by default: a generate call lasts as long as its tokens take.
 
     The aiohttp session is opened on first use, on the event loop that uses it; a client stays
     on that loop."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+    def __init__(
+        self, base_url: str, api_key: str | None = None, timeout: float = 600.0, reconnect_s: float = 0.0
+    ) -> None:
+        """`reconnect_s`: how long a request that got no reply because the server was gone
+        (refused, or the connection cut before a whole reply) is sent again, for a server that
+        comes back on the same port (a run's router, restarted by its launcher). Only for
+        requests safe to repeat: a reply never read recorded nothing (a generate's tokens)."""
         self.base_url = base_url.rstrip("/")
+        self.reconnect_s = reconnect_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
@@ -112,11 +130,17 @@ class Client:
         """The reply's JSON (None for an empty body)."""
         url = self.base_url + path
         kw = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout else {}
-        try:
-            async with self.session.request(method, url, json=body, headers=headers, **kw) as r:
-                raw = await r.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise ServerUnreachable(url, exc) from exc
+        gone_since: float | None = None
+        while True:
+            try:
+                async with self.session.request(method, url, json=body, headers=headers, **kw) as r:
+                    raw = await r.read()
+                break
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                gone_since = gone_since or time.monotonic()
+                if not _gone(exc) or time.monotonic() - gone_since >= self.reconnect_s:
+                    raise ServerUnreachable(url, exc) from exc
+            await asyncio.sleep(RECONNECT_EVERY_S)
         if r.status >= 400:
             raise ServerError(url, r.status, _message(r.status, raw))
         return json.loads(raw) if raw else None

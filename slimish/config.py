@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from slimish.buffer import BufferConfig
 from slimish.flags import describe_config
+from slimish.gateway.config import GatewayConfig
 from slimish.launch.config import LaunchConfig
 from slimish.metrics import MetricsConfig
 from slimish.rollout.config import ZERO_VARIANCE_FILTER, DataConfig, EvalConfig, RolloutConfig
@@ -50,6 +51,7 @@ class RunConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -88,6 +90,8 @@ class RunConfig:
                 "algorithm.advantage=gae with trainer.lora: the critic would be a second full model trained in full, "
                 "which LoRA is meant to avoid; use a reward-only advantage (e.g. grpo) with LoRA"
             )
+        if self.algorithm.true_on_policy:
+            check_true_on_policy(self)
         sync = self.weight_sync
         if (
             self.trainer.lora.enabled
@@ -108,6 +112,20 @@ class RunConfig:
             import ray.util
 
             sync.master_address = ray.util.get_node_ip_address()
+
+
+def check_true_on_policy(cfg: RunConfig) -> None:
+    """algorithm.true_on_policy's requirements: both sides must run slimish's batch-invariant kernels."""
+    needs = {
+        "launch.engine_kind=builtin (SGLang's kernels are not the trainer's)": cfg.launch.engine_kind == "builtin",
+        "trainer.backend=torch (Megatron's kernels are not the engine's)": cfg.trainer.backend == "torch",
+        "trainer.lora.enabled=false": not cfg.trainer.lora.enabled,
+        "async_training=false (an async step trains on older weights' samples)": not cfg.async_training,
+        "trainer.dtype=float32 (or its CPU default)": cfg.trainer.dtype in (None, "float32"),
+    }
+    missing = [what for what, ok in needs.items() if not ok]
+    if missing:
+        raise ValueError(f"algorithm.true_on_policy needs {'; '.join(missing)}")
 
 
 # Old key -> its new name: still read for a release, with a warning.

@@ -85,7 +85,7 @@ class SamplingParams(BaseModel):
     min_new_tokens: int = Field(0, ge=0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)  # SGLang's bound: past it a logprob can overflow
     sampling_seed: int | None = None
     logit_bias: dict[str, float] | None = None
     stream_interval: int | None = None

@@ -122,6 +122,7 @@ class Driver:
         self.manager = RolloutManager(self.runtime, PromptData(cfg.data), Buffer(Staleness.of(cfg.buffer)), fns)
         self.eval_sets = eval_sets(cfg, fns.rollout_fn, fns.reward_fn, load_function)
         self.servers = servers
+        self.router_restarts = 0
         self.sync = self._weight_sync()
         stack.callback(lambda: self.sync.close())  # the one in use then: a restart replaces it
         self.run_log = RunLog(cfg.run_dir, cfg.steps, start_step, wandb=cfg.metrics.wandb, config=cfg)
@@ -177,7 +178,15 @@ class Driver:
         with self.phase("push"):
             pushed = self.sync.push(trainer.export(), version)  # every rank takes part (Megatron gathers)
         self.loop.run(self.manager.weights_pushed(version))
-        return {"time/weight_push": pushed["seconds"], "launch/engines_restarted": float(len(restarted))}
+        routers = self.servers.router_restarts() - self.router_restarts  # by its watch, at once (launch/local.py)
+        if routers:
+            self.run_log.message(f"router {self.servers.router_url} had exited: restarted on its port")
+        self.router_restarts += routers
+        return {
+            "time/weight_push": pushed["seconds"],
+            "launch/engines_restarted": float(len(restarted)),
+            "launch/router_restarted": float(routers),
+        }
 
     def evaluate(self) -> dict[str, float]:
         metrics: dict[str, float] = {}
@@ -452,11 +461,13 @@ def dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
 def checked_train(cfg: RunConfig) -> int:
     """`train`, with the user's functions loaded (so checked) before any server starts, the run
     using those same objects, and a run stopped by them (stalled, or failing the same way again
-    and again) ending on its reason, not a traceback."""
+    and again), or by a full disk under its checkpoints, ending on its reason, not a traceback."""
     try:
         train(cfg, RolloutFunctions.load(cfg.rollout, load_function))
-    except (LoadError, RolloutStalled, RolloutFailing) as exc:
+    except (LoadError, RolloutStalled, checkpoint.CheckpointError) as exc:
         raise SystemExit(f"slimish train: {exc}") from None
+    except RolloutFailing as exc:  # its checkpoints are kept: the run goes on from the last one
+        raise SystemExit(f"slimish train: {exc}, then resume with --resume auto") from None
     return 0
 
 

@@ -348,6 +348,20 @@ def quickstart_argv(tmp_path: Path, *overrides: str, model: Path, config: str = 
     ]
 
 
+def rollout_once(tmp_path: Path, model: Path, router: str, source: str, flags: list[str], *overrides: str) -> list:
+    """`slimish rollout --steps 1` in this process, 2 prompts x 2 samples from `source` in order, on
+    the engines behind `router`: the samples it wrote (`overrides` add to or replace the settings)."""
+    from slimish import cli
+    from slimish.types import Sample
+
+    out = tmp_path / "samples.jsonl"
+    argv = ["rollout", "--steps", "1", "--out", str(out), *flags, f"model={model}", f"data.source={source}"]
+    argv += ["data.shuffle=false", f"launch.router_url={router}", f"run_dir={tmp_path}"]
+    argv += ["rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2", *overrides]
+    assert cli.main(argv) == 0
+    return [Sample.from_dict(json.loads(line)) for line in out.read_text().splitlines()]
+
+
 def run_quickstart(
     tmp_path: Path,
     *overrides: str,
@@ -428,11 +442,16 @@ async def rollout(ctx, sample):
 
 
 def assert_run_survives_an_engine_kill(
-    tmp_path: Path, kill: str, *overrides: str, env: dict[str, str] | None = None
+    tmp_path: Path,
+    kill: str,
+    *overrides: str,
+    env: dict[str, str] | None = None,
+    restarted: str = "launch/engines_restarted",
 ) -> None:
     """A 4-step run on 2 engines in which `kill` kills one mid-rollout of step 3: the router
     retries its requests elsewhere, the run restarts it before the next push, and the run
-    finishes with every prompt trained once, none failed, and step 4 on step 3's weights."""
+    finishes with every prompt trained once, none failed, and step 4 on step 3's weights.
+    With `restarted="launch/router_restarted"`, `kill` kills the router instead."""
     from slimish.metrics import read_metrics
     from slimish.tiny_model import make_tiny_model
 
@@ -464,7 +483,7 @@ def assert_run_survives_an_engine_kill(
     assert (tmp_path / "killed").exists()  # the fault did happen
 
     rows = [r for r in read_metrics(run_dir) if r["step"] >= 1]
-    assert [r["launch/engines_restarted"] for r in rows] == [0.0, 0.0, 1.0, 0.0]
+    assert [r[restarted] for r in rows] == [0.0, 0.0, 1.0, 0.0]
     assert sum(r["rollout/groups_failed"] for r in rows) == 0  # the router retried the dead engine's requests
     trained = [json.loads(line) for line in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
     assert sorted(i for t in trained for i in t["group_ids"]) == list(range(16))  # every prompt once

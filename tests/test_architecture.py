@@ -34,6 +34,7 @@ FLOORS = [
         "schema",
         "flags",
         "moe",
+        "batch_invariant",
     },
     {"formats", "tiny_model"},
     {"client", "engine"},

@@ -7,26 +7,23 @@ the engine logs no traceback (a scheduler step that failed would abort everyone'
 HTTP 200), and afterwards both still answer /health and generate exactly what they generated before.
 
 Generation is kept cheap by the servers' own limits (`max_new_tokens_cap` 8, room for 64
-sequences), which the fuzzer thereby exercises too. `derandomize` makes every run send the same
-cases, so a failure reproduces; the assertion message carries the case as a curl command.
+sequences), which the fuzzer thereby exercises too. The cases reproduce (tests/fuzzing.py).
 """
 
 from __future__ import annotations
 
 import httpx
 import pytest
-import schemathesis
-from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
 from slimish.launch.local import engine_process
 
+from fuzzing import BOTH, fuzz
 from helpers import running_router
 
 pytestmark = pytest.mark.slow  # ~1-2 min: 2,400+ requests
 
 LIMITS = {"max_new_tokens_cap": 8, "max_running_requests": 8, "max_queued_requests": 56}
-BOTH = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
 SERVING = {
     ("POST", "/generate"): (200, BOTH),
     ("POST", "/v1/completions"): (200, BOTH),
@@ -65,36 +62,6 @@ ROUTER_OPS = {
     ("GET", "/workers/{worker_id}"): (15, (GenerationMode.POSITIVE,)),
 }
 PROBE = {"input_ids": [5, 17, 42, 99], "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}}
-
-
-def fuzz(url: str, operations: dict[tuple[str, str], tuple[int, tuple[GenerationMode, ...]]]) -> int:
-    """Send every operation's cases; returns how many requests went out."""
-    schema = schemathesis.openapi.from_url(url + "/openapi.json")
-    sent = 0
-    for (method, path), (examples, modes) in operations.items():
-        operation = schema[path][method]
-        for mode in modes:
-
-            @settings(
-                max_examples=examples,
-                deadline=None,
-                database=None,
-                derandomize=True,
-                suppress_health_check=list(HealthCheck),
-            )
-            @given(case=operation.as_strategy(generation_mode=mode))
-            def one(case: schemathesis.Case) -> None:
-                nonlocal sent
-                sent += 1
-                r = case.call(base_url=url, timeout=60)
-                assert r.status_code < 500, (
-                    f"{method} {path} -> {r.status_code}: {r.text[:500]}\n{case.as_curl_command()}"
-                )
-                if "application/json" in r.headers.get("content-type", [""])[0]:
-                    r.json()
-
-            one()
-    return sent
 
 
 def probe(url: str) -> list[int]:

@@ -33,19 +33,31 @@ def run(code: str, env: dict[str, str] | None = None, limits: HarnessLimits = FA
     return asyncio.run(run_harness([sys.executable, "-c", code], env or {}, limits, **kw))
 
 
-def gone(pid: int, within_s: float = 3.0) -> bool:
-    """Whether `pid` has died (a zombie counts: PID 1 of a container may never reap it)."""
-    deadline = time.monotonic() + within_s
-    while True:
+def running(marker: str) -> list[int]:
+    """The host's live processes whose command line holds `marker` (a sandboxed program sees only
+    its own PID namespace, so it cannot tell the host its pid; a zombie counts as dead: PID 1 of a
+    container may never reap it)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
         try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or during the read
-            return True
-        if state in ("Z", "X"):
-            return True
+            if (
+                marker in (proc / "cmdline").read_text()
+                and (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+            ):
+                pids.append(int(proc.name))
+        except (OSError, ValueError, IndexError):  # not a process, or gone during the read
+            pass
+    return pids
+
+
+def gone(marker: str, within_s: float = 3.0) -> bool:
+    """Whether every process with `marker` in its command line has died."""
+    deadline = time.monotonic() + within_s
+    while running(marker):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
+    return True
 
 
 # ---- the runner ------------------------------------------------------------------------------
@@ -92,8 +104,7 @@ def test_stdout_and_stderr_are_captured_bounded_and_the_exit_code_kept() -> None
 
 SLEEPER_WITH_CHILD = """
 import signal, subprocess, sys, time
-child = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])
-print(child.pid, flush=True)
+child = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60) # sleeper-child'])
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL ends it
 time.sleep(60)
 """
@@ -108,17 +119,19 @@ def test_a_program_past_its_wall_budget_is_killed_with_its_children() -> None:
         assert r.infra_error is not None and "timed out" in r.infra_error
         assert took < limits.wall_s + limits.kill_grace_s + 1.5, took
         assert limits.wall_s <= r.seconds <= took
-        assert gone(int(r.stdout.split()[0])), "the program's child survived the kill"
+        assert gone("# sleeper-child"), "the program's child survived the kill"
 
 
 def test_children_left_running_by_a_finished_program_are_killed() -> None:
     """A background child that holds the output pipes would otherwise keep the run (and the pipes) open."""
-    code = "import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']).pid)"
+    code = (
+        "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60) # left-child'])"
+    )
     start = time.monotonic()
     with run(code) as r:
         assert r.exit_code == 0 and not r.timed_out and r.infra_error is None
         assert time.monotonic() - start < 5
-        assert gone(int(r.stdout.split()[0]))
+        assert gone("# left-child")
 
 
 def test_a_program_allocating_past_its_memory_limit_fails_instead_of_taking_the_machine() -> None:
@@ -154,29 +167,30 @@ def test_bad_arguments_raise() -> None:
         asyncio.run(run_harness(["true"], {}, HarnessLimits(wall_s=0)))
     with pytest.raises(ValueError):
         asyncio.run(run_harness(["true"], {}, HarnessLimits(memory_mb=-1)))
+    with pytest.raises(ValueError, match="processes must be a positive int, got None"):
+        asyncio.run(run_harness(["true"], {}, HarnessLimits(processes=None)))  # type: ignore[arg-type]
 
 
-def test_cancelling_a_run_kills_the_program_and_removes_its_workdir(tmp_path: Path) -> None:
+def test_cancelling_a_run_kills_the_program_and_removes_its_workdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The end of a rollout step cancels leftover rollouts: their harnesses must not live on."""
-    report = tmp_path / "report.json"
-    code = (
-        "import json, os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(json.dumps([os.getpid(), os.getcwd()])); "
-        "os.rename(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(60)"
-    )
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where its working directory is made
+    code = "import time; time.sleep(60) # cancelled-run"
 
-    async def main() -> list:
-        task = asyncio.create_task(run_harness([sys.executable, "-c", code, str(report)], {}, FAST))
-        while not report.exists():
+    async def main() -> None:
+        task = asyncio.create_task(run_harness([sys.executable, "-c", code], {}, FAST))
+        while not running("# cancelled-run"):
             assert not task.done(), task.result()
             await asyncio.sleep(0.05)
+        assert [p.name[:8] for p in tmp_path.iterdir()] == ["harness-"]
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        return json.loads(report.read_text())
 
-    pid, cwd = asyncio.run(main())
-    assert gone(pid)
-    assert not Path(cwd).exists()
+    asyncio.run(main())
+    assert gone("# cancelled-run")
+    assert not list(tmp_path.iterdir())
 
 
 def test_harnesses_run_concurrently_on_one_loop() -> None:
@@ -223,7 +237,8 @@ def fake_model(fake_server: FakeModel) -> FakeModel:
 
 def run_agent(model: FakeModel, numbers: list[int], **kw: Any) -> HarnessRun:
     env, files = gateway_env(model.url, "session-key-1"), task_files(TASK, {"numbers": numbers})
-    return asyncio.run(run_harness([sys.executable, str(AGENT)], env, HarnessLimits(wall_s=60), files, **kw))
+    limits = HarnessLimits(wall_s=60)
+    return asyncio.run(run_harness([sys.executable, str(AGENT)], env, limits, files, readable=[AGENT.parent], **kw))
 
 
 def test_the_agent_does_the_task_with_tool_calls_and_the_checker_gives_1(fake_model: FakeModel) -> None:

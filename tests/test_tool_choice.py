@@ -2,7 +2,7 @@
 the `max_tokens` rule (slimish/formats/tool_choice.py), on the engine's `/v1/chat/completions`.
 
 For every model family (tests/model_families.FAMILIES, real tokenizer and template, the fitted
-tiny models of tests/family_cases.py), 100 replies sampled at temperature 1 under the constraint
+tiny models of tests/family_cases.py), 32 replies sampled at temperature 1 under the constraint
 all parse with the family's own tool-call parser as a call to an offered tool, arguments valid
 against its JSON schema. Every parser's constraint, those of formats no family here uses
 (Kimi-K2, Mistral, pythonic) included, is also checked on the grammar alone: random walks through
@@ -72,6 +72,7 @@ SHORT_CALCULATOR = {
 TOOLS = [SHORT_CALCULATOR, CONVERT]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 CASE_OF = {c.family: c for c in CASES if not c.kwargs}  # a family's plain case (its system prompt was fitted)
+SAMPLES = 32  # forced replies per family at temperature 1, each of which must parse and validate
 
 
 # ---- every family, on its engine ----------------------------------------------------------------
@@ -122,26 +123,26 @@ def forced_calls(choices: list[dict], names: set[str]) -> set[tuple[int, ...]]:
 
 @pytest.fixture(scope="module")
 def sampled(family_url) -> dict[str, list[dict]]:
-    """Family -> 100 replies forced to the named tool at temperature 1. All families' requests are
+    """Family -> 32 replies forced to the named tool at temperature 1. All families' requests are
     in flight at once: each engine decodes on one thread (the suite runs with OMP_NUM_THREADS=1),
     so nine engines keep every core busy where one at a time would not."""
     named = {"type": "function", "function": {"name": "convert"}}
     families = sorted(model_families.FAMILIES)
     urls = {family: family_url(family) for family in families}  # started here, one at a time
     with ThreadPoolExecutor(len(families)) as pool:
-        jobs = {family: pool.submit(chat, urls[family], family, tool_choice=named, n=100) for family in families}
+        jobs = {family: pool.submit(chat, urls[family], family, tool_choice=named, n=SAMPLES) for family in families}
         return {family: job.result() for family, job in jobs.items()}
 
 
 @pytest.mark.parametrize("family", sorted(model_families.FAMILIES))
 def test_forced_calls_parse_and_validate_for_every_family(family, sampled, family_url, family_dirs):
-    """100 samples of a named tool at temperature 1 (the fitted models always pick the calculator
+    """32 samples of a named tool at temperature 1 (the fitted models always pick the calculator
     under "required", with much the same expression: the named tool's integer, enum and boolean
     arguments are where samples differ); "required" greedy below, and sampled through the gateway
     (tests/test_gateway_structured.py, tests/test_agent_frameworks.py)."""
     url = family_url(family)
     named = sampled[family]
-    assert len(named) == 100 and len(forced_calls(named, {"convert"})) > 1
+    assert len(named) == SAMPLES and len(forced_calls(named, {"convert"})) > 1
 
     # Where the model would call anyway (a fitted conversation), forcing changes nothing: the
     # greedy forced reply is the family's own call, token for token (markers as single tokens).

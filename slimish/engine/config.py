@@ -72,6 +72,13 @@ class EngineConfig:
         'faster per decode step on CPU in interleaved A/B runs, benchmarks/README.md) or "sdpa" (HF\'s SDPA). Prefill '
         "always uses SDPA, so the two differ only by rounding.",
     )
+    enable_deterministic_inference: bool = doc(
+        False,
+        "SGLang's flag: a sequence's logits, and so its log-probs and (with a `sampling_seed`) its tokens, are bit "
+        "for bit independent of its batch mates, the batch size, prefill pages and prefix-cache hits: batch-invariant "
+        "kernels (slimish/batch_invariant.py) on one intra-op thread, the ones the trainer uses with "
+        "algorithm.true_on_policy. Dense models without LoRA; costs throughput (benchmarks/true_on_policy.py).",
+    )
     await_weights: bool = doc(
         False,
         "Serve nothing (503, /health included) until a weight push has set every parameter: for an engine that joins "
@@ -124,6 +131,16 @@ class EngineConfig:
         if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
             raise ValueError(
                 f"max_loaded_loras ({self.max_loaded_loras}) must be >= max_loras_per_batch ({self.max_loras_per_batch})"
+            )
+        if self.enable_deterministic_inference and (self.enable_lora or self.lora_paths):
+            raise ValueError(
+                "enable_deterministic_inference (--enable-deterministic-inference): not with LoRA serving "
+                "(enable_lora, lora_paths); the adapters' kernels are not batch-invariant"
+            )
+        if self.enable_deterministic_inference and self.device != "cpu":
+            raise ValueError(
+                "enable_deterministic_inference (--enable-deterministic-inference): the built-in engine's batch-invariant "
+                f"kernels are made and measured for CPU (MKL); device is {self.device!r}"
             )
         if self.tp_size != 1:
             raise ValueError(

@@ -84,8 +84,16 @@ class Engine:
         # this class's methods (on the scheduler thread, between steps, where they change state).
         self.route_shape = route_shape(self.model.config)  # (layers, top_k); None: a dense model
         capture = cfg.enable_return_routed_experts and self.route_shape is not None
+        if cfg.enable_deterministic_inference:
+            torch.set_num_threads(1)  # batch-invariant kernels need a row never split between threads
         self._runner = Runner(
-            self.model, cfg.page_size, prefix_cache, self.lora, cfg.decode_attention_backend, capture_routes=capture
+            self.model,
+            cfg.page_size,
+            prefix_cache,
+            self.lora,
+            cfg.decode_attention_backend,
+            capture_routes=capture,
+            deterministic=cfg.enable_deterministic_inference,
         )
         self._scheduler = Scheduler(
             self._runner,

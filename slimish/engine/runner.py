@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from slimish import moe
+from slimish.batch_invariant import make_batch_invariant
 from slimish.engine.attention import use_decode_attention
 from slimish.engine.config import EngineConfig
 from slimish.engine.lora import LoraManager
@@ -242,7 +243,8 @@ class Runner:
     `lora`, each row is run with its own adapter (None: the base model); the scheduler has given
     each one a slot. `decode_attention_backend` is how one-token forwards attend (attention.py).
     `capture_routes`: record the routers' choices (a MoE model only; `decode_routes` holds the
-    last decode step's)."""
+    last decode step's). `deterministic` (`--enable-deterministic-inference`): every forward runs
+    batch-invariant kernels (batch_invariant.py), whatever the decode attention backend says."""
 
     def __init__(
         self,
@@ -252,8 +254,12 @@ class Runner:
         lora: LoraManager | None = None,
         decode_attention_backend: str = EngineConfig.decode_attention_backend,
         capture_routes: bool = False,
+        deterministic: bool = False,
     ) -> None:
-        use_decode_attention(model, decode_attention_backend)
+        if deterministic:
+            make_batch_invariant(model)
+        else:
+            use_decode_attention(model, decode_attention_backend)
         self.model = model
         self.device = model.device
         self.page_size = page_size

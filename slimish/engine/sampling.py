@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from slimish.batch_invariant import log_softmax
 from slimish.engine.grammar import mask_logits
 from slimish.protocol import TOP_K_OFF, SamplingParams
 
@@ -81,11 +82,13 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> tuple[list[int], torch
     """
     logits = logits.clone()
     _adjust_logits(logits, rows)
-    temps = torch.tensor([temperature_of(r.params) for r in rows], device=logits.device)
-    # Extreme penalties or biases can push a logit to +inf, where softmax turns to NaN; the
-    # largest finite value keeps the distribution (a -inf mask stays -inf).
-    scaled = (logits / temps[:, None]).clamp(max=torch.finfo(logits.dtype).max)
-    logprobs = torch.log_softmax(scaled, dim=-1)
+    # A temperature past float32's range would be inf (a grammar's -inf mask / inf = NaN), and
+    # extreme penalties or biases can push a logit to +inf (softmax: NaN): the largest finite
+    # value keeps the distribution in both cases (a -inf mask stays -inf).
+    top = torch.finfo(logits.dtype).max
+    temps = torch.tensor([temperature_of(r.params) for r in rows], device=logits.device).clamp(max=top)
+    scaled = (logits / temps[:, None]).clamp(max=top)
+    logprobs = log_softmax(scaled)  # the trainer's arithmetic (batch_invariant.py)
     tokens = scaled.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if r.params.temperature >= SAMPLING_EPS]
     if sampled:

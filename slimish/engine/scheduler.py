@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from slimish.batch_invariant import log_softmax
 from slimish.engine.runner import KVBatch, KVSlab, PrefillOutput, Runner, use_device
 from slimish.engine.sampling import RowState, sample, temperature_of
 from slimish.protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
@@ -404,7 +405,7 @@ class Scheduler:
     def _input_logprobs(self, req: Sequence, logits: torch.Tensor) -> None:
         """Logprobs of prompt tokens from `logprob_start_len` on; the first token has none."""
         # row r of `logits` is position `first + r`, which predicts token `first + r + 1`
-        lp = torch.log_softmax(logits / temperature_of(req.params), dim=-1)
+        lp = log_softmax(logits / temperature_of(req.params))
         ids, start, w, first = req.input_ids, req.wish.logprob_start_len, req.wish, self._logits_from(req)
         positions = range(start, len(ids))
         req.input_logprobs = [None if j == 0 else float(lp[j - 1 - first, ids[j]]) for j in positions]

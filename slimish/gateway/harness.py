@@ -12,12 +12,13 @@ call, and the rollout function scores the files the program left in its working 
 
 `run_harness` never raises for anything the program does: a crash, a hang, a flood of output or a
 missing executable comes back as a `HarnessRun` whose `infra_error` says why the run tells nothing
-about the policy. Each run has its own session (process group), so a timed-out program is killed
-with every child it started. Limits are POSIX resource limits set in the child before `exec`:
-they are per process (each child gets the same allowance, not a share) and a program running as
-root can raise them again; a process that leaves the group (`setsid`, a double fork into a new
-session) escapes the kill. Containers or cgroups are the stronger fence; this runner is the part
-that works everywhere, with no privileges.
+about the policy. Programs run in a bubblewrap sandbox (`sandbox.py`: a private filesystem, its
+own PID namespace, user and limits, no network but its gateway); a host that cannot make one
+gets the plain runner, with a warning of what is then not enforced. The plain runner gives each
+run its own session (process group), so a timed-out program is killed with every child it
+started; its limits are POSIX resource limits set in the child before `exec`, per process (each
+child gets the same allowance, not a share), which a program running as root can raise again,
+and a process that leaves the group (`setsid`) escapes its kill.
 """
 
 from __future__ import annotations
@@ -32,10 +33,14 @@ import stat
 import subprocess
 import tempfile
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from slimish.gateway import sandbox
+from slimish.gateway.sandbox import Sandbox
 
 # Once the group is dead its pipes close: a pipe still open after this long is held by a process
 # that left the group (its own session), and is no longer read.
@@ -52,6 +57,9 @@ class HarnessLimits:
     memory_mb: int | None = None  # RLIMIT_AS, per process: allocations past it fail (MemoryError, ENOMEM)
     output_bytes: int = 1 << 20  # stdout and stderr kept up to this much each (the rest dropped, counted)
     kill_grace_s: float = 2.0  # between SIGTERM and SIGKILL: time for the program to flush its files
+    processes: int = 512  # sandbox: RLIMIT_NPROC of its own user (processes and threads, all of them together)
+    disk_mb: int = 1024  # sandbox: size of its working directory's tmpfs, and of its /tmp's
+    sandbox: bool = True  # run in the bubblewrap sandbox (sandbox.py); False, or a host without it: the plain runner
 
     def check(self) -> None:
         """Bad limits are the caller's bug: raised at the call, not found later as a strange run."""
@@ -59,10 +67,13 @@ class HarnessLimits:
             raise ValueError(
                 f"HarnessLimits: wall_s must be > 0 and kill_grace_s >= 0, got {self.wall_s}, {self.kill_grace_s}"
             )
-        for name in ("cpu_s", "memory_mb"):
+        for name in ("cpu_s", "memory_mb", "processes", "disk_mb"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ValueError(f"HarnessLimits: {name} must be a positive int or None, got {value!r}")
+            optional = name in ("cpu_s", "memory_mb")
+            if (value is not None or not optional) and (not isinstance(value, int) or value <= 0):
+                raise ValueError(
+                    f"HarnessLimits: {name} must be a positive int{' or None' if optional else ''}, got {value!r}"
+                )
         if self.output_bytes < 0:
             raise ValueError(f"HarnessLimits: output_bytes must be >= 0, got {self.output_bytes}")
 
@@ -84,6 +95,7 @@ class HarnessRun:
     infra_error: str | None  # why the run says nothing about the policy: timed out, killed by a signal, failed to start
     stdout_dropped: int = 0  # bytes past `output_bytes`, not kept
     stderr_dropped: int = 0
+    sandboxed: bool = False  # whether it ran in the bubblewrap sandbox (not the plain runner)
     _remove: weakref.finalize | None = field(default=None, repr=False, compare=False)
 
     def cleanup(self) -> None:
@@ -124,6 +136,7 @@ async def run_harness(
     limits: HarnessLimits,
     files: dict[str, str] | None = None,
     workdir: Path | None = None,
+    readable: list[Path] | tuple[Path, ...] = (),
 ) -> HarnessRun:
     """Run an unmodified program to the end, or to the end of its wall budget.
 
@@ -135,13 +148,18 @@ async def run_harness(
     whole process group gets SIGTERM, then SIGKILL after `limits.kill_grace_s`; what is left of
     the group when the program exits on its own is killed too (background children would
     otherwise outlive the rollout). Cancelling the call kills the group and removes the directory.
+    In the sandbox (`limits.sandbox`, sandbox.py) the program sees the system, the Python in use,
+    the directories on PATH and `readable` (e.g. the agent's own code), all read-only; its working
+    directory; and of the network only the gateway its environment names.
     Raises only for bad arguments (ValueError, TypeError)."""
     _check_args(argv, env, files)
     limits.check()
     owned = workdir is None
     root = Path(tempfile.mkdtemp(prefix="harness-")) if owned else Path(workdir).resolve()
     try:
-        run = await _run(list(argv), _child_env(root, env), limits, root, files or {})
+        box = _sandboxed(limits)
+        shown = [Path(p).resolve() for p in readable]
+        run = await _run(list(argv), _child_env(root, env), limits, root, files or {}, box, shown)
     except BaseException:  # cancelled (the end of a rollout step), or bad arguments found late
         if owned:
             _rmtree(root)
@@ -196,29 +214,74 @@ def _limiter(limits: HarnessLimits) -> Callable[[], None]:
     return apply
 
 
+def _sandboxed(limits: HarnessLimits) -> bool:
+    """Whether this run goes in the sandbox; a host that cannot make one gets the plain runner and
+    a warning that names what is then not enforced."""
+    if not limits.sandbox:
+        return False
+    reason = sandbox.unavailable()
+    if reason is not None:
+        warnings.warn(
+            f"run_harness: no sandbox on this host ({reason}); the plain runner does not enforce: "
+            f"{sandbox.NOT_ENFORCED}",
+            SandboxUnavailable,
+            stacklevel=2,
+        )
+    return reason is None
+
+
+class SandboxUnavailable(RuntimeWarning):
+    """The harness ran without its sandbox (see `sandbox.unavailable`)."""
+
+
 async def _run(
-    argv: list[str], env: dict[str, str], limits: HarnessLimits, root: Path, files: dict[str, str]
+    argv: list[str],
+    env: dict[str, str],
+    limits: HarnessLimits,
+    root: Path,
+    files: dict[str, str],
+    boxed: bool,
+    readable: list[Path],
+) -> HarnessRun:
+    """In the sandbox: behind the gateway relay (when the environment names a gateway), through bwrap."""
+    address = sandbox.gateway_address(env) if boxed else None
+    async with sandbox.GatewayRelay(address) if address else contextlib.nullcontext() as relay:
+        box = sandbox.Sandbox(argv, env, root, limits, relay, readable) if boxed else None
+        try:
+            return await _execute(argv, env, limits, root, files, box)
+        finally:
+            if box is not None:
+                box.close()
+
+
+async def _execute(
+    argv: list[str], env: dict[str, str], limits: HarnessLimits, root: Path, files: dict[str, str], box: Sandbox | None
 ) -> HarnessRun:
     start = time.monotonic()
+    # The sandbox's PID 1 sets the limits and keeps the wall budget; the runner's own is its backstop.
+    how = {"pass_fds": box.pass_fds} if box else {"preexec_fn": _limiter(limits)}
     try:
         _seed(root, files)
         transport, out = await asyncio.get_running_loop().subprocess_exec(
             lambda: _Output(limits.output_bytes),
-            *argv,
+            *(box.argv if box else argv),
             cwd=root,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=_limiter(limits),
+            **how,
         )
     except (OSError, subprocess.SubprocessError) as exc:  # no such program, not executable, a full disk...
         return HarnessRun(argv, None, False, time.monotonic() - start, root, "", "", f"failed to start: {exc}")
+    if box is not None:
+        box.started()
     pid = transport.get_pid()
     try:
         try:
-            timed_out = await _wait(out, pid, limits)
+            wall, grace = (box.wall_s, 0.0) if box else (limits.wall_s, limits.kill_grace_s)
+            timed_out = await _wait(out, pid, wall, grace)
             seconds = time.monotonic() - start
         finally:
             _killpg(pid, signal.SIGKILL)  # what it left running in its group; all of it when cancelled
@@ -226,6 +289,10 @@ async def _run(
     finally:
         transport.close()
     returncode = transport.get_returncode()
+    if box is None:
+        error = _infra_error(returncode, timed_out, limits)
+    else:
+        returncode, timed_out, error = _sandbox_outcome(box.status(), returncode, timed_out, limits, out.text(2))
     code = None if timed_out or returncode is None or returncode < 0 else returncode
     return HarnessRun(
         argv,
@@ -235,20 +302,36 @@ async def _run(
         root,
         out.text(1),
         out.text(2),
-        _infra_error(returncode, timed_out, limits),
+        error,
         out.dropped[1],
         out.dropped[2],
+        sandboxed=box is not None,
     )
 
 
-async def _wait(out: _Output, pid: int, limits: HarnessLimits) -> bool:
+def _sandbox_outcome(
+    status: dict | None, bwrap_code: int | None, killed: bool, limits: HarnessLimits, stderr: str
+) -> tuple[int | None, bool, str | None]:
+    """(exit code, timed out, infra error) from what the sandbox's PID 1 reported. No report means
+    the sandbox itself failed, or was killed past its backstop: an infra error, never a reward."""
+    if status is None:
+        if killed:
+            return None, True, f"sandbox did not finish {sandbox.MARGIN_S:g} s past its wall budget"
+        return None, False, f"sandbox failed (bwrap exit code {bwrap_code}): {stderr[-500:].strip()}"
+    if "start_error" in status:
+        return None, False, f"failed to start: {status['start_error']}"
+    code, timed_out = status["returncode"], status["timed_out"]
+    return code, timed_out, status["copy_error"] or _infra_error(code, timed_out, limits)
+
+
+async def _wait(out: _Output, pid: int, wall_s: float, grace_s: float) -> bool:
     """Wait for the program to exit; at the wall budget SIGTERM its group (a chance to save its
     work), SIGKILL it after the grace. Whether it timed out."""
-    done, _ = await asyncio.wait([out.exited], timeout=limits.wall_s)
+    done, _ = await asyncio.wait([out.exited], timeout=wall_s)
     if done:
         return False
     _killpg(pid, signal.SIGTERM)
-    await asyncio.wait([out.exited], timeout=limits.kill_grace_s)
+    await asyncio.wait([out.exited], timeout=grace_s)
     _killpg(pid, signal.SIGKILL)
     await asyncio.wait([out.exited], timeout=DRAIN_S)  # not forever: a process stuck in the kernel ignores even SIGKILL
     return True

@@ -22,6 +22,11 @@ unchanged), the router stays a stateless proxy, and the rollout process already 
 tokenizer and is where the samples are needed; no token record crosses a process boundary.
 Streaming replies are sent as each protocol's events once the turn is generated: an agent sees
 its protocol's stream, the engine generates the turn in one request.
+
+A session's id is its only credential (the URL's, or the key): `new_session` makes ids of 128
+random bits, so one agent cannot name another's session, and nothing lists them. An agent runs
+code the run does not control, so what sessions hold is bounded (`GatewayConfig`): an idle
+session is forgotten, and a new session or a turn past the bounds is refused with a 429.
 """
 
 from __future__ import annotations
@@ -29,8 +34,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import secrets
 import socket
 import time
+from collections import OrderedDict
 from typing import Any
 
 import uvicorn
@@ -39,16 +47,27 @@ from fastapi.responses import JSONResponse
 
 from slimish.client import Client, ServerError
 from slimish.formats.model import ModelFormat
+from slimish.formats.openai import ChatCompletionRequest
 from slimish.formats.template import normalize_message
 from slimish.formats.tool_choice import clamp_max_tokens, forcing_fields, json_answer_fields, normalize_tools
+from slimish.gateway.config import GatewayConfig
 from slimish.gateway.protocols import anthropic, openai_chat, openai_responses
 from slimish.gateway.trajectory import TrajectoryTree
-from slimish.gateway.turns import TurnRequest, TurnResult
+from slimish.gateway.turns import SessionLimit, TurnRequest, TurnResult
 from slimish.protocol import GenerateResponse
+from slimish.serving import document_bodies
 from slimish.types import Sample, reply_routes
+
+log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 30.0
 SESSION_PREFIX = "/sessions/{session_id}"
+BODIES = {  # each protocol's request model, for /openapi.json (clients, the fuzz tests)
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": openai_responses.ResponsesRequest,
+    "/v1/messages": anthropic.MessagesRequest,
+    "/v1/messages/count_tokens": anthropic.CountTokensRequest,
+}
 
 
 class _UvicornServer(uvicorn.Server):
@@ -72,6 +91,8 @@ class Gateway:
         realign_tokens: int = 8,
         lora: dict[str, str] | None = None,
         route_shape: tuple[int, int] | None = None,
+        limits: GatewayConfig | None = None,
+        reconnect_s: float = 0.0,
     ) -> None:
         """`api_key` is the router's; agents may send any key (it names their session when the
         URL does not). `default_sampling` (native names) and `chat_template_kwargs` apply to
@@ -79,15 +100,21 @@ class Gateway:
         `rollout.history` (exact | template), `realign_tokens` `rollout.realign_tokens`.
         `lora` (`{"lora_path": NAME}`, trainer.lora) goes on every turn whatever model the agent
         names: an agent's calls are the policy's, and the policy is that adapter. `route_shape`
-        (`(layers, top_k)`, algorithm.routing_replay=r3): every turn asks for the engine's routes."""
+        (`(layers, top_k)`, algorithm.routing_replay=r3): every turn asks for the engine's routes.
+        `limits` (`gateway.*`): idle expiry, live sessions and the token ids they hold.
+        `reconnect_s` (`launch.router_reconnect_s`): agents' turns outlive a router restart."""
         self.route_shape = route_shape
-        self.client = Client(router_url, api_key=api_key)
+        self.client = Client(router_url, api_key=api_key, reconnect_s=reconnect_s)
         self.format, self.tokenizer = fmt, fmt.tokenizer
         self.default_sampling = dict(default_sampling or {})
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.history, self.realign_tokens = history, realign_tokens
         self.lora = dict(lora or {})
+        self.limits = limits or GatewayConfig()
         self.sessions: dict[str, TrajectoryTree] = {}
+        self.held = 0  # token ids the live sessions' trees hold
+        self.clock = time.monotonic  # what idle expiry reads (tests move it)
+        self._used: OrderedDict[str, float] = OrderedDict()  # session -> last use, least recent first
         self.session_sampling: dict[
             str, dict[str, Any]
         ] = {}  # per-session defaults (ctx's: eval lowers the temperature)
@@ -129,6 +156,53 @@ class Gateway:
         """`base_url` for OpenAI's SDKs (they add `/chat/completions`, `/responses`)."""
         return self.session_url(session_id) + "/v1"
 
+    # ---- sessions ---------------------------------------------------------------------------
+
+    def new_session(self, label: str = "", sampling: dict[str, Any] | None = None) -> str:
+        """A new session's id (and credential): `label-` then 128 random bits. `sampling`: its
+        defaults over the gateway's (a rollout's: evaluation lowers the temperature)."""
+        session_id = f"{label}-{secrets.token_urlsafe(16)}" if label else secrets.token_urlsafe(16)
+        self._session(session_id)
+        if sampling:
+            self.session_sampling[session_id] = dict(sampling)
+        return session_id
+
+    def _session(self, session_id: str) -> TrajectoryTree:
+        """The session's tree, opened if new (within `max_sessions`), marked used now."""
+        self.expire()
+        tree = self.sessions.get(session_id)
+        if tree is None:
+            if len(self.sessions) >= self.limits.max_sessions:
+                raise SessionLimit(
+                    f"gateway: {len(self.sessions)} sessions are live, the most gateway.max_sessions allows: "
+                    f"collect or let sessions expire (gateway.session_idle_s) before opening more"
+                )
+            tree = self.sessions[session_id] = TrajectoryTree(self.history, self.realign_tokens)
+        self._used[session_id] = self.clock()
+        self._used.move_to_end(session_id)
+        return tree
+
+    def expire(self) -> None:
+        """Forget the sessions idle for `session_idle_s` (least recently used first); each request
+        runs this before it finds its session."""
+        cutoff = self.clock() - self.limits.session_idle_s
+        while self._used and next(iter(self._used.values())) <= cutoff:
+            session_id = next(iter(self._used))
+            log.warning(
+                "gateway: session %s expired after %.0f s idle (gateway.session_idle_s): its turns are dropped",
+                session_id,
+                self.limits.session_idle_s,
+            )
+            self._forget(session_id)
+
+    def _forget(self, session_id: str) -> TrajectoryTree | None:
+        self._used.pop(session_id, None)
+        self.session_sampling.pop(session_id, None)
+        tree = self.sessions.pop(session_id, None)
+        if tree is not None:
+            self.held -= tree.held
+        return tree
+
     # ---- the core ---------------------------------------------------------------------------
 
     async def turn(self, session_id: str, req: TurnRequest) -> TurnResult:
@@ -136,11 +210,16 @@ class Gateway:
         constrained, `max_new_tokens` clamped by `clamp_max_tokens`), recorded, parsed. Template
         errors raise `TemplateError`, tool and length errors `ToolChoiceError` (each a 400 naming
         the field, in each protocol's shape)."""
-        tree = self.sessions.setdefault(session_id, TrajectoryTree(self.history, self.realign_tokens))
+        tree = self._session(session_id)
         kwargs = {**self.chat_template_kwargs, **req.chat_template_kwargs}
         render_key = json.dumps([req.tools, kwargs], sort_keys=True, default=str)
         messages = [normalize_message(m, i) for i, m in enumerate(req.messages)]
         at = tree.place(messages, render_key, self.format.chat(req.tools, **kwargs))
+        if self.held + len(at.prompt_ids) > self.limits.max_tokens:
+            raise SessionLimit(
+                f"gateway: live sessions hold {self.held} token ids, and this turn's prompt of {len(at.prompt_ids)} "
+                f"would pass gateway.max_tokens ({self.limits.max_tokens}): collect or let sessions expire first"
+            )
         defaults = {**self.default_sampling, **self.session_sampling.get(session_id, {})}
         params = {**defaults, **req.sampling}
         if params.get("max_new_tokens") is not None:  # the run's max_new_tokens caps what an agent asks for
@@ -178,7 +257,7 @@ class Gateway:
                 rows = reply_routes(meta, self.route_shape)
             except RuntimeError as exc:  # the turn is not recorded: no token of a sample lacks its route
                 raise ServerError(self.client.base_url + "/generate", 502, str(exc)) from None
-        tree.add(
+        turn = tree.add(
             at,
             messages,
             reply.message(),
@@ -190,6 +269,8 @@ class Gateway:
             rows,
             start,
         )
+        if self.sessions.get(session_id) is tree:  # not collected or expired while it generated
+            self.held += len(turn.ids)
         matched = meta.finish_reason.matched if meta.finish_reason else None
         return TurnResult(meta.id, reply, reason, matched, at.prompt_ids, ids, meta.weight_version, meta)
 
@@ -216,8 +297,7 @@ class Gateway:
     def pop_samples(self, session_id: str, template: Sample) -> list[Sample]:
         """The session's samples (one per leaf of its tree), forgetting the session; a turn still
         in flight is not included. `metadata["capture"]` says which segment and branch each is."""
-        self.session_sampling.pop(session_id, None)
-        tree = self.sessions.pop(session_id, None)
+        tree = self._forget(session_id)
         if tree is None:
             return []
         return tree.samples(
@@ -228,6 +308,7 @@ class Gateway:
 
     def _app(self) -> FastAPI:
         app = FastAPI()
+        document_bodies(app, {p + path: model for path, model in BODIES.items() for p in ("", SESSION_PREFIX)})
         for protocol in (openai_chat, openai_responses, anthropic):
             router = protocol.router(self)
             app.include_router(router, prefix=SESSION_PREFIX)

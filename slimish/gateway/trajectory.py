@@ -35,9 +35,10 @@ from slimish.types import Sample, status_of
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class Turn:
-    """One model turn: a node of the tree."""
+    """One model turn: a node of the tree. Compared by identity: two turns of equal content are two
+    turns (by value, comparing one would recurse through its parents and children)."""
 
     parent: "Turn | None"
     keep: int  # how many of the parent's completion ids this turn's context keeps (all, unless realigned)
@@ -80,6 +81,7 @@ class TrajectoryTree:
         self.history, self.realign_tokens = history, realign_tokens
         self.turns: list[Turn] = []  # creation order
         self.realignments = 0
+        self.held = 0  # token ids the turns hold (each its prompt and completion): the gateway's bound
 
     @property
     def roots(self) -> list[Turn]:
@@ -89,7 +91,8 @@ class TrajectoryTree:
         """The first rule that holds against the turns so far, newest first (module docstring)."""
         rendered: list[int] | None = None
         reasons = []
-        for turn in reversed(self.turns):
+        for i in range(len(self.turns) - 1, -1, -1):
+            turn = self.turns[i]
             k = len(turn.messages)
             if turn.render_key != render_key:
                 reasons.append("tools or template kwargs changed")
@@ -104,7 +107,7 @@ class TrajectoryTree:
                 rendered = rendered if rendered is not None else chat.prompt_ids(messages)
                 if rendered[: len(turn.ids)] == turn.ids:
                     return Placement(turn, len(turn.completion_ids), rendered[len(turn.ids) :], rendered, "continue")
-                reasons.append(f"the template re-renders the history before turn {self.turns.index(turn)}")
+                reasons.append(f"the template re-renders the history before turn {i}")
             else:
                 rendered = rendered if rendered is not None else chat.prompt_ids(messages)
                 same = _common_prefix(rendered, turn.ids)
@@ -114,8 +117,7 @@ class TrajectoryTree:
                     keep = same - len(turn.prompt_ids)
                     return Placement(turn, keep, rendered[same:], rendered, "realign")
                 reasons.append(
-                    f"reply {self.turns.index(turn)} came back changed ({dropped} of its ids differ, "
-                    f"at most {self.realign_tokens} realign)"
+                    f"reply {i} came back changed ({dropped} of its ids differ, at most {self.realign_tokens} realign)"
                 )
         rendered = rendered if rendered is not None else chat.prompt_ids(messages)
         if not self.turns:
@@ -156,6 +158,7 @@ class TrajectoryTree:
         if at.parent is not None:
             at.parent.children.append(turn)
         self.turns.append(turn)
+        self.held += len(turn.ids)
         return turn
 
     @staticmethod
@@ -173,7 +176,7 @@ class TrajectoryTree:
         the first sample that holds them only."""
         trained: dict[int, int] = {}  # id(turn) -> how many of its completion ids a sample trained already
         samples = []
-        leaves = [t for t in self.turns if not t.children]
+        leaves, roots = [t for t in self.turns if not t.children], self.roots
         for b, leaf in enumerate(leaves):
             path = [leaf]
             while path[-1].parent is not None:
@@ -189,7 +192,7 @@ class TrajectoryTree:
                     **template.metadata,
                     "capture": {
                         **meta,
-                        "segment": self.roots.index(root),
+                        "segment": roots.index(root),
                         "branch": b,
                         "turns": len(path),
                         "how": [t.how for t in path],

@@ -42,6 +42,11 @@ class TurnResult:
     meta: Any  # the native MetaInfo (logprobs, top logprobs)
 
 
+class SessionLimit(Exception):
+    """A request the gateway's bounds refuse (`gateway.max_sessions`, `gateway.max_tokens`): a 429
+    in each protocol's shape, whose message names the limit."""
+
+
 def refused_field(data: dict[str, Any], refused: dict[str, tuple[str, tuple[Any, ...]]]) -> tuple[str, str] | None:
     """The first field of a request body set to what the gateway cannot honour, as (field, message):
     `refused` maps a field to why, and the values it accepts (null always is)."""

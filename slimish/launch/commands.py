@@ -78,9 +78,11 @@ def engine_flags(pairs: list[str], field: str = "launch.engine_flag") -> dict[st
 
 def run_launch(cfg: "RunConfig") -> "LaunchConfig":
     """The run's `launch` section with the engine flags its other settings need: serving the
-    trained adapter (`lora_launch`) and returning routes to replay (`routing_replay_launch`). What
-    `slimish train`, `slimish rollout` and the dry run start engines with."""
-    return routing_replay_launch(lora_launch(cfg.launch, cfg.trainer.lora), cfg.algorithm)
+    trained adapter (`lora_launch`), returning routes to replay (`routing_replay_launch`) and
+    deterministic inference (`true_on_policy_launch`). What `slimish train`, `slimish rollout` and the
+    dry run start engines with."""
+    launch = routing_replay_launch(lora_launch(cfg.launch, cfg.trainer.lora), cfg.algorithm)
+    return true_on_policy_launch(launch, cfg.algorithm)
 
 
 def lora_launch(launch: "LaunchConfig", lora: "LoraConfig") -> "LaunchConfig":
@@ -104,6 +106,15 @@ def routing_replay_launch(launch: "LaunchConfig", algorithm: "AlgorithmConfig") 
     if algorithm.routing_replay != "r3":
         return launch
     return _with_flags(launch, {"enable_return_routed_experts": ["true"]}, switches={"enable_return_routed_experts"})
+
+
+def true_on_policy_launch(launch: "LaunchConfig", algorithm: "AlgorithmConfig") -> "LaunchConfig":
+    """`launch` with deterministic inference in the engines it starts where the run is true on-policy
+    (`algorithm.true_on_policy`): the built-in engine's `enable_deterministic_inference`."""
+    if not algorithm.true_on_policy:
+        return launch
+    flag = "enable_deterministic_inference"
+    return _with_flags(launch, {flag: ["true"]}, switches={flag})
 
 
 def _with_flags(launch: "LaunchConfig", flags: dict[str, list[str]], switches: set[str]) -> "LaunchConfig":

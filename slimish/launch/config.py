@@ -66,6 +66,11 @@ class LaunchConfig:
     engine_flag: list[str] = doc_factory(list, "NAME=VALUE passed to every engine")
     policy: str = doc("least_inflight", "the embedded router's policy")
     router_processes: int = doc(1, "processes of the embedded router on its port (`slimish router --processes`)")
+    router_reconnect_s: float = doc(
+        60.0,
+        "Seconds a rollout request that finds the router gone (refused, or cut off before any reply) keeps being sent "
+        "again: a run restarts its own router on the same port when it exits; 0: fail at once",
+    )
     api_key: str | None = doc(None, "sent to the router / engines when they need one")
     start_timeout: float | None = doc(
         None,
@@ -136,6 +141,7 @@ class LaunchConfig:
                 f"launch.placement_strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, "
                 f"got {self.placement_strategy!r}"
             )
+        at_least(0, self, "launch.", "router_reconnect_s")
         if self.start_timeout is None:
             self.start_timeout = 1800.0 if "sglang" in (self.engine_kind, self.teacher.engine_kind) else 300.0
         if self.mode == "ray" and self.engine_kind == "sglang":

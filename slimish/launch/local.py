@@ -6,6 +6,8 @@ start, wait for and stop servers the same way: bounded waits, no orphans.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,6 +22,8 @@ from slimish.processes import ServerProcess, start_all
 
 if TYPE_CHECKING:
     from slimish.launch.config import LaunchConfig
+
+log = logging.getLogger(__name__)
 
 
 def engine_process(
@@ -77,6 +81,51 @@ def router_process(launch: "LaunchConfig", worker_urls: list[str], log_dir: Path
     return ServerProcess(argv, port=port, log_path=log_dir / "router.log")
 
 
+class RouterWatch:
+    """The run's router, kept up: a thread waits on the process and starts it again, on the same
+    port, whenever it exits before the run is done. Rollouts reconnect to the same URL (their
+    client re-sends what got no reply: `launch.router_reconnect_s`). Nothing is lost with the
+    process: the router's workers come from its command line, and which adapters each holds it
+    learns again from the workers."""
+
+    def __init__(self, router: ServerProcess, timeout: float) -> None:
+        self.router, self.timeout = router, timeout
+        self.restarts = 0
+        self._lock = threading.Lock()  # a restart and `close` never interleave
+        self._closing = False
+        self._thread = threading.Thread(target=self._watch, name="router-watch", daemon=True)
+
+    def __enter__(self) -> RouterWatch:
+        self.router.start(self.timeout)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._closing = True
+            self.router.stop()
+        self._thread.join(timeout=self.timeout)
+
+    def _watch(self) -> None:
+        """Runs as long as the router should: a child's parent-death signal follows the thread
+        that spawned it, and restarts are spawned here."""
+        while True:
+            assert self.router.proc is not None
+            code = self.router.proc.wait()
+            with self._lock:
+                if self._closing:
+                    return
+                log.warning("router on port %d exited with %s: starting it again there", self.router.port, code)
+                self.router.launch()
+                self.restarts += 1
+            try:
+                self.router.wait_healthy(self.timeout)
+            except (RuntimeError, TimeoutError) as exc:
+                if not self._closing:
+                    log.error("router on port %d did not come back: %s", self.router.port, exc)
+                return
+
+
 @dataclass
 class Servers:
     """What a run talks to: the router (rollouts) and each engine (weight sync); `engines` are
@@ -86,6 +135,11 @@ class Servers:
     router_url: str
     engine_urls: list[str]
     engines: list[ServerProcess] = field(default_factory=list)
+    router: RouterWatch | None = None  # when this run started the router
+
+    def router_restarts(self) -> int:
+        """How often the run's router exited and was started again."""
+        return self.router.restarts if self.router is not None else 0
 
     def restart_dead(self, timeout: float, await_weights: bool = True) -> list[str]:
         """Start again, on the same port, every engine of ours that exited; returns their URLs.
@@ -119,8 +173,8 @@ def local_servers(
         return
     with engines_only(launch, model, log_dir, first_gpu) as engines:
         urls = [e.url for e in engines] or [u.rstrip("/") for u in launch.engine_urls]
-        with router_process(launch, urls, Path(log_dir)).start(launch.start_timeout) as router:
-            yield Servers(router.url, urls, engines)
+        with RouterWatch(router_process(launch, urls, Path(log_dir)), launch.start_timeout) as watch:
+            yield Servers(watch.router.url, urls, engines, watch)
 
 
 def local_engines(launch: "LaunchConfig", model: str | Path, log_dir: Path, first_gpu: int = 0) -> list[ServerProcess]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -152,7 +153,8 @@ class RolloutRuntime:
             teacher = Teacher(
                 Client(teacher_url, api_key=cfg.launch.api_key), cfg.rollout.temperature, cfg.launch.teacher.served_name
             )
-        return cls(cfg, Client(router_url, api_key=cfg.launch.api_key), tokenizer, teacher)
+        client = Client(router_url, api_key=cfg.launch.api_key, reconnect_s=cfg.launch.router_reconnect_s)
+        return cls(cfg, client, tokenizer, teacher)
 
     async def get_gateway(self) -> Gateway:
         async with self._gateway_lock:
@@ -168,6 +170,8 @@ class RolloutRuntime:
                     r.realign_tokens,
                     self.lora,
                     self.route_shape,
+                    self.cfg.gateway,
+                    self.client.reconnect_s,
                 )
                 await gateway.start()
                 self.gateway = gateway
@@ -218,6 +222,7 @@ class RolloutContext:
         self._hand_built = False  # tokens appended by the rollout function itself
         self._resumable = True
         self._siblings: list[RolloutContext] = []
+        self._calls = 0  # generate calls so far: each one's `sampling_seed` under algorithm.true_on_policy
         self._routing_key = routing_key or (
             f"{runtime.key}-{sample.group_id}-{sample.index}" if sample is not None else None
         )
@@ -278,6 +283,8 @@ class RolloutContext:
         keeps a matched stop string (SGLang's `no_stop_trim`): ids are the truth, and text that
         rollout code parses must say what the model emitted."""
         params = {**self.sampling_params, **(sampling_params or {})}
+        if self.runtime.cfg.algorithm.true_on_policy:
+            params.setdefault("sampling_seed", self._sampling_seed())
         if self.aborting:
             return GenerateResult(
                 [], [], "", "abort", weight_version=-1, prompt_tokens=len(input_ids)
@@ -304,6 +311,15 @@ class RolloutContext:
         if sample is None or sample.routed_experts is None or list(input_ids[: len(sample.tokens)]) != sample.tokens:
             return 0
         return len(sample.routed_experts)
+
+    def _sampling_seed(self) -> int:
+        """The next generate call's seed, from the run's seed, the sample (prompt, index, sibling) and
+        the call's number: a token depends on nothing that changes between two runs (arrival order,
+        batch mates, the run's routing key)."""
+        self._calls += 1
+        who = (self._routing_key or "").removeprefix(f"{self.runtime.key}-")
+        digest = hashlib.blake2b(f"{self.runtime.cfg.seed}/{who}/{self._calls}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1  # 63 bits: a valid torch seed
 
     async def generate_sample(
         self, sampling_params: dict[str, Any] | None = None, chat_template_kwargs: dict[str, Any] | None = None
@@ -439,10 +455,8 @@ class RolloutContext:
         sample = self._need_sample("the gateway")
         gateway = await self.runtime.get_gateway()
         if self._session is None:
-            self._session = f"{sample.group_id}-{sample.index}-{uuid.uuid4().hex[:12]}"
-            gateway.session_sampling[self._session] = dict(
-                self.sampling_params
-            )  # what this call samples with (eval: its temperature)
+            # what this call samples with (eval: its temperature)
+            self._session = gateway.new_session(f"{sample.group_id}-{sample.index}", self.sampling_params)
         return gateway, self._session
 
     def captured_samples(self) -> list[Sample]:

@@ -2,7 +2,9 @@
 
 A reward function is `async def fn(ctx, sample) -> float` (or a dict of named rewards, with
 `rollout.reward_key` choosing the one advantages use); `@group_reward` marks the group form (it is
-defined with the loader that reads the mark, slimish.plugins).
+defined with the loader that reads the mark, slimish.plugins). The graders of math and QA RL
+(math-verify equivalence, DAPO, F1 / exact match) and reward functions on them are in
+slimish/rollout/graders.py.
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ class Tally:
             assert failed is not None
             raise RolloutFailing(
                 f"{count} groups in a row failed the same way (rollout.max_consecutive_failures={limit}): "
-                f"{failed.error}. Fix it (at {failed.metadata.get('error_at', 'unknown place')}) and resume with --resume auto"
+                f"{failed.error}. Fix it (at {failed.metadata.get('error_at', 'unknown place')})"
             )
 
     def stats(self, kept_groups: list[list[Sample]], requeued_pending: int) -> dict[str, Any]:

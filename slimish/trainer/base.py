@@ -32,6 +32,7 @@ from slimish.trainer.backend import Backend
 from slimish.trainer.batch import (
     STAT_KEYS,
     Batch,
+    check_exact,
     check_samples,
     mismatch,
     shard,
@@ -72,6 +73,8 @@ class Trainer(Backend):
         engines_idle = not cfg.async_training  # while this trains
         cores = max(1, (os.cpu_count() or 1) // local_ranks) if engines_idle else torch.get_num_threads()
         self.cpu_threads = cfg.trainer.cpu_threads or cores
+        if cfg.algorithm.true_on_policy:  # batch-invariant kernels: a row is never split between threads
+            self.cpu_threads = 1
         credit, advantage, loss = cfg.algorithm.segment_credit, cfg.algorithm.advantage, cfg.algorithm.loss
         # the user's functions, loaded and checked now, not at the first step
         self.credit_fn = load_function(credit, "credit") if ":" in credit else None
@@ -162,12 +165,14 @@ class Trainer(Backend):
             with self._route_pass(measure=True, record=algo.routing_replay == "r2"):
                 recomputed = dict(zip(mine, self.logprobs([samples[i] for i in mine])))
             rows = [samples[i] for i in mine]
-            measured = mismatch(
+            ours, theirs, mask = (
                 self._pad([recomputed[i] for i in mine]),
                 self._pad([self._rollout_logprobs(s) for s in rows]),
                 self._pad([self._mask(s) for s in rows]),
-                [fresh[i] for i in mine],
             )
+            measured = mismatch(ours, theirs, mask, [fresh[i] for i in mine])
+            if algo.true_on_policy:
+                check_exact(ours, theirs, mask)
             for key, value in measured.items():
                 stats[key] += float(value)
             old = recomputed
@@ -310,6 +315,8 @@ class Trainer(Backend):
                 )
                 if measure:
                     st.update(mismatch(logprobs.detach(), rollout, mask, [b.fresh[i] for i in idx]))
+                    if algo.true_on_policy:
+                        check_exact(logprobs, rollout, mask)
                 if b.teacher is not None:
                     st["teacher_kl"] = (log_ratio * mask).sum()
                 return loss, st

@@ -145,3 +145,17 @@ def mismatch(logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, fresh: li
         "mismatch_fresh": (per_row * is_fresh).sum(),
         "mismatch_fresh_tokens": (tokens * is_fresh).sum(),
     }
+
+
+def check_exact(logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> None:
+    """`algorithm.true_on_policy`: the trainer's log-probs at the rollout's weights equal the
+    engine's on every trained token, or the run stops here: an inexact step would train on the
+    noise the mode exists to remove, and a silent fallback would hide a broken kernel."""
+    differ = mask.bool() & (logprobs.detach() != rollout_logprobs)
+    if bool(differ.any()):
+        gap = (logprobs.detach() - rollout_logprobs).abs()[differ]
+        raise RuntimeError(
+            f"algorithm.true_on_policy: {int(differ.sum())} of {int(mask.bool().sum())} trained tokens have trainer "
+            f"log-probs unequal to the rollout's (largest gap {float(gap.max()):.3g}); the engine and trainer kernels "
+            "are no longer the same (docs/true-on-policy.md)"
+        )

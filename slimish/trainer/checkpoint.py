@@ -3,7 +3,9 @@
 A checkpoint becomes visible only complete: it is written into a hidden temporary directory,
 fsynced, and renamed into place (a rename is atomic), so a writer killed at any moment leaves
 either the previous checkpoints or the new one, never half of one. Leftovers of killed
-writers are hidden (dot-prefixed) and removed by the next save.
+writers are hidden (dot-prefixed) and removed by the next save. A disk that fills during the
+write is the same: the partial directory goes, the previous checkpoints stay, and the error
+(`CheckpointError`) names the directory, what was written and the space left.
 
 The state is whatever the training loop passes (trainer, RNG, step, rollout side); it is one
 `torch.save` pickle, which only this run's own files are ever loaded from.
@@ -11,6 +13,7 @@ The state is whatever the training loop passes (trainer, RNG, step, rollout side
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -27,6 +30,10 @@ import torch
 SUBDIR = "checkpoints"
 STATE, META = "state.pt", "meta.json"
 _NAME = re.compile(r"step_(\d+)")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that could not be written for want of space; the earlier ones are intact."""
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -60,11 +67,15 @@ def save(run_dir: str | Path, step: int, state: dict[str, Any], *, keep: int) ->
             os.replace(final, old)
         os.replace(tmp, final)
         _fsync_dir(root)
-    except BaseException:
+    except BaseException as exc:
         if old is not None and not final.exists():
             os.replace(old, final)  # put the replaced checkpoint back
+        written = _size(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        full = _disk_full(exc)
+        if full is None:
+            raise
+        raise CheckpointError(_full_message(root, step, written, keep, full)) from exc
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     if keep > 0:
@@ -127,6 +138,32 @@ def _complete(root: Path) -> list[tuple[int, Path]]:
         if m and (d / META).is_file() and (d / STATE).is_file():
             found.append((int(m.group(1)), d))
     return sorted(found)
+
+
+def _disk_full(exc: BaseException | None) -> OSError | None:
+    """The out-of-space error behind `exc`, if that is what it is: torch.save reports one as a
+    RuntimeError of its own whose context is the OSError."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _full_message(root: Path, step: int, written: int, keep: int, exc: OSError) -> str:
+    usage, mib = shutil.disk_usage(root), 1 << 20
+    kept = latest(root.parent)
+    return (
+        f"checkpoint of step {step}: {exc.strerror} in {root} after writing {written / mib:.1f} MiB "
+        f"(the partial write removed: {usage.free / mib:.1f} MiB free of {usage.total / mib:.1f} MiB there now). "
+        + (f"The last complete checkpoint, {kept.name}, is intact: --resume auto continues from it. " if kept else "")
+        + "Free space there or lower checkpoint.keep "
+        + f"(now {keep}: while one is written, {keep + 1 if keep else 'all'} must fit)"
+    )
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
 
 def _remove(path: Path) -> None:

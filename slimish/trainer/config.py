@@ -119,6 +119,14 @@ class AlgorithmConfig:
     tis_cap: float | None = doc(None, "truncated importance sampling against rollout logprobs")
     mis_cap: float | None = doc(None, "masked importance sampling: tokens whose weight exceeds it are dropped")
     recompute_old_logprobs: bool = doc(False, "else the rollout's logprobs are the old policy")
+    true_on_policy: bool = doc(
+        False,
+        "Rollout and trainer log-probs equal bit for bit (docs/true-on-policy.md): the engines run "
+        "--enable-deterministic-inference, the trainer the same batch-invariant kernels (slimish/batch_invariant.py) on "
+        "one thread, each generate call gets a `sampling_seed` from (seed, prompt, sample, call), and every step checks "
+        "the first update's log-probs against the rollout's and fails if one token differs. Sync runs then reproduce "
+        "their rollouts token for token, resume included. Built-in engine, torch backend, dense models, no LoRA.",
+    )
     routing_replay: str = doc(
         "none",
         "Mixture-of-experts models: which expert choices the trainer's forwards use. none: its own top-k | r3: the "

@@ -13,6 +13,8 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
+from slimish.batch_invariant import linear
+
 
 def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
     """log p(label) `[..., T]` from logits `[..., T, V]`, in fp32.
@@ -39,7 +41,7 @@ def _head_chunk(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float, entropy: bool | None
 ) -> tuple[Tensor, Tensor | None]:
     """One chunk of `chunked_logprobs`: LM head, then the very functions of the full path."""
-    logits = torch.nn.functional.linear(hidden, weight, bias)
+    logits = linear(hidden, weight, bias)  # a chunk's last rows as the engine's (batch_invariant.py)
     logprobs = logprobs_from_logits(logits, labels, temperature)
     ent = None
     if entropy is not False:  # after the logprobs: a checkpoint's recompute stops before a no-grad entropy

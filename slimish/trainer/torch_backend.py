@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
+from slimish.batch_invariant import make_batch_invariant
 from slimish.moe import checkpoint_tensors, routers
 from slimish.trainer.backend import LossFn, lr_factor
 from slimish.trainer.base import Trainer
@@ -103,6 +104,8 @@ class TorchTrainer(Trainer):
         """fp32, frozen ones too: the reference then computes what the policy computes."""
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
         model.eval()
+        if self.cfg.algorithm.true_on_policy:  # the engines' kernels (--enable-deterministic-inference)
+            make_batch_invariant(model)
         if frozen:
             model.requires_grad_(False)
         return model

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from slimish.compat.slime.adapters import adapt_filter, adapt_group_reward, adapt_reward, adapt_rollout
-from slimish.compat.slime.namespace import use_slime_namespace
+from slimish.compat.slime.namespace import remember_slime_path, use_slime_namespace
 from slimish.plugins import SLIME_PREFIX, Kind, check_shape, find_function
 
 # The shapes slime documents for each kind slimish can adapt (slimish.plugins.SLIME_ADAPTS).
@@ -61,6 +61,7 @@ def load_slime_function(spec: str, kind: str, flag: str) -> Callable[..., Any]:
     if kind == "reward" and is_group_rm(fn):
         kind = "group_reward"
     check_shape(flag, spec, name, fn, SLIME_KINDS[kind])
+    remember_slime_path(spec, fn, name)
     return ADAPTERS[kind](fn, name)
 
 

@@ -18,9 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 from slimish.compat.slime.calls import Call, running
-from slimish.compat.slime.namespace import slime_args, slime_sample_class, slime_sampling_params
+from slimish.compat.slime.namespace import slime_args, slime_dotted, slime_sample_class, slime_sampling_params
 from slimish.compat.slime.samples import copy_back, reward_value, to_slime
 from slimish.plugins import group_reward
+from slimish.rollout.api import trajectory_of
 from slimish.types import Sample
 
 
@@ -39,11 +40,14 @@ def adapt_rollout(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     except (TypeError, ValueError):
         takes_evaluation = False
 
+    path = slime_dotted(fn, name)  # the function running, also for an eval dataset's own
+
     async def rollout(ctx: Any, sample: Sample) -> Sample | list[Sample]:
         ctx.resumable = False  # a cut-off slime sample restarts from its prompt
         given = to_slime(ctx, sample, fresh=True)
         call = Call(ctx, given, record=True)
         args, params = slime_args(ctx), slime_sampling_params(ctx)
+        args.custom_generate_function_path = path
         with running(call):
             if takes_evaluation:
                 out = await fn(args, given, params, evaluation=bool(sample.metadata.get("eval")))
@@ -57,7 +61,11 @@ def adapt_rollout(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
                 "non-empty list of them (slime.utils.types.Sample)"
             )
         results = []
-        for o in outs:
+        # Fan-out samples the function rewarded one by one (slime's multi-agent) are trajectories
+        # of their own: one trajectory carries one reward in slimish.
+        own_rewards = len(outs) > 1 and all(o.reward is not None for o in outs)
+        base = trajectory_of(sample)
+        for k, o in enumerate(outs):
             target = (
                 sample
                 if o is given
@@ -71,6 +79,8 @@ def adapt_rollout(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
                 )
             )
             copy_back(ctx, o, target, call.replies, name)
+            if own_rewards:
+                target.trajectory_id = f"{base}/{k}"
             results.append(target)
         counted = next((s for s in results if s is sample), results[0])
         counted.metadata["retokenized_mismatch"] = call.mismatches
@@ -80,22 +90,30 @@ def adapt_rollout(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 
 def adapt_reward(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    path = slime_dotted(fn, name)
+
     async def reward(ctx: Any, sample: Sample) -> Any:
         if ctx.args.get("group_rm"):
             raise ValueError(
                 f"rollout.args.group_rm is set but the slime rm {name} takes one sample; name its second "
                 "parameter `samples` to have it called with the whole group"
             )
+        args = slime_args(ctx)
+        args.custom_rm_path = path
         with running(Call(ctx)):
-            return reward_value(await fn(slime_args(ctx), to_slime(ctx, sample)))
+            return reward_value(await fn(args, to_slime(ctx, sample)))
 
     return _named(reward, fn, name)
 
 
 def adapt_group_reward(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    path = slime_dotted(fn, name)
+
     async def reward(ctx: Any, samples: list[Sample]) -> list[Any]:
+        args = slime_args(ctx, group_rm=True)
+        args.custom_rm_path = path
         with running(Call(ctx)):
-            rewards = await fn(slime_args(ctx, group_rm=True), [to_slime(ctx, s) for s in samples])
+            rewards = await fn(args, [to_slime(ctx, s) for s in samples])
         if hasattr(rewards, "tolist"):
             rewards = rewards.tolist()
         if not isinstance(rewards, (list, tuple)):

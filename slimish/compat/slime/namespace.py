@@ -53,17 +53,77 @@ def slime_sample_class() -> type:
 # ---- slime's arguments ------------------------------------------------------------------------
 
 
+# slime's own defaults (slime/utils/arguments.py) for arguments its examples and rollout code read
+# that have no slimish counterpart: a slime function reads them as slime would hand them over.
+SLIME_DEFAULTS: dict[str, Any] = dict(
+    rollout_max_context_len=None,
+    rollout_max_prompt_len=None,
+    eval_max_context_len=None,
+    eval_max_prompt_len=None,
+    eval_max_response_len=None,
+    eval_temperature=None,
+    eval_top_p=None,
+    eval_top_k=None,
+    eval_reward_key=None,
+    context_parallel_size=1,
+    max_tokens_per_gpu=None,
+    over_sampling_batch_size=None,
+    rollout_global_dataset=True,
+    rollout_sample_filter_path=None,
+    rollout_all_samples_process_path=None,
+    rollout_interaction_env_path=None,
+    multimodal_keys=None,
+    sglang_model_routers=None,
+    loss_mask_type="qwen",
+    save_path=None,
+)
+
+_warned_args: set[str] = set()
+
+
 class SlimeArgs(argparse.Namespace):
-    """slime's `args`: the values slimish maps, then every `rollout.args` entry; reading one that
-    is neither says how to provide it."""
+    """slime's `args`: the values slimish maps, slime's defaults for the rest it knows
+    (`SLIME_DEFAULTS`), then every `rollout.args` entry. Reading an argument that is none of
+    these warns once per name, saying how to set it, and gives None (most slime defaults are)."""
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
+        if name.startswith("_"):
             raise AttributeError(name)
-        raise AttributeError(
-            f"slime argument args.{name} is not mapped by slimish; set it as rollout.args.{name}=VALUE "
-            "(every rollout.args entry becomes an attribute of args)"
-        )
+        if name not in _warned_args:
+            _warned_args.add(name)
+            log.warning(
+                "slime argument args.%s is not mapped by slimish and has no known slime default: it reads as None; "
+                "set it as rollout.args.%s=VALUE (every rollout.args entry becomes an attribute of args)",
+                name,
+                name,
+            )
+        return None
+
+
+# `slime:` spec -> slime's dotted path of the function it loaded (`remember_slime_path`).
+_SLIME_PATHS: dict[str, str | None] = {}
+
+
+def slime_dotted(fn: Any, name: str) -> str | None:
+    """`fn` as slime names a function (`module.function`, what slime's `load_function` imports);
+    None for slime's own functions, which are its defaults there: `async_rm` or `generate_and_rm`
+    named by `custom_rm_path` or `custom_generate_function_path` would call themselves."""
+    module = getattr(fn, "__module__", None) or ""
+    if not module or module == "slime" or module.startswith("slime."):
+        return None
+    return f"{module}.{name}"
+
+
+def remember_slime_path(spec: str, fn: Any, name: str) -> None:
+    """Record `spec`'s function as slime names it (`slime_dotted`), for `custom_rm_path` and the like."""
+    _SLIME_PATHS[spec] = slime_dotted(fn, name)
+
+
+def slime_path(spec: str | None) -> str | None:
+    """What slime's `args.custom_rm_path` (and the like) holds for a run's function spec: the
+    dotted path of a user's `slime:` function, else None (a slimish function takes other
+    arguments; slime's own are its defaults)."""
+    return _SLIME_PATHS.get(spec) if spec else None
 
 
 def slime_args(ctx: Any, group_rm: bool = False) -> SlimeArgs:
@@ -71,7 +131,8 @@ def slime_args(ctx: Any, group_rm: bool = False) -> SlimeArgs:
     cfg = ctx.config
     r = cfg.rollout
     base = urlsplit(ctx.client.base_url)
-    values: dict[str, Any] = dict(
+    values: dict[str, Any] = dict(SLIME_DEFAULTS)
+    values.update(
         sglang_router_ip=base.hostname,
         sglang_router_port=base.port or {"http": 80, "https": 443}.get(base.scheme),
         hf_checkpoint=cfg.model,
@@ -98,9 +159,9 @@ def slime_args(ctx: Any, group_rm: bool = False) -> SlimeArgs:
         sglang_dp_size=None,
         sglang_server_concurrency=r.max_concurrency,
         router_policy=None,
-        custom_generate_function_path=r.rollout_fn,
-        custom_rm_path=r.reward_fn,
-        dynamic_sampling_filter_path=r.filter_fn,
+        custom_generate_function_path=slime_path(r.rollout_fn),
+        custom_rm_path=slime_path(r.reward_fn),
+        dynamic_sampling_filter_path=slime_path(r.filter_fn),
         rm_type=None,
         rm_url=None,
     )

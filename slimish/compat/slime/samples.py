@@ -19,6 +19,8 @@ from slimish.compat.slime.namespace import slime_sample_class
 from slimish.protocol import version_number
 from slimish.types import Sample, SampleStatus, spread_versions, status_of
 
+SLIME_KEY = "slime"  # metadata key of the slime-only fields (`_slime_only`)
+
 
 def prompt_text(ctx: Any, prompt: Any) -> Any:
     """A slimish prompt as slime's data loader hands it on: chat messages rendered to text by the
@@ -42,6 +44,9 @@ def to_slime(ctx: Any, sample: Sample, fresh: bool = False) -> Any:
         metadata=copy.deepcopy(sample.metadata) if fresh else sample.metadata,
     )
     out.session_id = ctx.routing_key
+    kept = sample.metadata.get(SLIME_KEY) or {}
+    out.rollout_id = kept.get("rollout_id")
+    out.multimodal_train_input_id = kept.get("multimodal_train_input_id")
     if fresh:
         return out
     out.tokens = list(sample.tokens)
@@ -124,7 +129,24 @@ def copy_back(ctx: Any, done: Any, target: Sample, replies: list[Reply], name: s
         target.exclude_from_loss = True
     for key, value in (done.metadata or {}).items():
         target.metadata[key] = value if _is_json(value) else repr(value)
+    if slime_only := _slime_only(done):
+        target.metadata[SLIME_KEY] = slime_only
     target.check()
+
+
+def _slime_only(done: Any) -> dict[str, Any]:
+    """The slime fields slimish's sample has no place for, where the function set them:
+    `rollout_id` (slime's grouping of one execution's training samples), the multimodal cache
+    id, and the speculative and prefix-cache counts of its replies."""
+    kept: dict[str, Any] = {}
+    for name in ("rollout_id", "multimodal_train_input_id"):
+        if getattr(done, name, None) is not None:
+            kept[name] = getattr(done, name)
+    for name in ("spec_info", "prefix_cache_info"):
+        info = getattr(done, name, None)
+        if info is not None and any(info.to_dict().values()):
+            kept[name] = info.to_dict()
+    return kept
 
 
 def _chain(where: str, replies: list[Reply]) -> tuple[list[int], int, list[int], list[float] | None]:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from slimish.client import ServerError
 from slimish.formats.template import TemplateError
 from slimish.formats.tool_choice import ForcedTool, ToolChoiceError, forced_tool, function_tool
-from slimish.gateway.turns import TurnRequest, TurnResult, refused_field, session_of
+from slimish.gateway.turns import SessionLimit, TurnRequest, TurnResult, refused_field, session_of
 from slimish.protocol import describe_validation_error
 from slimish.serving import load_json
 
@@ -188,6 +188,8 @@ def router(gateway: Gateway) -> APIRouter:
             return AnthropicError(400, str(exc)).response()
         except AnthropicError as exc:
             return exc.response()
+        except SessionLimit as exc:
+            return AnthropicError(429, str(exc)).response()
         except ServerError as exc:
             return AnthropicError(exc.status or 502, exc.message).response()  # 0: no reply upstream
         reply = message(body, result)

@@ -23,7 +23,7 @@ from slimish.formats.openai import (
 )
 from slimish.formats.template import TemplateError
 from slimish.formats.tool_choice import ToolChoiceError, check_forced_alone, forced_tool, normalize_tools
-from slimish.gateway.turns import TurnRequest, TurnResult, refused_field, session_of
+from slimish.gateway.turns import SessionLimit, TurnRequest, TurnResult, refused_field, session_of
 from slimish.protocol import GRAMMAR_FIELDS
 from slimish.serving import load_json
 
@@ -120,11 +120,14 @@ def _metadata(value: Any) -> dict[str, str]:
 
 async def openai_errors(answer: Callable[[], Awaitable[Response]]) -> Response:
     """A route's answer, or the gateway's failures as OpenAI error replies: no session (401), a
-    bad request or conversation (400 naming the field), an engine or router error (its status)."""
+    bad request or conversation (400 naming the field), past the gateway's bounds (429 naming the
+    limit), an engine or router error (its status)."""
     try:
         return await answer()
     except KeyError as exc:
         return error(401, str(exc.args[0]), "AuthenticationError")
+    except SessionLimit as exc:
+        return error(429, str(exc), "RateLimitError")
     except (TemplateError, ToolChoiceError) as exc:
         return OpenAIError.of(exc).response()
     except OpenAIError as exc:

@@ -174,7 +174,8 @@ class ResponseStore:
         self.by_session.setdefault(session, {})[response_id] = conversation
 
     def _forget_collected(self) -> None:
-        """Drop the sessions `pop_samples` has collected (their trees are gone from the core)."""
+        """Drop the sessions `pop_samples` has collected or that expired (their trees are gone from the core)."""
+        self.gateway.expire()
         for gone in self.by_session.keys() - self.gateway.sessions.keys():
             del self.by_session[gone]
 

@@ -7,7 +7,7 @@ accepted and carried but not used by slimish.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
@@ -21,6 +21,7 @@ class Sample:
     tokens: list[int] = field(default_factory=list)
     multimodal_inputs: dict[str, Any] | None = None
     multimodal_train_inputs: dict[str, Any] | None = None
+    multimodal_train_input_id: str | None = None
     apply_chat_template_kwargs: dict = field(default_factory=dict)
     response: str = ""
     response_length: int = 0
@@ -49,6 +50,62 @@ class Sample:
     train_metadata: dict | None = None
     session_id: str | None = None  # sent as the routing key by slime; slimish sends its own
     non_generation_time: float = 0.0
+
+    @dataclass
+    class SpecInfo:
+        """Speculative-decoding counts summed over the sample's replies (slimish's engines do
+        not speculate: they stay 0 unless a reply reports them)."""
+
+        spec_accept_token_num: int = 0
+        spec_draft_token_num: int = 0
+        spec_verify_ct: int = 0
+        completion_token_num: int = 0
+
+        @property
+        def spec_accept_rate(self) -> float:
+            return self.spec_accept_token_num / self.spec_draft_token_num if self.spec_draft_token_num else 0.0
+
+        @property
+        def spec_accept_length(self) -> float:
+            return self.completion_token_num / self.spec_verify_ct if self.spec_verify_ct else 0.0
+
+        def add(self, meta_info: dict) -> None:
+            self.spec_accept_token_num += meta_info.get("spec_accept_token_num", 0)
+            self.spec_draft_token_num += meta_info.get("spec_draft_token_num", 0)
+            self.spec_verify_ct += meta_info.get("spec_verify_ct", 0)
+            self.completion_token_num += meta_info.get("completion_tokens", 0)
+
+        def to_dict(self) -> dict[str, int]:
+            return asdict(self)
+
+        @staticmethod
+        def from_dict(data: dict) -> "Sample.SpecInfo":
+            return Sample.SpecInfo(**{f.name: data.get(f.name, 0) for f in fields(Sample.SpecInfo)})
+
+    @dataclass
+    class PrefixCacheInfo:
+        """Prompt tokens the engine found in its prefix cache, summed over the sample's replies."""
+
+        cached_tokens: int = 0
+        total_prompt_tokens: int = 0
+
+        @property
+        def prefix_cache_hit_rate(self) -> float:
+            return self.cached_tokens / self.total_prompt_tokens if self.total_prompt_tokens else 0.0
+
+        def add(self, meta_info: dict) -> None:
+            self.cached_tokens += meta_info.get("cached_tokens", 0)
+            self.total_prompt_tokens += meta_info.get("prompt_tokens", 0)
+
+        def to_dict(self) -> dict[str, int]:
+            return asdict(self)
+
+        @staticmethod
+        def from_dict(data: dict) -> "Sample.PrefixCacheInfo":
+            return Sample.PrefixCacheInfo(**{f.name: data.get(f.name, 0) for f in fields(Sample.PrefixCacheInfo)})
+
+    spec_info: SpecInfo = field(default_factory=SpecInfo)
+    prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
 
     # ---- what slime code calls -----------------------------------------------------------
 
@@ -106,7 +163,10 @@ class Sample:
                 self.weight_versions.append(meta_info["weight_version"])
 
     def update_from_meta_info(self, args: Any, meta_info: dict) -> None:
-        """The reply's weight version, and the status its finish reason implies."""
+        """The reply's weight version, speculative and prefix-cache counts, and the status its
+        finish reason implies."""
+        self.spec_info.add(meta_info)
+        self.prefix_cache_info.add(meta_info)
         if "weight_version" in meta_info:
             self.weight_versions.append(meta_info["weight_version"])
         finish = (meta_info.get("finish_reason") or {}).get("type")
@@ -121,12 +181,16 @@ class Sample:
     def to_dict(self) -> dict[str, Any]:
         value = dict(self.__dict__)
         value["status"] = self.status.value
+        value["spec_info"] = self.spec_info.to_dict()
+        value["prefix_cache_info"] = self.prefix_cache_info.to_dict()
         return value
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> "Sample":
         data = dict(data)
         data["status"] = Sample.Status(data.get("status", "pending"))
+        data["spec_info"] = Sample.SpecInfo.from_dict(data.get("spec_info") or {})
+        data["prefix_cache_info"] = Sample.PrefixCacheInfo.from_dict(data.get("prefix_cache_info") or {})
         names = {f.name for f in fields(Sample)}
         sample = Sample(**{k: v for k, v in data.items() if k in names})
         for key, value in data.items():
@@ -135,4 +199,20 @@ class Sample:
         return sample
 
 
-__all__ = ["Sample"]
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter as slime's weight sync describes it (name, dtype, shape, attrs, size, src_rank)."""
+
+    name: str
+    dtype: Any
+    shape: Any
+    attrs: dict
+    size: int
+    src_rank: int
+
+
+# slime's rollout-to-training batch: field name -> one entry per sample (slimish trains on its own Samples).
+RolloutBatch = dict[str, list[Any]]
+
+
+__all__ = ["ParamInfo", "RolloutBatch", "Sample"]
