@@ -12,6 +12,18 @@ from enum import Enum
 from typing import Any
 
 
+class _Counters:
+    """`to_dict` / `from_dict` of a dataclass of int counters, as slime's Sample.SpecInfo and
+    Sample.PrefixCacheInfo have them (a missing counter reads as 0)."""
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Any:
+        return cls(**{f.name: data.get(f.name, 0) for f in fields(cls)})
+
+
 @dataclass
 class Sample:
     group_index: int | None = None
@@ -52,7 +64,7 @@ class Sample:
     non_generation_time: float = 0.0
 
     @dataclass
-    class SpecInfo:
+    class SpecInfo(_Counters):
         """Speculative-decoding counts summed over the sample's replies (slimish's engines do
         not speculate: they stay 0 unless a reply reports them)."""
 
@@ -75,15 +87,8 @@ class Sample:
             self.spec_verify_ct += meta_info.get("spec_verify_ct", 0)
             self.completion_token_num += meta_info.get("completion_tokens", 0)
 
-        def to_dict(self) -> dict[str, int]:
-            return asdict(self)
-
-        @staticmethod
-        def from_dict(data: dict) -> "Sample.SpecInfo":
-            return Sample.SpecInfo(**{f.name: data.get(f.name, 0) for f in fields(Sample.SpecInfo)})
-
     @dataclass
-    class PrefixCacheInfo:
+    class PrefixCacheInfo(_Counters):
         """Prompt tokens the engine found in its prefix cache, summed over the sample's replies."""
 
         cached_tokens: int = 0
@@ -96,13 +101,6 @@ class Sample:
         def add(self, meta_info: dict) -> None:
             self.cached_tokens += meta_info.get("cached_tokens", 0)
             self.total_prompt_tokens += meta_info.get("prompt_tokens", 0)
-
-        def to_dict(self) -> dict[str, int]:
-            return asdict(self)
-
-        @staticmethod
-        def from_dict(data: dict) -> "Sample.PrefixCacheInfo":
-            return Sample.PrefixCacheInfo(**{f.name: data.get(f.name, 0) for f in fields(Sample.PrefixCacheInfo)})
 
     spec_info: SpecInfo = field(default_factory=SpecInfo)
     prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
