@@ -13,7 +13,7 @@ from typing import Any
 
 import anthropic
 
-from rollout_plugins.openai_agent import MAX_TURNS, NUDGE, SYSTEM, TOOLS as OPENAI_TOOLS, calculator
+from rollout_plugins.openai_agent import MAX_TURNS, NUDGE, SYSTEM, TLS, TOOLS as OPENAI_TOOLS, calculator
 from slimish.rollout.rewards import extract_boxed
 
 # The calculator as an Anthropic tool.
@@ -50,7 +50,11 @@ async def rollout(ctx, sample):
     text = ""
     base_url = await ctx.anthropic_base_url()
     async with anthropic.AsyncAnthropic(
-        base_url=base_url, api_key="slimish", max_retries=0, timeout=TIMEOUT_S
+        base_url=base_url,
+        api_key="slimish",
+        max_retries=0,
+        timeout=TIMEOUT_S,
+        http_client=anthropic.DefaultAsyncHttpxClient(verify=TLS),  # openai_agent.py: one TLS context
     ) as client:
         for _ in range(MAX_TURNS):
             # The SDK (2.16) has no temperature argument; the gateway reads it from the body.

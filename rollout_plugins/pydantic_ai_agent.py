@@ -21,6 +21,7 @@ from pydantic_ai.models.anthropic import AnthropicModel
 from pydantic_ai.providers.anthropic import AnthropicProvider
 
 from rollout_plugins.anthropic_agent import TIMEOUT_S
+from rollout_plugins.openai_agent import TLS
 
 
 class Answer(BaseModel):
@@ -54,6 +55,7 @@ async def rollout(ctx, sample):
         # Also for the connection, which the SDK's default gives 5 s: a rollout process running hundreds
         # of agents (the gateway serves them on the same event loop) can take longer to accept one.
         timeout=TIMEOUT_S,
+        http_client=anthropic.DefaultAsyncHttpxClient(verify=TLS),  # openai_agent.py: one TLS context
     )
     async with client:
         model = AnthropicModel("policy", provider=AnthropicProvider(anthropic_client=client))

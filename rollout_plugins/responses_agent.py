@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import openai
-
-from rollout_plugins.openai_agent import MAX_TURNS, NUDGE, SYSTEM, TOOLS, calculator
+from rollout_plugins.openai_agent import MAX_TURNS, NUDGE, SYSTEM, TOOLS, calculator, gateway_client
 from slimish.rollout.rewards import extract_boxed
 
 RESPONSES_TOOLS = [
@@ -35,7 +33,7 @@ async def rollout(ctx, sample):
     sp = ctx.sampling_params  # the run's sampling settings (eval lowers the temperature)
     new_input: list[Any] = list(prompt)
     previous: str | None = None
-    async with openai.AsyncOpenAI(base_url=await ctx.openai_base_url(), api_key="slimish", max_retries=0) as client:
+    async with await gateway_client(ctx) as client:
         for _ in range(MAX_TURNS):
             response = await client.responses.create(
                 model="policy",

@@ -23,15 +23,17 @@ from slimish.gateway.config import GatewayConfig
 from slimish.launch.config import LaunchConfig
 from slimish.metrics import MetricsConfig
 from slimish.rollout.config import ZERO_VARIANCE_FILTER, DataConfig, EvalConfig, RolloutConfig
-from slimish.schema import doc, one_of
+from slimish.schema import doc, doc_factory, one_of
 from slimish.trainer.config import (
     SGLANG_LORA,
     AlgorithmConfig,
     CheckpointConfig,
     CriticConfig,
+    PolicyConfig,
     SFTConfig,
     TrainerConfig,
     WeightSyncConfig,
+    check_policies,
 )
 
 log = logging.getLogger(__name__)
@@ -61,8 +63,13 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    policies: list[PolicyConfig] = doc_factory(
+        list, "several policies in one run, each a LoRA adapter (docs/policies.md); empty: one policy"
+    )
 
     def __post_init__(self) -> None:
+        if self.policies:
+            check_policies(self)
         if self.async_training and self.buffer.max_staleness < 1:
             raise ValueError(
                 "async_training needs buffer.max_staleness >= 1: a rollout beside training samples from weights "

@@ -39,6 +39,7 @@ from slimish.compat import load_function
 from slimish.config import RunConfig, document_run_config, load_run_config
 from slimish.launch import Servers, check_push_targets, start_servers, teacher_servers
 from slimish.launch.commands import run_launch
+from slimish.launch.elastic import Fleet
 from slimish.launch.plan import ASSUMED, check_placement, first_free_gpu, next_gpu, teacher_launch
 from slimish.loop_thread import LoopThread
 from slimish.metrics import RunLog
@@ -52,7 +53,7 @@ from slimish.rollout.stats import RolloutFailing, RolloutStalled
 from slimish.trainer import checkpoint, make_trainer
 from slimish.trainer.base import Trainer
 from slimish.trainer.sft import ptx_batches, sft_batches
-from slimish.trainer.weight_sync import WeightSync
+from slimish.trainer.weight_sync import PolicySyncs, WeightSync
 from slimish.types import Sample
 from slimish.view import ViewWriter
 
@@ -123,7 +124,7 @@ class Driver:
         self.eval_sets = eval_sets(cfg, fns.rollout_fn, fns.reward_fn, load_function)
         self.servers = servers
         self.router_restarts = 0
-        self.sync = self._weight_sync()
+        self.sync = self._weight_sync(servers.engine_urls)
         stack.callback(lambda: self.sync.close())  # the one in use then: a restart replaces it
         self.run_log = RunLog(cfg.run_dir, cfg.steps, start_step, wandb=cfg.metrics.wandb, config=cfg)
         stack.callback(self.run_log.close)
@@ -132,12 +133,18 @@ class Driver:
         self.view = ViewWriter(cfg.run_dir, cfg.metrics.view_groups, cfg.model)  # RUN_DIR/view/: `slimish view`
         stack.callback(self.view.close)
 
-    def _weight_sync(self) -> WeightSync:
-        """The push into the policy's engines, and only theirs (never the teacher's)."""
-        check_push_targets(self.servers.engine_urls, self.teacher.engine_urls if self.teacher else [])
+    def _weight_sync(self, engine_urls: list[str]) -> WeightSync | PolicySyncs:
+        """The push into the policy's engines, and only theirs (never the teacher's); with
+        `policies`, one per policy (each its adapter)."""
+        check_push_targets(engine_urls, self.teacher.engine_urls if self.teacher else [])
+        if self.cfg.policies:
+            names = [p.name for p in self.cfg.policies]
+            return PolicySyncs(
+                self.cfg.weight_sync, engine_urls, self.cfg.launch.api_key, names, self.servers.router_url
+            )
         return WeightSync(
             self.cfg.weight_sync,
-            self.servers.engine_urls,
+            engine_urls,
             self.cfg.launch.api_key,
             self.cfg.trainer.lora.adapter,
             self.servers.router_url,
@@ -162,29 +169,30 @@ class Driver:
         self.sync.connect()
 
     def push(self, trainer: Trainer, version: int) -> dict[str, float]:
-        """Every engine serves `version` after this. An engine of ours that died (the router has
-        routed around it since) is started again first and joins a new weight-update group:
-        it serves nothing until this push has set all its weights."""
-        restarted = self.servers.restart_dead(
-            self.cfg.launch.start_timeout, await_weights=not self.cfg.trainer.lora.enabled
-        )
-        if restarted:
-            self.run_log.message(
-                f"engines {', '.join(restarted)} had exited: restarted, they serve from version {version} on"
-            )
+        """Every engine of the fleet serves `version` after this. Engines of ours that died are
+        started again first; if the fleet is no longer the weight-update group's (`Fleet`), a new
+        group is formed over it; newcomers serve nothing until this push."""
+        launch = self.cfg.launch
+        fleet = Fleet.before_push(self.servers, self.sync.urls, launch, not self.cfg.trainer.lora.enabled)
+        for line in fleet.news(version):
+            self.run_log.message(line)
+        if fleet.changed:
             self.sync.close()
-            self.sync = self._weight_sync()
+            self.sync = self._weight_sync(fleet.urls)
             self.sync.connect()
         with self.phase("push"):
             pushed = self.sync.push(trainer.export(), version)  # every rank takes part (Megatron gathers)
         self.loop.run(self.manager.weights_pushed(version))
+        if held := fleet.admitted(self.servers.router_url, launch.api_key, launch.start_timeout):
+            self.run_log.message(f"engines {', '.join(held)} got version {version}; the router still holds them")
         routers = self.servers.router_restarts() - self.router_restarts  # by its watch, at once (launch/local.py)
         if routers:
             self.run_log.message(f"router {self.servers.router_url} had exited: restarted on its port")
         self.router_restarts += routers
         return {
             "time/weight_push": pushed["seconds"],
-            "launch/engines_restarted": float(len(restarted)),
+            "launch/engines_restarted": float(len(fleet.restarted)),
+            "launch/engines": float(len(self.sync.urls)),
             "launch/router_restarted": float(routers),
         }
 
@@ -249,6 +257,8 @@ class Driver:
             if lora.enabled
             else "HF export"
         )
+        if self.cfg.policies:
+            what = "one PEFT adapter per policy (hf/NAME)"
         self.run_log.message(f"{what} in {Path(self.cfg.run_dir) / 'hf'}")
 
 
@@ -350,11 +360,7 @@ def train(cfg: RunConfig, fns: RolloutFunctions) -> None:
     state = checkpoint.load(resume_from) if resume_from else None
     start_step = state["step"] if state else 0
     with ExitStack() as stack:
-        trainer = make_trainer(cfg)
-        ptx = (
-            ptx_batches(cfg, trainer.tokenizer) if cfg.algorithm.ptx_coef > 0 else None
-        )  # bad demonstrations fail here
-        if rank == 0:
+        if rank == 0:  # the engines start while the trainer loads: `ready` below waits for them
             launch = run_launch(cfg)
             first_gpu = first_free_gpu(cfg, torch.cuda.is_available())
             if torch.cuda.is_available():
@@ -364,7 +370,14 @@ def train(cfg: RunConfig, fns: RolloutFunctions) -> None:
                     )
                 except ValueError as exc:
                     raise SystemExit(f"slimish train: {exc}") from None
-            servers = stack.enter_context(start_servers(launch, cfg.model, Path(cfg.run_dir) / "logs", first_gpu))
+            logs = Path(cfg.run_dir) / "logs"
+            servers = stack.enter_context(start_servers(launch, cfg.model, logs, first_gpu, wait=False))
+        trainer = make_trainer(cfg)
+        ptx = (
+            ptx_batches(cfg, trainer.tokenizer) if cfg.algorithm.ptx_coef > 0 else None
+        )  # bad demonstrations fail here
+        if rank == 0:
+            servers.ready(launch.start_timeout)
             side: Driver | Follower = Driver(cfg, fns, servers, stack, start_step, world)
         else:
             side = Follower()

@@ -58,6 +58,7 @@ class GenerateResult:
     # row i the experts of token `routes_start + i` of the request's input ids + output ids.
     routed_experts: np.ndarray | None = field(default=None, repr=False)
     routes_start: int = 0
+    policy: str | None = None  # the run's policy that sampled it (`policies`, docs/policies.md)
 
 
 def reply_routes(meta: MetaInfo, shape: tuple[int, int]) -> np.ndarray | None:
@@ -96,6 +97,9 @@ class Sample:
     # unknown. Empty for a sample built without versions. The one record: `weight_versions` and
     # `trained_versions` are read from it.
     token_versions: list[int] = field(default_factory=list)
+    # Per response token: the policy that made it (a run's `policies`, docs/policies.md), None for
+    # environment tokens. Empty in a run of one policy. Each policy trains on its own tokens only.
+    token_policies: list[str | None] = field(default_factory=list)
     group_id: int = 0  # the prompt's position in the data stream: unique per prompt taken
     index: int = 0  # position within its group
     # The trajectory it belongs to: the segments and branches of one gateway session, and every
@@ -139,9 +143,11 @@ class Sample:
         weight_version: int | list[int] | None = None,
         routes: np.ndarray | None = None,
         routes_start: int = 0,
+        policy: str | None = None,
     ) -> None:
         """Tokens the policy generated: trained on (mask 1), with the engine's logprobs and the
-        weight version that made them (one per token when they span a weight update). `routes`:
+        weight version that made them (one per token when they span a weight update); `policy`: the
+        name of the run's policy that made them (`token_policies`). `routes`:
         the reply's routed experts, rows from token `routes_start` to the last one fed forward
         (the reply was for this sample's tokens); merged by `add_routes`."""
         where = f"sample {self.group_id}/{self.index}"
@@ -159,7 +165,7 @@ class Sample:
                     f"token {end - 1}, the last one fed forward: the reply was not for this sample's tokens"
                 )
             merged = self._merged_routes(routes, routes_start, end)
-        self._append(ids, [1] * len(ids), list(logprobs), [-1 if v is None else v for v in versions])
+        self._append(ids, [1] * len(ids), list(logprobs), [-1 if v is None else v for v in versions], policy)
         if merged is not None:
             self.routed_experts = merged
 
@@ -197,7 +203,9 @@ class Sample:
         """Tokens from the environment (tool output, user turns): in context, not trained on."""
         self._append(ids, [0] * len(ids), [0.0] * len(ids), [-1] * len(ids))
 
-    def _append(self, ids: list[int], mask: list[int], logprobs: list[float], versions: list[int]) -> None:
+    def _append(
+        self, ids: list[int], mask: list[int], logprobs: list[float], versions: list[int], policy: str | None = None
+    ) -> None:
         if not self.tokens:
             raise ValueError(f"sample {self.group_id}/{self.index}: set the prompt before appending response tokens")
         if len(self.token_versions) != self.response_length:  # a sample from before per-token versions
@@ -206,6 +214,10 @@ class Sample:
         self.loss_mask.extend(mask)
         self.rollout_logprobs.extend(logprobs)
         self.token_versions.extend(versions)
+        if policy is not None and not self.token_policies:  # the sample's first tokens of a named policy
+            self.token_policies = [None] * self.response_length
+        if policy is not None or self.token_policies:
+            self.token_policies.extend([policy if m else None for m in mask])
         self.response_length += len(ids)
         self.teacher_logprobs = None  # scored again once the response is final
 
@@ -261,8 +273,10 @@ class Sample:
         where = f"sample {self.group_id}/{self.index}"
         if not 0 <= self.response_length <= len(self.tokens):
             raise ValueError(f"{where}: response_length {self.response_length} outside 0..{len(self.tokens)} tokens")
-        optional = (("token_versions",) if self.token_versions else ()) + (
-            ("teacher_logprobs",) if self.teacher_logprobs is not None else ()
+        optional = (
+            (("token_versions",) if self.token_versions else ())
+            + (("token_policies",) if self.token_policies else ())
+            + (("teacher_logprobs",) if self.teacher_logprobs is not None else ())
         )
         for name in ("loss_mask", "rollout_logprobs", *optional):
             if len(getattr(self, name)) != self.response_length:

@@ -33,7 +33,7 @@ from slimish.types import Sample
 
 PHASES = ("rollout", "train", "push", "eval", "checkpoint")
 # Columns of metrics.jsonl the page shows (the step list, the timeline's tooltips); eval/NAME/...
-# keys of eval datasets are kept too.
+# keys of eval datasets and each policy's reward and mismatch (policy/NAME/..., docs/policies.md) too.
 METRIC_KEYS = (
     "reward/mean",
     "eval/accuracy",
@@ -183,6 +183,7 @@ def read_run(run_dir: str | Path, sample_steps: int = 100) -> dict[str, Any]:
             if k in METRIC_KEYS
             or k.startswith("moe/")  # per MoE layer (routing.py route_metrics)
             or (k.startswith("eval/") and k.endswith(("/accuracy", "/reward")))
+            or (k.startswith("policy/") and k.endswith(("/reward/mean", "/train/mismatch")))  # per policy
         }
         metrics.setdefault(row["step"], {"step": row["step"]}).update(keep)
     timeline: dict[int, dict[str, Any]] = {}

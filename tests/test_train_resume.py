@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -55,38 +54,6 @@ def _trained(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def test_sigkill_then_resume_trains_every_prompt_once(tiny_model_dir: Path, tmp_path: Path) -> None:
-    data, run_dir = _prompts(tmp_path / "prompts.jsonl", 100), tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen(
-        _argv(tiny_model_dir, run_dir, data), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    try:
-        deadline = time.monotonic() + 240
-        while len(_trained(run_dir)) < 3:  # bounded wait for the third trained step
-            assert first.poll() is None, first.stderr.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "the first run trained fewer than 3 steps in 240 s"
-            time.sleep(0.01)  # a step of this tiny run can take well under 0.2 s: kill it before it finishes
-    finally:
-        first.kill()
-        first.wait(timeout=30)
-    killed_at = len(_trained(run_dir))
-    assert killed_at < STEPS
-    second = subprocess.run(
-        _argv(tiny_model_dir, run_dir, data, "--resume", "auto"), env=env, capture_output=True, text=True, timeout=300
-    )
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from" in second.stderr
-    lineage: dict[int, list[int]] = {}
-    for row in _trained(run_dir):  # a step re-run after the resume replaces the killed run's record
-        lineage[row["step"]] = row["group_ids"]
-    assert sorted(lineage) == list(range(1, STEPS + 1))
-    trained = [gid for step in sorted(lineage) for gid in lineage[step]]
-    assert len(trained) == len(set(trained)) == STEPS * GROUPS, trained
-    assert sorted(trained) == list(range(STEPS * GROUPS))  # the data stream in order: nothing skipped
-    assert (run_dir / "hf" / "config.json").exists()
-
-
 def test_two_ranks_train_checkpoint_and_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The follower rank's side of the loop (the weight export, the checkpoint's state and
     barrier), which one-rank runs never take: 2 steps on 2 ranks checkpointing each, then a
@@ -108,9 +75,8 @@ def test_two_ranks_train_checkpoint_and_resume(tiny_model_dir: Path, tmp_path: P
     assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == ["step_00000002", "step_00000003"]
 
 
-# The trainer killed at a chosen point of step KILL_STEP, from inside: this launcher patches the
+# The trainer killed at a chosen point of a chosen step, from inside: this launcher patches the
 # point to SIGKILL its own process, then runs `python -m slimish.train` as usual.
-KILL_STEP = 3
 KILLER = """
 import os, signal, sys
 point, at = sys.argv.pop(1), int(sys.argv.pop(1))
@@ -140,26 +106,31 @@ sys.exit(main(sys.argv[1:]))
 """.replace("{groups}", str(GROUPS))
 
 
-@pytest.mark.parametrize("point", ["rollout", "train", "push", "checkpoint"])
-def test_killed_at_a_chosen_point_resumes_training_every_prompt_once(
-    tiny_model_dir: Path, tmp_path: Path, point: str
-) -> None:
+# One run killed at each point in turn, each kill in the next step (a resume is killed again).
+KILLS = {"rollout": 2, "train": 3, "push": 4, "checkpoint": 5}
+
+
+def test_killed_at_each_chosen_point_resumes_training_every_prompt_once(tiny_model_dir: Path, tmp_path: Path) -> None:
     data, run_dir = _prompts(tmp_path / "prompts.jsonl", 100), tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    argv = _argv(tiny_model_dir, run_dir, data)
-    killer = [sys.executable, "-c", KILLER, point, str(KILL_STEP), *argv[3:]]
-    first = subprocess.run(killer, env=env, capture_output=True, text=True, timeout=300)
-    assert first.returncode == -9, first.stderr[-3000:]
-    saved = sorted(p.name for p in checkpoint_dir(run_dir).iterdir())
-    assert saved[-1] == f"step_{KILL_STEP - 1:08d}", saved  # the killed step's checkpoint is not there
-    assert (point == "checkpoint") == any(name.startswith(".tmp-") for name in saved)  # killed mid-write: ignored
+    for point, at in KILLS.items():
+        argv = _argv(tiny_model_dir, run_dir, data, *(["--resume", "auto"] if at > min(KILLS.values()) else []))
+        killer = [sys.executable, "-c", KILLER, point, str(at), *argv[3:]]
+        first = subprocess.run(killer, env=env, capture_output=True, text=True, timeout=300)
+        assert first.returncode == -9, (point, first.stderr[-3000:])
+        saved = sorted(p.name for p in checkpoint_dir(run_dir).iterdir())
+        assert saved[-1] == f"step_{at - 1:08d}", (point, saved)  # the killed step's checkpoint is not there
+        assert (point == "checkpoint") == any(name.startswith(".tmp-") for name in saved)  # killed mid-write: ignored
     second = subprocess.run(
         _argv(tiny_model_dir, run_dir, data, "--resume", "auto"), env=env, capture_output=True, text=True, timeout=300
     )
     assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr
     lineage: dict[int, list[int]] = {}
-    for row in _trained(run_dir):
+    for row in _trained(run_dir):  # a step re-run after a resume replaces the killed run's record
         lineage[row["step"]] = row["group_ids"]
     trained = [gid for step in sorted(lineage) for gid in lineage[step]]
     assert sorted(lineage) == list(range(1, STEPS + 1))
-    assert sorted(trained) == list(range(STEPS * GROUPS))  # every prompt exactly once
+    assert len(trained) == len(set(trained)) == STEPS * GROUPS, trained
+    assert sorted(trained) == list(range(STEPS * GROUPS))  # the data stream in order: every prompt exactly once
+    assert (run_dir / "hf" / "config.json").exists()

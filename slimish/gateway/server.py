@@ -118,6 +118,7 @@ class Gateway:
         self.session_sampling: dict[
             str, dict[str, Any]
         ] = {}  # per-session defaults (ctx's: eval lowers the temperature)
+        self.session_policy: dict[str, str] = {}  # `policies`: the policy of a session that names one
         self.url = ""
         self._context_length: int | None = None
         self._server: _UvicornServer | None = None
@@ -158,13 +159,16 @@ class Gateway:
 
     # ---- sessions ---------------------------------------------------------------------------
 
-    def new_session(self, label: str = "", sampling: dict[str, Any] | None = None) -> str:
+    def new_session(self, label: str = "", sampling: dict[str, Any] | None = None, policy: str | None = None) -> str:
         """A new session's id (and credential): `label-` then 128 random bits. `sampling`: its
-        defaults over the gateway's (a rollout's: evaluation lowers the temperature)."""
+        defaults over the gateway's (a rollout's: evaluation lowers the temperature). `policy`: the
+        run's policy (`policies`) that answers every turn of it, in place of `lora`'s adapter."""
         session_id = f"{label}-{secrets.token_urlsafe(16)}" if label else secrets.token_urlsafe(16)
         self._session(session_id)
         if sampling:
             self.session_sampling[session_id] = dict(sampling)
+        if policy:
+            self.session_policy[session_id] = policy
         return session_id
 
     def _session(self, session_id: str) -> TrajectoryTree:
@@ -198,6 +202,7 @@ class Gateway:
     def _forget(self, session_id: str) -> TrajectoryTree | None:
         self._used.pop(session_id, None)
         self.session_sampling.pop(session_id, None)
+        self.session_policy.pop(session_id, None)
         tree = self.sessions.pop(session_id, None)
         if tree is not None:
             self.held -= tree.held
@@ -243,7 +248,7 @@ class Gateway:
             sampling_params=params,
             return_logprob=True,
             top_logprobs_num=req.top_logprobs,
-            **self.lora,
+            **({"lora_path": policy} if (policy := self.session_policy.get(session_id)) else self.lora),
             **routes,
         )
         assert isinstance(out, GenerateResponse)
@@ -297,12 +302,12 @@ class Gateway:
     def pop_samples(self, session_id: str, template: Sample) -> list[Sample]:
         """The session's samples (one per leaf of its tree), forgetting the session; a turn still
         in flight is not included. `metadata["capture"]` says which segment and branch each is."""
+        policy = self.session_policy.get(session_id)
         tree = self._forget(session_id)
         if tree is None:
             return []
-        return tree.samples(
-            template, {"session": session_id, "segments": len(tree.roots), "realignments": tree.realignments}
-        )
+        meta = {"session": session_id, "segments": len(tree.roots), "realignments": tree.realignments}
+        return tree.samples(template, meta, policy)
 
     # ---- HTTP -------------------------------------------------------------------------------
 

@@ -171,9 +171,9 @@ class TrajectoryTree:
             return 0
         return min(parent.routes_start + len(parent.routes), len(parent.prompt_ids) + at.keep - 1)
 
-    def samples(self, template: Sample, meta: dict[str, Any]) -> list[Sample]:
+    def samples(self, template: Sample, meta: dict[str, Any], policy: str | None = None) -> list[Sample]:
         """One sample per leaf, in the order the leaves were made; a turn's ids are trained in
-        the first sample that holds them only."""
+        the first sample that holds them only. `policy`: the run's policy that made every turn."""
         trained: dict[int, int] = {}  # id(turn) -> how many of its completion ids a sample trained already
         samples = []
         leaves, roots = [t for t in self.turns if not t.children], self.roots
@@ -206,7 +206,10 @@ class TrajectoryTree:
                 done = min(trained.get(i, 0), keep)
                 s.append_env(turn.completion_ids[:done])
                 s.append_model(
-                    turn.completion_ids[done:keep], turn.logprobs[done:keep], turn.versions[done:keep] or None
+                    turn.completion_ids[done:keep],
+                    turn.logprobs[done:keep],
+                    turn.versions[done:keep] or None,
+                    policy=policy,
                 )
                 trained[i] = max(trained.get(i, 0), keep)
                 if turn.routes is not None:  # up to the last kept id fed forward: a realigned reply's rest is not ours

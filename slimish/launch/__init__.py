@@ -17,15 +17,16 @@ if TYPE_CHECKING:
 
 
 def start_servers(
-    launch: "LaunchConfig", model: str | Path, log_dir: str | Path, first_gpu: int = 0
+    launch: "LaunchConfig", model: str | Path, log_dir: str | Path, first_gpu: int = 0, wait: bool = True
 ) -> AbstractContextManager[Servers]:
     """The engines and router of a run, by `launch.mode`; Ray is imported only when used. Local
-    GPU engines go on this machine's GPUs from `first_gpu` on (slimish/launch/plan.py)."""
+    GPU engines go on this machine's GPUs from `first_gpu` on (slimish/launch/plan.py). With
+    `wait=False`, `Servers.ready` waits for local engines (Ray's are up on entry)."""
     if launch.mode == "ray":
         from slimish.launch.ray_engines import ray_servers
 
         return ray_servers(launch, model, log_dir)
-    return local_servers(launch, model, log_dir, first_gpu)
+    return local_servers(launch, model, log_dir, first_gpu, wait)
 
 
 @contextmanager

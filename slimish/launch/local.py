@@ -95,16 +95,18 @@ class RouterWatch:
         self._closing = False
         self._thread = threading.Thread(target=self._watch, name="router-watch", daemon=True)
 
-    def __enter__(self) -> RouterWatch:
-        self.router.start(self.timeout)
-        self._thread.start()
-        return self
+    def start(self) -> None:
+        """Start the router and its watch, once; from the thread that lives as long as the run."""
+        if self.router.proc is None:
+            self.router.start(self.timeout)
+            self._thread.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
         with self._lock:
             self._closing = True
             self.router.stop()
-        self._thread.join(timeout=self.timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.timeout)
 
     def _watch(self) -> None:
         """Runs as long as the router should: a child's parent-death signal follows the thread
@@ -141,6 +143,18 @@ class Servers:
         """How often the run's router exited and was started again."""
         return self.router.restarts if self.router is not None else 0
 
+    def own_urls(self) -> list[str]:
+        """The engines this run started (and restarts): always in its weight-update group."""
+        return [e.url for e in self.engines]
+
+    def ready(self, timeout: float) -> None:
+        """Waits for engines that `local_servers(wait=False)` spawned, then starts the router in
+        front of them (it finds them up at its first health check); nothing to do otherwise."""
+        for engine in self.engines:
+            engine.wait_healthy(timeout)
+        if self.router is not None:
+            self.router.start()
+
     def restart_dead(self, timeout: float, await_weights: bool = True) -> list[str]:
         """Start again, on the same port, every engine of ours that exited; returns their URLs.
         Built-in ones come back with `--await-weights`: the router sees them unhealthy, and they
@@ -160,21 +174,29 @@ class Servers:
 
 @contextmanager
 def local_servers(
-    launch: "LaunchConfig", model: str | Path, log_dir: str | Path, first_gpu: int = 0
+    launch: "LaunchConfig", model: str | Path, log_dir: str | Path, first_gpu: int = 0, wait: bool = True
 ) -> Iterator[Servers]:
     """The engines and router a run needs: started here (children, stopped on exit) unless
     `launch.router_url` names existing ones, whose engines are then read from its worker list,
     or `launch.engine_kind` is external (a router is started in front of `launch.engine_urls`).
-    GPU engines go on this machine's GPUs from `first_gpu` on (`engine_gpus`)."""
+    GPU engines go on this machine's GPUs from `first_gpu` on (`engine_gpus`). With `wait=False`
+    the engines are only spawned and the caller calls `Servers.ready` later: the trainer loads
+    its model meanwhile (seconds off every run's start)."""
     if launch.router_url:
         yield Servers(
             launch.router_url, existing_engine_urls(launch.router_url, launch.api_key, launch.teacher.served_name)
         )
         return
-    with engines_only(launch, model, log_dir, first_gpu) as engines:
+    with engines_only(launch, model, log_dir, first_gpu, wait=False) as engines:
         urls = [e.url for e in engines] or [u.rstrip("/") for u in launch.engine_urls]
-        with RouterWatch(router_process(launch, urls, Path(log_dir)), launch.start_timeout) as watch:
-            yield Servers(watch.router.url, urls, engines, watch)
+        watch = RouterWatch(router_process(launch, urls, Path(log_dir)), launch.start_timeout)
+        servers = Servers(watch.router.url, urls, engines, watch)
+        try:
+            if wait:
+                servers.ready(launch.start_timeout)
+            yield servers
+        finally:
+            watch.close()
 
 
 def local_engines(launch: "LaunchConfig", model: str | Path, log_dir: Path, first_gpu: int = 0) -> list[ServerProcess]:
@@ -190,14 +212,19 @@ def local_engines(launch: "LaunchConfig", model: str | Path, log_dir: Path, firs
 
 @contextmanager
 def engines_only(
-    launch: "LaunchConfig", model: str | Path, log_dir: str | Path, first_gpu: int = 0
+    launch: "LaunchConfig", model: str | Path, log_dir: str | Path, first_gpu: int = 0, wait: bool = True
 ) -> Iterator[list[ServerProcess]]:
-    """`local_engines` started and healthy, stopped when the block ends."""
+    """`local_engines` started and healthy (only spawned, with `wait=False`), stopped when the
+    block ends."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     engines = local_engines(launch, model, log_dir, first_gpu)
     try:
-        start_all(engines, launch.start_timeout)
+        if wait:
+            start_all(engines, launch.start_timeout)
+        else:
+            for engine in engines:
+                engine.launch()
         yield engines
     finally:
         for proc in engines:

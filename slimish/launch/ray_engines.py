@@ -80,6 +80,9 @@ class RayServers(Servers):
             name=name, num_cpus=self.launch.engine_cpus, num_gpus=self.launch.engine_gpus, scheduling_strategy=strategy
         ).remote(self.launch, self.model, str(self.log_dir / f"engine{index}.log"))
 
+    def own_urls(self) -> list[str]:
+        return list(self.engine_urls)  # each actor's engine, under its URL now
+
     def restart_dead(self, timeout: float, await_weights: bool = True) -> list[str]:
         """Every engine whose actor died (or whose child exited) runs again, awaiting weights
         unless told not to (`Servers.restart_dead`), and is in the router's list under its new

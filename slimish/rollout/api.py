@@ -18,7 +18,7 @@ import copy
 import hashlib
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from transformers import AutoConfig, AutoTokenizer
@@ -135,9 +135,18 @@ class RolloutRuntime:
         # trainer.lora: every generate call of the run (training, evaluation, the gateway) names
         # the run's adapter; the teacher's calls go through their own client and never do.
         self.lora = {"lora_path": cfg.trainer.lora.adapter} if cfg.trainer.lora.enabled else {}
+        self.policies = [p.name for p in cfg.policies]  # `policies`: one adapter each, of its name
+        if self.policies:  # a call that names none samples the first
+            self.lora = {"lora_path": self.policies[0]}
         # algorithm.routing_replay=r3: every generate call of the run asks for the engine's routes
         # (the gateway's too), `(layers, top_k)` their rows' shape; None when the run does not.
         self.route_shape = run_route_shape(cfg)
+
+    def policy(self, name: str | None) -> str | None:
+        """The policy a call samples (docs/policies.md): `name`, else the run's first; None without `policies`."""
+        if name is not None and name not in self.policies:
+            raise ValueError(f"policy={name!r} is not one of the run's policies {self.policies} (docs/policies.md)")
+        return name or next(iter(self.policies), None)
 
     def chat_tokens(
         self, tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None
@@ -278,10 +287,13 @@ class RolloutContext:
 
     # ---- generation -------------------------------------------------------------------------
 
-    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None) -> GenerateResult:
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, policy: str | None = None
+    ) -> GenerateResult:
         """Native `/generate` on the router: token ids in, token ids and logprobs out. The text
         keeps a matched stop string (SGLang's `no_stop_trim`): ids are the truth, and text that
-        rollout code parses must say what the model emitted."""
+        rollout code parses must say what the model emitted. `policy`: which of `policies` samples."""
+        policy = self.runtime.policy(policy)
         params = {**self.sampling_params, **(sampling_params or {})}
         if self.runtime.cfg.algorithm.true_on_policy:
             params.setdefault("sampling_seed", self._sampling_seed())
@@ -297,11 +309,11 @@ class RolloutContext:
             input_ids=list(input_ids),
             sampling_params=params,
             return_logprob=True,
-            **self.runtime.lora,
+            **({"lora_path": policy} if policy else self.runtime.lora),
             **routes,
         )
         assert isinstance(out, GenerateResponse)
-        return to_result(out, shape, start)
+        return replace(to_result(out, shape, start), policy=policy)
 
     def _routes_held(self, input_ids: list[int]) -> int:
         """Where the routes a request asks for start: after the rows `ctx.sample` holds already
@@ -350,6 +362,7 @@ class RolloutContext:
         tools: list[dict] | None = None,
         sampling_params: dict[str, Any] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        policy: str | None = None,
     ) -> ChatTurn:
         """One assistant turn of a conversation, recorded token-exactly into `ctx.sample`.
 
@@ -360,7 +373,7 @@ class RolloutContext:
         and GLM drop earlier reasoning). Template kwargs (`enable_thinking`, `thinking`...) go
         over the run's `rollout.chat_template_kwargs` and must stay the same for a conversation.
         The reply is parsed as an OpenAI server returns it: without its end token or a matched stop
-        string (`turn.result.output_ids` has every id).
+        string (`turn.result.output_ids` has every id). `policy`: which of `policies` answers (its turn to train).
         """
         sample = self._need_sample("chat")
         chat = self.runtime.chat_tokens(tools, chat_template_kwargs)
@@ -390,7 +403,7 @@ class RolloutContext:
             params.setdefault("skip_special_tokens", False)
         params.setdefault("no_stop_trim", False)  # the reply is parsed as a server returns it: without its end token
         prompt = list(sample.tokens)
-        result = await self.generate(prompt, params)
+        result = await self.generate(prompt, params, policy)
         self._record(result)
         reply = fmt.reply(result.text, prompt, tools)
         self._messages = [*messages, reply.message()]
@@ -425,38 +438,41 @@ class RolloutContext:
             result.token_versions or result.weight_version,
             result.routed_experts,
             result.routes_start,
+            result.policy,
         )
         sample.status = status_of(result.finish_reason)
 
     # ---- agents on the gateway (OpenAI / Anthropic SDKs, black-box harnesses) ---------------
 
-    async def openai_base_url(self) -> str:
+    async def openai_base_url(self, policy: str | None = None) -> str:
         """`base_url` for `openai.AsyncOpenAI` (Chat Completions and Responses): every call
-        through it is captured for this sample."""
-        gateway, session = await self._gateway_session()
+        through it is captured for this sample (`policy`: see `_gateway_session`)."""
+        gateway, session = await self._gateway_session(policy)
         return gateway.session_base_url(session)
 
-    async def anthropic_base_url(self) -> str:
+    async def anthropic_base_url(self, policy: str | None = None) -> str:
         """`base_url` for `anthropic.AsyncAnthropic` (Messages): captured for this sample."""
-        gateway, session = await self._gateway_session()
+        gateway, session = await self._gateway_session(policy)
         return gateway.session_url(session)
 
-    async def agent_env(self) -> dict[str, str]:
+    async def agent_env(self, policy: str | None = None) -> dict[str, str]:
         """Environment variables that point an unmodified agent program at this sample's session:
         `OPENAI_BASE_URL` / `ANTHROPIC_BASE_URL` name the gateway, the API keys name the session
         (many harnesses take nothing but a base URL and a key from the environment)."""
         from slimish.gateway.harness import gateway_env
 
-        gateway, session = await self._gateway_session()
+        gateway, session = await self._gateway_session(policy)
         return gateway_env(gateway.url, session)
 
-    async def _gateway_session(self) -> tuple[Gateway, str]:
-        """The rollout process's gateway, started on first use, and this sample's session on it."""
-        sample = self._need_sample("the gateway")
-        gateway = await self.runtime.get_gateway()
-        if self._session is None:
-            # what this call samples with (eval: its temperature)
-            self._session = gateway.new_session(f"{sample.group_id}-{sample.index}", self.sampling_params)
+    async def _gateway_session(self, policy: str | None = None) -> tuple[Gateway, str]:
+        """The rollout process's gateway, started on first use, and this sample's session on it,
+        answered by `policy` (`policies`) as named by the first call (another: `ctx.new_sample`)."""
+        sample, gateway = self._need_sample("the gateway"), await self.runtime.get_gateway()
+        if self._session is None:  # sampled as this call samples (eval: its temperature)
+            label, policy = f"{sample.group_id}-{sample.index}", self.runtime.policy(policy)
+            self._session = gateway.new_session(label, self.sampling_params, policy)
+        elif policy is not None and policy != (held := gateway.session_policy.get(self._session)):
+            raise ValueError(f"policy={policy!r}: the sample's session is answered by {held!r} (ctx.new_sample)")
         return gateway, self._session
 
     def captured_samples(self) -> list[Sample]:

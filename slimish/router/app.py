@@ -213,7 +213,7 @@ def _registry_routes(
 
     def register(url: Any, model_id: str | None = None) -> Worker:
         try:
-            return workers.add(url, model_id)
+            return workers.add(url, model_id, joining=True)
         except ValueError as exc:
             raise RouterError(400, str(exc)) from exc
         except KeyError as exc:

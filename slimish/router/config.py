@@ -67,6 +67,11 @@ class RouterConfig:
     health_check_interval: float = doc(5.0, HEALTH_DOC)
     health_check_timeout: float = doc(5.0, HEALTH_DOC)
     health_failure_threshold: int = doc(3, HEALTH_DOC)
+    join_check_interval: float = doc(
+        0.5,
+        "A worker added to a running fleet takes traffic once its `/model_info` weight_version is the fleet's; "
+        "checked this often until then (docs/elastic.md).",
+    )
     cache_threshold: float = doc(0.3, CACHE_AWARE_DOC)
     balance_abs_threshold: int = doc(64, CACHE_AWARE_DOC)
     balance_rel_threshold: float = doc(1.5, CACHE_AWARE_DOC)
@@ -76,7 +81,13 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         one_of("policy", self.policy, POLICIES)
-        for name in ("request_timeout", "connect_timeout", "health_check_interval", "health_check_timeout"):
+        for name in (
+            "request_timeout",
+            "connect_timeout",
+            "health_check_interval",
+            "health_check_timeout",
+            "join_check_interval",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         at_least(0, self, "", "max_retries")

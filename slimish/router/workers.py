@@ -1,7 +1,12 @@
 """The worker registry and its health checks.
 
 Shapes follow sglang-router 0.3.x (`GET /workers` entries), so tools written against it read ours.
-A worker is routable only while healthy; health checks bring it back on their own.
+A worker is routable only while healthy; health checks bring it back on their own. A worker that
+joins a running fleet (`POST /workers`, `/add_worker`) is also held out until it serves the
+fleet's weights: a run's newcomer must not answer a single request on its checkpoint while the
+others serve step N's policy (docs/elastic.md). The gate reads `/model_info`'s `weight_version`,
+which SGLang's engines serve as well as ours, so it needs nothing of the engine: SGLang has no
+`--await-weights`.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from slimish.protocol import version_number
 from slimish.router.config import RouterConfig
 from slimish.router.upstream import ConnectFailed, Disconnected
 
@@ -44,6 +50,7 @@ class Worker:
     metadata: dict[str, Any] = field(default_factory=dict)
     adapters: set[str] = field(default_factory=set)  # LoRA adapters it holds (slimish/router/lora.py)
     model_id: str | None = None  # registered under this name: serves only requests naming it (proxy.serving)
+    joining: bool = False  # joined a running fleet: unroutable until it reports the fleet's weight version
 
     def as_dict(self) -> dict[str, Any]:
         """The entry shape of sglang-router 0.3.x `GET /workers`."""
@@ -59,8 +66,9 @@ class Worker:
             "connection_mode": "http",
             "metadata": {k: self.metadata.get(k) for k in ("dp_size", "tp_size", "model_path")},
             "disable_health_check": False,
-            "last_error": None if self.healthy else self.last_error,
+            "last_error": None if self.healthy and not self.joining else self.last_error,
             "lora_adapters": sorted(self.adapters),
+            "joining": self.joining,  # slimish's: healthy, but not yet on the fleet's weights
         }
 
 
@@ -74,6 +82,7 @@ class WorkerRegistry:
         self._pending: set[asyncio.Task] = set()
         self._timeout = aiohttp.ClientTimeout(total=cfg.health_check_timeout)
         self.changed: Callable[[], None] = lambda: None  # after each health check (scaleout.py publishes)
+        self.fleet_version: str | None = None  # the newest weight version a serving worker reported
 
     def bind(self, session: aiohttp.ClientSession) -> None:
         self._session = session
@@ -84,7 +93,11 @@ class WorkerRegistry:
         return list(self._workers.values())
 
     def healthy(self) -> list[Worker]:
-        return [w for w in self._workers.values() if w.healthy]
+        """The routable workers: healthy, and not joining."""
+        return [w for w in self._workers.values() if w.healthy and not w.joining]
+
+    def joiners(self) -> list[Worker]:
+        return [w for w in self._workers.values() if w.joining]
 
     def get(self, worker_id: str) -> Worker | None:
         return self._workers.get(worker_id)
@@ -93,13 +106,15 @@ class WorkerRegistry:
         url = normalize_url(url)
         return next((w for w in self._workers.values() if w.url == url), None)
 
-    def add(self, url: str, model_id: str | None = None) -> Worker:
+    def add(self, url: str, model_id: str | None = None, joining: bool = False) -> Worker:
         """Register `url` (unhealthy until its first good check, which starts now); under
-        `model_id`, a named worker."""
+        `model_id`, a named worker. `joining`: added to a running fleet, so unroutable until it
+        serves the fleet's weights too (named workers serve another model: never held)."""
         url = normalize_url(url)
         if (existing := self.by_url(url)) is not None:
             raise KeyError(f"worker {url} is already registered as id {existing.id}")
-        worker = Worker(url, model_id=model_id)
+        serving = any(w.model_id is None and not w.joining for w in self._workers.values())
+        worker = Worker(url, model_id=model_id, joining=joining and model_id is None and serving)
         self._workers[worker.id] = worker
         if self._session is not None:
             task = asyncio.get_running_loop().create_task(self.check(worker))
@@ -121,6 +136,7 @@ class WorkerRegistry:
                 "last_error": w.last_error,
                 "metadata": w.metadata,
                 "adapters": sorted(w.adapters),
+                "joining": w.joining,
             }
             for w in self._workers.values()
         ]
@@ -130,11 +146,12 @@ class WorkerRegistry:
         old, self._workers = self._workers, {}
         for e in entries:
             worker = old.get(e["id"]) or Worker(e["url"], id=e["id"], model_id=e["model_id"])
-            worker.healthy, worker.last_error, worker.metadata, worker.adapters = (
+            worker.healthy, worker.last_error, worker.metadata, worker.adapters, worker.joining = (
                 e["healthy"],
                 e["last_error"],
                 e["metadata"],
                 set(e["adapters"]),
+                e["joining"],
             )
             self._workers[worker.id] = worker
 
@@ -172,6 +189,8 @@ class WorkerRegistry:
                     m.get("id") for m in models or [] if isinstance(m, dict) and m.get("parent") is not None
                 }
             worker.healthy, worker.failures = True, 0
+            if worker.joining:
+                await self._admit(worker)
             return True
         worker.failures += 1
         worker.last_error = cause
@@ -180,18 +199,46 @@ class WorkerRegistry:
             worker.healthy = False
         return False
 
+    async def _admit(self, worker: Worker) -> None:
+        """A joining worker becomes routable once its weight version is the fleet's: the newest
+        any serving (healthy, unnamed, not joining) worker reports, or, none answering, the last
+        one seen. Exact: an engine's initial "default" is not step 0's weights. With no version
+        ever seen, no run holds one: the worker is admitted as it is."""
+        serving = [w for w in self.healthy() if w.model_id is None]
+        reported = [v for v in await asyncio.gather(*(self._version(w) for w in serving)) if v is not None]
+        if reported:
+            self.fleet_version = max(reported, key=version_number)
+        mine = await self._version(worker)
+        if self.fleet_version is None or mine == self.fleet_version:
+            log.info("worker %s joins the fleet at weight version %s", worker.url, mine)
+            worker.joining = False
+        else:
+            worker.last_error = f"joining: serves weight version {mine}, the fleet {self.fleet_version}"
+
+    async def _version(self, worker: Worker) -> str | None:
+        version = (await self._get_json(worker, "/model_info")).get("weight_version")
+        return version if isinstance(version, str) else None
+
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.all()))
 
     async def run_health_checks(self) -> None:
-        """Until cancelled; also cancels the first checks of workers added meanwhile."""
+        """Until cancelled: every worker each `health_check_interval`, joining ones each
+        `join_check_interval` (a push that brought one the fleet's weights lets it take load at
+        once); also cancels the first checks of workers added meanwhile."""
         try:
-            while True:
-                await asyncio.sleep(self.cfg.health_check_interval)
-                await self.check_all()
+            await asyncio.gather(
+                self._every(self.cfg.health_check_interval, self.all),
+                self._every(self.cfg.join_check_interval, self.joiners),
+            )
         finally:
             for task in list(self._pending):
                 task.cancel()
+
+    async def _every(self, interval: float, which: Callable[[], list[Worker]]) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await asyncio.gather(*(self.check(w) for w in which()))
 
     async def _get_json(self, worker: Worker, path: str) -> dict[str, Any]:
         """`/server_info` (dp/tp size and model path for `GET /workers`) or `/v1/models` (adapters);

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -130,9 +130,15 @@ class Backend(ABC):
 
     # -- the weights out ---------------------------------------------------------------------
 
-    def export(self) -> WeightExport:
+    def export(self) -> WeightExport | dict[str, WeightExport]:
         """What a weight push carries, decided here alone: the whole policy, or with `trainer.lora`
-        its adapter (every rank holds it whole; the engines keep their base weights)."""
+        its adapter (every rank holds it whole; the engines keep their base weights); with
+        `policies`, each policy's adapter by its name (weight_sync.py `PolicySyncs` pushes each)."""
+        if self.cfg.policies:
+            return {
+                p.name: WeightExport(self.adapter_tensors(p.name).items(), self.adapter_config(p.name))
+                for p in self.cfg.policies
+            }
         if self.cfg.trainer.lora.enabled:
             return WeightExport(self.adapter_tensors().items(), self.adapter_config())
         return WeightExport(self.hf_tensors())
@@ -143,13 +149,18 @@ class Backend(ABC):
         for _ in self.export().tensors:
             pass
 
-    def adapter_tensors(self) -> dict[str, Tensor]:
-        """trainer.lora: the adapter's tensors under their PEFT state-dict names (what is pushed)."""
+    def adapter_tensors(self, policy: str | None = None) -> dict[str, Tensor]:
+        """trainer.lora: the adapter's tensors under their PEFT state-dict names (what is pushed);
+        `policy`: that policy's adapter (`policies`)."""
         raise NotImplementedError(f"trainer.lora: {type(self).__name__} has no adapters")
 
-    def adapter_config(self) -> dict[str, Any]:
+    def adapter_config(self, policy: str | None = None) -> dict[str, Any]:
         """trainer.lora: the adapter's `adapter_config.json` (what the engines load it with)."""
         raise NotImplementedError(f"trainer.lora: {type(self).__name__} has no adapters")
+
+    def use_policy(self, name: str) -> AbstractContextManager[None]:
+        """`policies`: the policy `name` active inside (its adapter, optimiser, schedule, algorithm)."""
+        raise NotImplementedError(f"policies: {type(self).__name__} trains one policy")
 
     # -- what a backend implements ---------------------------------------------------------------
 

@@ -49,6 +49,7 @@ from slimish.trainer.losses import (
     teacher_log_ratio,
     value_loss,
 )
+from slimish.trainer.policies import train_policies
 from slimish.trainer.routing import check_replayable, route_metrics
 from slimish.types import Sample
 
@@ -85,6 +86,8 @@ class Trainer(Backend):
 
     def train_step(self, groups: list[list[Sample]], step: int, demos: list[Sample] | None = None) -> dict[str, float]:
         with self._threads():
+            if self.cfg.policies:  # several policies: each its own step on its share (policies.py)
+                return train_policies(self, groups, step)
             return self._train_step(groups, step, demos)
 
     def _train_step(self, groups: list[list[Sample]], step: int, demos: list[Sample] | None) -> dict[str, float]:

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from slimish.schema import at_least, doc, doc_factory, one_of
+
+if TYPE_CHECKING:
+    from slimish.config import RunConfig
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")  # from rewards alone
 CRITIC_ADVANTAGES = ("gae",)  # per token, from a value model (the critic section)
@@ -221,6 +225,53 @@ class LoraConfig:
     def adapter(self) -> str | None:
         """The adapter name generate calls carry; None without LoRA (the base model)."""
         return self.name if self.enabled else None
+
+
+@dataclass
+class PolicyConfig:
+    """One of several policies trained in one run (`policies`, docs/policies.md): a LoRA adapter on
+    the run's one base model (`trainer.lora` gives rank, alpha and targets to every adapter), with its
+    own optimiser, learning rate, advantage, checkpoint and pushes. Rollout functions pick it per call
+    (`ctx.chat(..., policy=NAME)`); its reward is the sample's `reward[NAME]` (a number reward: every
+    policy's)."""
+
+    name: str = doc("policy", "the policy's and its adapter's name on the engines (as trainer.lora.name)")
+    lr: float | None = doc(None, "its optimiser's learning rate; None: trainer.lr")
+    advantage: str | None = doc(
+        None, "its advantage estimator (a built-in of algorithm.advantage); None: algorithm.advantage"
+    )
+
+    def __post_init__(self) -> None:
+        if not LORA_NAME.fullmatch(self.name):
+            raise ValueError(
+                f"policies[].name must be letters, digits, '.', '_' or '-' (it is an adapter name), got {self.name!r}"
+            )
+        if self.lr is not None and self.lr < 0:
+            raise ValueError(f"policies[{self.name}].lr must be >= 0, got {self.lr}")
+        if self.advantage is not None:
+            one_of(f"policies[{self.name}].advantage", self.advantage, ADVANTAGES)
+
+
+def check_policies(cfg: RunConfig) -> None:
+    """What `policies` needs of the rest of the run, refused by name: LoRA adapters on one model,
+    trained by the torch backend on one rank, in sync mode (what the first slice implements)."""
+    names = [p.name for p in cfg.policies]
+    if len(set(names)) != len(names):
+        raise ValueError(f"policies: names must differ, got {names}")
+    needs = {
+        "trainer.lora.enabled=true (each policy is an adapter on the one base model; a model per policy is not "
+        "supported)": cfg.trainer.lora.enabled,
+        "trainer.backend=torch": cfg.trainer.backend == "torch",
+        "trainer.nproc=1": cfg.trainer.nproc == 1,
+        "async_training=false": not cfg.async_training,
+        "algorithm.true_on_policy=false": not cfg.algorithm.true_on_policy,
+        "algorithm.ptx_coef=0": cfg.algorithm.ptx_coef == 0,
+        "algorithm.opd.coef=0": cfg.algorithm.opd.coef == 0,
+        "algorithm.advantage a built-in reward-only estimator": cfg.algorithm.advantage in ADVANTAGES,
+        "sft.steps=0": cfg.sft.steps == 0,
+    }
+    if missing := [need for need, ok in needs.items() if not ok]:
+        raise ValueError(f"policies {names} need {'; '.join(missing)}")
 
 
 @dataclass

@@ -36,13 +36,18 @@ FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)} 
 LAYER_PREFIX = re.compile(r"^.*\blayers\.\d+\.")  # `model.layers.0.mlp.experts` -> `mlp.experts`
 
 
-def add_adapter(model: torch.nn.Module, lora: LoraConfig) -> PeftModel:
-    """`model` under a fresh adapter (B = 0: the policy starts as the base); its base frozen. On a
-    MoE model, gate_proj/up_proj/down_proj in target_modules also adapt the fused experts, through
-    PEFT's ParamWrapper on `gate_up_proj` and `down_proj` (which has no dropout)."""
+def add_adapter(model: torch.nn.Module, lora: LoraConfig, names: tuple[str, ...] = ("default",)) -> PeftModel:
+    """`model` under fresh adapters, one per name (B = 0: each policy starts as the base), the
+    first active; its base frozen. On a MoE model, gate_proj/up_proj/down_proj in target_modules
+    also adapt the fused experts, through PEFT's ParamWrapper on `gate_up_proj` and `down_proj`
+    (which has no dropout)."""
     from peft import get_peft_model
 
-    return get_peft_model(model, peft_config(model, lora)).eval()  # new dropout layers start in train mode
+    peft_model = get_peft_model(model, peft_config(model, lora), adapter_name=names[0])
+    for name in names[1:]:  # `policies`: the further adapters on the same base layers
+        peft_model.add_adapter(name, peft_config(peft_model, lora))
+    peft_model.set_adapter(names[0])  # only the active adapter's parameters require grad
+    return peft_model.eval()  # new dropout layers start in train mode
 
 
 def peft_config(model: torch.nn.Module, lora: LoraConfig) -> Any:

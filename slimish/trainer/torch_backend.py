@@ -17,9 +17,10 @@ would keep them unchanged.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,16 +73,17 @@ class TorchTrainer(Trainer):
         self.model = self._load(cfg.model)
         self.routes = route_state(cfg.algorithm.routing_replay, self.model.config, cfg.model)
         self.lora = tc.lora.enabled
+        self.policies = [p.name for p in cfg.policies]  # several: one adapter each (policies.py)
         if self.lora:
-            self.model = add_adapter(self.model, tc.lora)
+            self.model = add_adapter(self.model, tc.lora, tuple(self.policies) or ("default",))
         # forward_sync_buffers=False: DDP's forward then runs no collective, so ranks may run
         # different numbers of forwards (micro-batches, no-grad passes).
         self.ddp = DDP(self.model, forward_sync_buffers=False) if self.world > 1 else None
-        self.optimizer = self._new_optimizer(tc.lr)
-        total = cfg.steps * tc.updates_per_step
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(tc.lr_schedule, tc.warmup_steps, total, step)
-        )
+        self.per_policy = self._policy_states(cfg)
+        if self.policies:
+            self.optimizer, self.scheduler, _ = self.per_policy[self.policies[0]]
+        else:
+            self.optimizer, self.scheduler = self._optimiser(tc.lr)
         self.ref: torch.nn.Module | None = self._load(tc.ref_model, frozen=True) if tc.ref_model else None
         if self.ref is None and self.lora:  # the base: the adapter switched off, no second copy
             self.ref = AdaptersOff(self.model)
@@ -91,6 +93,29 @@ class TorchTrainer(Trainer):
             self.critic_optimizer = torch.optim.AdamW(
                 self.critic.parameters(), lr=cfg.critic.lr or tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
             )
+
+    def _optimiser(self, lr: float) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+        """AdamW over the parameters that require grad (with LoRA: the active adapter's) at `lr`,
+        and its schedule over the run's optimiser steps."""
+        tc = self.cfg.trainer
+        total = self.cfg.steps * tc.updates_per_step
+        optimizer = self._new_optimizer(lr)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_factor(tc.lr_schedule, tc.warmup_steps, total, step)
+        )
+
+    def _policy_states(self, cfg: RunConfig) -> dict[str, tuple[torch.optim.Optimizer, Any, RunConfig]]:
+        """`policies`: per policy its optimiser and schedule (over its adapter alone), and the run's
+        config with its algorithm settings; the first policy's adapter left active."""
+        states = {}
+        for p in cfg.policies:
+            self.model.set_adapter(p.name)
+            algorithm = dataclasses.replace(cfg.algorithm, advantage=p.advantage or cfg.algorithm.advantage)
+            optimizer, scheduler = self._optimiser(cfg.trainer.lr if p.lr is None else p.lr)
+            states[p.name] = (optimizer, scheduler, dataclasses.replace(cfg, algorithm=algorithm))
+        if cfg.policies:
+            self.model.set_adapter(cfg.policies[0].name)
+        return states
 
     def _load_critic(self, path: str) -> torch.nn.Module:
         """The value model: the HF checkpoint's backbone under a fresh scalar head on every token
@@ -120,6 +145,18 @@ class TorchTrainer(Trainer):
         tc = self.cfg.trainer
         params = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter's
         return torch.optim.AdamW(params, lr=lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+
+    @contextmanager
+    def use_policy(self, name: str) -> Iterator[None]:
+        """`policies`: inside, the trainer is policy `name`'s: its adapter active (the only
+        parameters with gradients), its optimiser, schedule and algorithm settings."""
+        run = self.cfg
+        self.model.set_adapter(name)
+        self.optimizer, self.scheduler, self.cfg = self.per_policy[name]
+        try:
+            yield
+        finally:
+            self.cfg = run
 
     def _updates_done(self) -> int:
         return self.scheduler.last_epoch
@@ -327,16 +364,27 @@ class TorchTrainer(Trainer):
         for name, t in checkpoint_tensors(self.model.named_parameters()):
             yield name, t.detach().to(self.dtype).contiguous()
 
-    def adapter_tensors(self) -> dict[str, Tensor]:
+    def adapter_tensors(self, policy: str | None = None) -> dict[str, Tensor]:
         """trainer.lora: the adapter under its PEFT names (what the engines load and are pushed),
-        in the compute dtype."""
-        return {name: t.to(self.dtype) for name, t in adapter_tensors(self.model).items()}
+        in the compute dtype; `policy`: that policy's."""
+        return {name: t.to(self.dtype) for name, t in adapter_tensors(self.model, policy or "default").items()}
 
-    def adapter_config(self) -> dict[str, Any]:
+    def adapter_config(self, policy: str | None = None) -> dict[str, Any]:
         """trainer.lora: the adapter's `adapter_config.json`."""
-        return adapter_config(self.model)
+        return adapter_config(self.model, policy or "default")
 
     def state_dict(self) -> dict[str, Any]:
+        if self.policies:  # each policy's adapter, optimiser and schedule
+            return {
+                "policies": {
+                    name: {
+                        "adapter": adapter_tensors(self.model, name),
+                        "optimizer": o.state_dict(),
+                        "scheduler": s.state_dict(),
+                    }
+                    for name, (o, s, _) in self.per_policy.items()
+                }
+            }
         weights = {"adapter": adapter_tensors(self.model)} if self.lora else {"model": self.model.state_dict()}  # fp32
         state = {**weights, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         if (
@@ -348,6 +396,17 @@ class TorchTrainer(Trainer):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if sorted(state.get("policies", {})) != sorted(self.policies):
+            raise ValueError(
+                f"policies: this run's are {self.policies}, the checkpoint's {sorted(state.get('policies', {}))}; "
+                "resume with the policies it was saved with"
+            )
+        if self.policies:
+            for name, (optimizer, scheduler, _) in self.per_policy.items():
+                load_adapter_tensors(self.model, state["policies"][name]["adapter"], name)
+                optimizer.load_state_dict(state["policies"][name]["optimizer"])
+                scheduler.load_state_dict(state["policies"][name]["scheduler"])
+            return
         if ("adapter" in state) != self.lora:
             raise ValueError(
                 f"trainer.lora.enabled={self.lora}, but the checkpoint was saved by a run "
@@ -373,6 +432,13 @@ class TorchTrainer(Trainer):
         """With LoRA: a PEFT adapter directory, and with `trainer.lora.export_merged` the merged HF
         model in `path/merged` (merged in a copy: the policy keeps its adapter)."""
         if self.rank != 0:
+            return
+        if self.policies:  # each policy's adapter in its own directory, path/NAME
+            for name in self.policies:
+                write_adapter_dir(
+                    Path(path) / name, adapter_config(self.model, name), adapter_tensors(self.model, name)
+                )
+                self.tokenizer.save_pretrained(Path(path) / name)
             return
         if self.lora:  # the adapter as the engines load it (the experts' per expert)
             write_adapter_dir(path, adapter_config(self.model), adapter_tensors(self.model))

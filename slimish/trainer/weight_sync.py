@@ -416,3 +416,42 @@ class WeightSync:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class PolicySyncs:
+    """A run's `policies` (docs/policies.md): one `WeightSync` per policy, each pushing its own
+    adapter over its own group (the group name gets the adapter's, as for runs that share engines),
+    so a push of one never touches another's weights. The loop sees one sync: `push` takes the
+    trainer's export, one `WeightExport` per policy, and pushes them one after the other."""
+
+    def __init__(
+        self, cfg: WeightSyncConfig, engine_urls: list[str], api_key: str | None, policies: list[str], router_url: str
+    ) -> None:
+        self.syncs = {name: WeightSync(cfg, engine_urls, api_key, name, router_url) for name in policies}
+        self.urls = next(iter(self.syncs.values())).urls
+
+    def connect(self) -> None:
+        for sync in self.syncs.values():
+            sync.connect()
+
+    def close(self) -> None:
+        with contextlib.ExitStack() as stack:  # every one closed, whichever fails
+            for sync in self.syncs.values():
+                stack.callback(sync.close)
+
+    def push(self, exports: dict[str, WeightExport], version: int) -> dict[str, float]:
+        """Each policy's adapter, versioned `version`; `seconds` and `bytes` in all."""
+        if not isinstance(exports, dict) or set(exports) != set(self.syncs):
+            raise WeightSyncError(
+                f"push: one adapter export per policy {sorted(self.syncs)} expected, got "
+                f"{sorted(exports) if isinstance(exports, dict) else type(exports).__name__}"
+            )
+        timings = [self.syncs[name].push(exports[name], version) for name in self.syncs]
+        return {key: sum(t[key] for t in timings) for key in ("seconds", "bytes")}
+
+    def __enter__(self) -> PolicySyncs:
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
