@@ -16,6 +16,10 @@ Last, the physical limit: each path's decode FLOP rate (2 x parameters x tokens 
 against this process's fp32 GEMM rate at the decode shape [B, hidden] x [hidden, intermediate]
 (one thread), and the share of it each path reaches; then the same share counting the prompt
 tokens' prefill FLOPs too (the time holds them: a third of the FLOPs at the default lengths).
+Then the engine's decode step at the largest B beside its roofline bound, both measured here in
+one process (`decode_step.py`: the step by the engine's own scheduler at the mean context of a
+request, prompt + new tokens / 2; the bound as the projections of every layer cycling plus K and V
+streamed once, each measured alone), with the ratio against its target (<= 1.25x).
 
     .venv/bin/python benchmarks/engine_throughput.py                  # small (~30M), the real run
     .venv/bin/python benchmarks/engine_throughput.py --model-size tiny --sizes 1,4 --new-tokens 16
@@ -40,11 +44,14 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
 from slimish.client import Client  # noqa: E402
+from slimish.engine.config import EngineConfig  # noqa: E402
+from slimish.engine.runner import load_model  # noqa: E402
 from slimish.launch.local import engine_process  # noqa: E402
 from slimish.tiny_model import make_tiny_model  # noqa: E402
 
 WARMUP_TOKENS = 8
 TARGET_SERIAL, TARGET_STATIC = 4.0, 0.8  # engine / serial at the largest size, engine / static at every size
+TARGET_ROOFLINE = 1.25  # the engine's decode step / its measured roofline bound, at the largest size
 
 
 @dataclass
@@ -212,6 +219,7 @@ def main() -> None:
         model.config.intermediate_size,
         (args.prompt_len + args.new_tokens) / args.new_tokens,
     )
+    roofline_report(model_dir, max(sizes), args.prompt_len + args.new_tokens // 2)
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
@@ -300,6 +308,20 @@ def flop_report(rows: list[Row], n_params: int, hidden: int, ffn: int, all_token
             + ", ".join(f"{k} {v:.1f} GFLOP/s ({v / gemm:.0%})" for k, v in rates.items())
             + f"; with prompt tokens: engine {rates['engine'] * all_tokens / gemm:.0%}, static {rates['static'] * all_tokens / gemm:.0%}"
         )
+
+
+def roofline_report(model_dir: Path, batch: int, context: int, rounds: int = 4, steps: int = 8) -> None:
+    """The engine's decode step at `batch` rows and `context` tokens beside its roofline bound."""
+    from decode_step import DecodeBench, roofline  # benchmarks/, this script's directory
+
+    model = load_model(str(model_dir), "float32", torch.device("cpu"))  # its own copy: the runner patches it
+    bench = DecodeBench(model, batch, context, EngineConfig.decode_attention_backend)
+    line = roofline(bench, rounds, steps)
+    ratio = line.step / line.bound
+    print()
+    print(f"decode step against its roofline (in-process, context {context} -> {bench.width}, CPU time):")
+    print(f"  {line.summary(batch)}")
+    print(f"  target <= {TARGET_ROOFLINE}x: {'met' if ratio <= TARGET_ROOFLINE else 'MISSED'}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,12 @@ buffers on the first push), so drifting load hits both alike; medians are printe
 raw time / push time (= push bandwidth / raw bandwidth): `whole` for the whole push (pause,
 begin, buckets, end, continue), `buckets` for the bucket loop alone. Target: whole >= 0.9x.
 
+The colocated side (`launch.colocate`, `--colocated`): the same set in a shared weight store
+(slimish/colocate.py) that engines started with `--shared-weights` map, pushed by `ColocatedSync`
+(KV release, then version flip and cache flush; no bytes). Its median push time is set against
+the default-format broadcast push of the same engines count measured just before. Target: under
+5% of it.
+
     .venv/bin/python benchmarks/weight_sync.py                          # both sets, 1 and 2 engines (~5-8 min)
     .venv/bin/python benchmarks/weight_sync.py --sets small --engines 1 --rounds 2   # smoke run
 
@@ -47,8 +53,11 @@ from slimish.net import free_port  # noqa: E402
 from slimish.tiny_model import make_tiny_model  # noqa: E402
 from slimish.trainer.backend import WeightExport  # noqa: E402
 from slimish.trainer.weight_sync import WeightSync, plan_buckets  # noqa: E402
+from slimish.colocate import create_store  # noqa: E402
+from slimish.trainer.colocated import ColocatedSync  # noqa: E402
 
 TARGET = 0.9
+COLOCATED_TARGET = 0.05
 TIMEOUT = timedelta(minutes=30)
 CTX = mp.get_context("spawn")
 # ~504M parameters: 31 x 15.7M per layer + two 8192 x 1024 embeddings.
@@ -168,6 +177,37 @@ def measure(
     return {"bytes": nbytes, "buckets_n": pushes[0]["buckets"], "whole": whole, "buckets": buckets, "raw": base}
 
 
+def measure_colocated(model_dir: Path, dtype: str, engines: int, rounds: int, logs: Path) -> dict[str, float]:
+    """Colocated pushes into `engines` engines mapping one store of `model_dir` in `dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    store = create_store(model)  # the model's parameters are the store's views from here on
+    with ExitStack() as stack:
+        stack.callback(shutil.rmtree, store.path, True)
+        procs = [
+            engine_process(
+                model_dir,
+                log_path=logs / f"coloc{i}.log",
+                dtype=dtype,
+                shared_weights=store.path,
+                cpu_packed_linear=False,
+            )
+            for i in range(engines)
+        ]
+        for p in procs:
+            stack.callback(p.stop)
+        start_all(procs, 600)
+        sync = ColocatedSync(store, WeightSync(WeightSyncConfig(timeout_s=600), [p.url for p in procs]))
+        stack.callback(sync.close)
+        sync.connect()
+        pushes = []
+        for r in range(rounds + 1):  # round 0 is the warm-up
+            sync.release()  # as a training step does
+            pushes.append(sync.push(WeightExport(model.named_parameters()), r))
+    return {"bytes": pushes[1]["bytes"], "whole": statistics.median(p["seconds"] for p in pushes[1:])}
+
+
 def report_row(name: str, engines: int, fmt: str, m: dict[str, float]) -> str:
     gb = m["bytes"] / 1e9
     return (
@@ -185,11 +225,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per configuration (after a warm-up)")
     parser.add_argument("--bucket-mb", type=float, default=WeightSyncConfig.bucket_mb)
     parser.add_argument("--model-cache", type=Path, default=Path("runs/bench-models"))
+    parser.add_argument("--colocated", default="500m", help="comma-separated sets also pushed colocated ('' for none)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     builders = {"small": (small_model, "float32"), "500m": (synthetic_model, "bfloat16")}
-    rows = []
+    rows, colocated = [], []
     for name in args.sets.split(","):
         build, dtype = builders[name]
         model_dir = build(args.model_cache)
@@ -210,6 +251,7 @@ def main() -> None:
                 for p in procs:
                     stack.callback(p.stop)
                 start_all(procs, 600)
+                broadcast = float("nan")  # the default format's whole push: the colocated side's yardstick
                 for fmt in args.formats.split(","):
                     cfg = WeightSyncConfig(
                         bucket_mb=args.bucket_mb,
@@ -220,6 +262,15 @@ def main() -> None:
                     m = measure(named, [p.url for p in procs], cfg, args.rounds)
                     rows.append(report_row(name, n, fmt, m))
                     print(rows[-1], flush=True)
+                    if fmt == "default":
+                        broadcast = m["whole"]
+            if name in args.colocated.split(","):
+                c = measure_colocated(model_dir, dtype, n, args.rounds, args.model_cache / "logs")
+                colocated.append(
+                    f"| {name} | {n} | {int(c['bytes'])} | {c['whole']:.4f} | {broadcast:.3f} | "
+                    f"{c['whole'] / broadcast:.2%} |"
+                )
+                print(colocated[-1], flush=True)
     print()
     print(
         "| set | engines | format | GB | buckets | push s | buckets s | raw s | push GB/s | raw GB/s | whole / raw | buckets / raw |"
@@ -228,6 +279,11 @@ def main() -> None:
     for row in rows:
         print(row)
     print(f"\ntarget: whole >= {TARGET}x raw")
+    if colocated:
+        print("\n| set | engines | colocated bytes | colocated push s | broadcast push s | colocated / broadcast |")
+        print("|---|---|---|---|---|---|")
+        print("\n".join(colocated))
+        print(f"\ntarget: colocated < {COLOCATED_TARGET:.0%} of the broadcast push")
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

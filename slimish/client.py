@@ -30,6 +30,7 @@ from slimish.protocol import (
     UnloadLoraAdapterReq,
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDistributedReq,
+    auth_headers,
 )
 
 RECONNECT_EVERY_S = 0.2  # while a server is gone (`reconnect_s`), a request is sent again this often
@@ -92,7 +93,7 @@ class Client:
         requests safe to repeat: a reply never read recorded nothing (a generate's tokens)."""
         self.base_url = base_url.rstrip("/")
         self.reconnect_s = reconnect_s
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = auth_headers(api_key)
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
 
@@ -198,7 +199,11 @@ class Client:
         await self.request("POST", "/continue_generation", {})
 
     async def flush_cache(self) -> None:
-        await self.request("POST", "/flush_cache")
+        """SGLang replies in plain text, not JSON (a 400 while requests are pending)."""
+        url = self.base_url + "/flush_cache"
+        async with self.session.post(url) as r:
+            if r.status >= 400:
+                raise ServerError(url, r.status, _message(r.status, await r.read()))
 
     # ---- weights ----------------------------------------------------------------------------
 

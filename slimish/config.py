@@ -20,7 +20,9 @@ from omegaconf.errors import OmegaConfBaseException
 from slimish.buffer import BufferConfig
 from slimish.flags import describe_config
 from slimish.gateway.config import GatewayConfig
+from slimish.launch.commands import engine_flags
 from slimish.launch.config import LaunchConfig
+from slimish.launch.cpus import check_split
 from slimish.metrics import MetricsConfig
 from slimish.rollout.config import ZERO_VARIANCE_FILTER, DataConfig, EvalConfig, RolloutConfig
 from slimish.schema import doc, doc_factory, one_of
@@ -68,6 +70,7 @@ class RunConfig:
     )
 
     def __post_init__(self) -> None:
+        check_split(self.launch)
         if self.policies:
             check_policies(self)
         if self.async_training and self.buffer.max_staleness < 1:
@@ -99,6 +102,8 @@ class RunConfig:
             )
         if self.algorithm.true_on_policy:
             check_true_on_policy(self)
+        if self.launch.colocate:
+            check_colocate(self)
         sync = self.weight_sync
         if (
             self.trainer.lora.enabled
@@ -133,6 +138,27 @@ def check_true_on_policy(cfg: RunConfig) -> None:
     missing = [what for what, ok in needs.items() if not ok]
     if missing:
         raise ValueError(f"algorithm.true_on_policy needs {'; '.join(missing)}")
+
+
+def check_colocate(cfg: RunConfig) -> None:
+    """What `launch.colocate` needs of the rest of the run, refused by name (docs/colocate.md): one
+    trainer process whose fp32 parameters the engines map, pushes between steps only."""
+    flags = engine_flags(cfg.launch.engine_flag)
+    needs = {
+        "trainer.backend=torch (Megatron's parameters are its own, sharded)": cfg.trainer.backend == "torch",
+        "trainer.nproc=1 (one trainer process maps the store)": cfg.trainer.nproc == 1,
+        "no policies (several adapters: not supported colocated yet)": not cfg.policies,
+        "async_training=false (the optimiser step would write weights the engines are reading)": not cfg.async_training,
+        "trainer.dtype=float32 (or its CPU default): the engines compute on the trainer's fp32 weights": (
+            cfg.trainer.dtype in (None, "float32")
+        ),
+        "launch.engine_flag dtype=float32 (the store holds the trainer's fp32 weights)": (
+            flags.get("dtype", "float32") == "float32"
+        ),
+        "launch.engine_flag device=cpu (the store is host memory)": flags.get("device", "cpu") == "cpu",
+    }
+    if missing := [need for need, ok in needs.items() if not ok]:
+        raise ValueError(f"launch.colocate needs {'; '.join(missing)}")
 
 
 # Old key -> its new name: still read for a release, with a warning.

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from slimish.protocol import auth_headers
+
 
 class ServerProcess:
     """A `python -m <module> <argv>` child (`slimish.cli` unless told) serving HTTP on `host:port`."""
@@ -25,8 +27,12 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         log_path: str | Path | None = None,
         module: str = "slimish.cli",
+        cpus: tuple[int, ...] = (),
+        api_key: str | None = None,
     ) -> None:
         self.argv, self.host, self.port, self.health_path, self.module = argv, host, port, health_path, module
+        self.cpus = cpus  # pinned to these CPUs (launch.cpu_placement); (): this process's
+        self.api_key = api_key  # a keyed server's: `health_path` may be a keyed route (/model_info)
         self.name = argv[0] if module == "slimish.cli" else module  # for messages: "engine", "sglang.launch_server"
         self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
         self.log_path = Path(log_path) if log_path else None
@@ -44,19 +50,26 @@ class ServerProcess:
     def launch(self) -> None:
         """Spawn without waiting. The child gets SIGTERM if this process dies, even by SIGKILL
         (Linux parent-death signal), so a crashed trainer leaves no engines behind. Call it from
-        the thread that lives as long as the child should: the signal follows the spawning thread."""
+        the thread that lives as long as the child should: the signal follows the spawning thread.
+        With `cpus`, the child is pinned to them before it runs (every thread it makes inherits them)."""
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [sys.executable, "-m", self.module, *self.argv],
             env=self.env,
             stdout=out,
             stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=self._in_child if sys.platform == "linux" else None,
         )
+
+    def _in_child(self) -> None:
+        die_with_parent()
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=2.0) as http:  # one client: each bare httpx.get builds an SSL context (~80 ms)
+        # One client for the polls: each builds an SSL context (~80 ms).
+        with httpx.Client(timeout=2.0, headers=auth_headers(self.api_key)) as http:
             while time.monotonic() < deadline:
                 if self.proc is not None and self.proc.poll() is not None:
                     raise RuntimeError(
@@ -107,6 +120,13 @@ def start_all(procs: list[ServerProcess], timeout: float) -> None:
         proc.launch()
     for proc in procs:
         proc.wait_healthy(timeout)
+
+
+def usable_cpus() -> tuple[int, ...]:
+    """The CPUs this process may run on, sorted (all of them where affinity is not available)."""
+    if hasattr(os, "sched_getaffinity"):
+        return tuple(sorted(os.sched_getaffinity(0)))
+    return tuple(range(os.cpu_count() or 1))
 
 
 def die_with_parent() -> None:

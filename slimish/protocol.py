@@ -21,6 +21,15 @@ DEFAULT_WEIGHT_VERSION = "default"
 DEFAULT_GROUP_NAME = "weight_update_group"
 TOP_K_OFF = 1 << 30
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """What every call to a keyed engine or router sends: `Authorization: Bearer <key>`, the one
+    form SGLang checks (sglang 0.5.23: python/sglang/srt/utils/auth.py:108-117) and so do the
+    slimish engine and router; nothing without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 # The routes that change an engine's weights (docs/protocol.md 4): admin routes of the engine, fanned
 # out to every worker by the router.
 WEIGHT_UPDATE_ROUTES = (
@@ -376,8 +385,12 @@ class LoraUpdateResult(BaseModel):
     loaded_adapters: dict[str, str] = Field(default_factory=dict)
 
 
+# What /release_memory_occupation and /resume_memory_occupation name (sglang 0.5.23: python/sglang/srt/constants.py:2)
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
 class MemoryOccupationReq(_Strict):
-    tags: list[str] | None = None
+    tags: list[str] | None = None  # some of MEMORY_TAGS; None or empty: all
 
 
 class ProfileReq(BaseModel):

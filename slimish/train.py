@@ -2,9 +2,9 @@
 
 Every rank runs the same loop. Rank 0's side of it is the `Driver`: it owns the engines and router
 (started here unless `launch.router_url` names running ones), the rollout manager (asyncio, on a
-background thread), weight sync, metrics and checkpoints; the other ranks' side is a `Follower`,
-which only joins the collectives. Every rank holds the policy and trains on its share of each batch.
-One step, in sync mode:
+background thread), weight sync, metrics and checkpoints; the other ranks' side is a `Follower`
+(slimish/trainer/follower.py), which only joins the collectives. Every rank holds the policy and
+trains on its share of each batch. One step, in sync mode:
 
     rollout (rank 0) -> broadcast the batch -> train_step (all ranks) -> push weights (rank 0)
 
@@ -25,7 +25,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,8 +39,10 @@ from slimish.compat import load_function
 from slimish.config import RunConfig, document_run_config, load_run_config
 from slimish.launch import Servers, check_push_targets, start_servers, teacher_servers
 from slimish.launch.commands import run_launch
+from slimish.launch.cpus import place_this_rank, usable_cpus
 from slimish.launch.elastic import Fleet
 from slimish.launch.plan import ASSUMED, check_placement, first_free_gpu, next_gpu, teacher_launch
+from slimish.launch.workers import key_client
 from slimish.loop_thread import LoopThread
 from slimish.metrics import RunLog
 from slimish.plugins import LoadError
@@ -52,6 +54,8 @@ from slimish.rollout.manager import RolloutManager
 from slimish.rollout.stats import RolloutFailing, RolloutStalled
 from slimish.trainer import checkpoint, make_trainer
 from slimish.trainer.base import Trainer
+from slimish.trainer.colocated import ColocatedSync
+from slimish.trainer.follower import Follower
 from slimish.trainer.sft import ptx_batches, sft_batches
 from slimish.trainer.weight_sync import PolicySyncs, WeightSync
 from slimish.types import Sample
@@ -123,6 +127,7 @@ class Driver:
         self.manager = RolloutManager(self.runtime, PromptData(cfg.data), Buffer(Staleness.of(cfg.buffer)), fns)
         self.eval_sets = eval_sets(cfg, fns.rollout_fn, fns.reward_fn, load_function)
         self.servers = servers
+        self.http = stack.enter_context(key_client(cfg.launch.api_key))  # the fleet's reads, every push
         self.router_restarts = 0
         self.sync = self._weight_sync(servers.engine_urls)
         stack.callback(lambda: self.sync.close())  # the one in use then: a restart replaces it
@@ -133,22 +138,23 @@ class Driver:
         self.view = ViewWriter(cfg.run_dir, cfg.metrics.view_groups, cfg.model)  # RUN_DIR/view/: `slimish view`
         stack.callback(self.view.close)
 
-    def _weight_sync(self, engine_urls: list[str]) -> WeightSync | PolicySyncs:
+    def _weight_sync(self, engine_urls: list[str]) -> WeightSync | PolicySyncs | ColocatedSync:
         """The push into the policy's engines, and only theirs (never the teacher's); with
-        `policies`, one per policy (each its adapter)."""
+        `policies`, one per policy (each its adapter); with `launch.colocate`, a version flip."""
         check_push_targets(engine_urls, self.teacher.engine_urls if self.teacher else [])
         if self.cfg.policies:
             names = [p.name for p in self.cfg.policies]
             return PolicySyncs(
                 self.cfg.weight_sync, engine_urls, self.cfg.launch.api_key, names, self.servers.router_url
             )
-        return WeightSync(
+        sync = WeightSync(
             self.cfg.weight_sync,
             engine_urls,
             self.cfg.launch.api_key,
             self.cfg.trainer.lora.adapter,
             self.servers.router_url,
         )
+        return sync if self.servers.store is None else ColocatedSync(self.servers.store, sync)
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """Times a phase of the step for view/timeline.jsonl (rollout, train, push, eval, checkpoint)."""
@@ -161,9 +167,13 @@ class Driver:
         stack.callback(lambda: self.loop.run(self.manager.stop()))
 
     def rollout(self, version: int) -> tuple[list[list[Sample]], dict[str, float]]:
-        """The step's batch and its metrics (`time/rollout`: how long the trainer waited)."""
+        """The step's batch and its metrics (`time/rollout`: how long the trainer waited).
+        Colocated, the engines then free their KV cache until the push (the trainer's turn)."""
         with self.phase("rollout"):
-            return self.loop.run(self.manager.next_batch(version))
+            batch = self.loop.run(self.manager.next_batch(version))
+        if isinstance(self.sync, ColocatedSync):
+            self.sync.release()
+        return batch
 
     def connect(self) -> None:
         self.sync.connect()
@@ -173,7 +183,8 @@ class Driver:
         started again first; if the fleet is no longer the weight-update group's (`Fleet`), a new
         group is formed over it; newcomers serve nothing until this push."""
         launch = self.cfg.launch
-        fleet = Fleet.before_push(self.servers, self.sync.urls, launch, not self.cfg.trainer.lora.enabled)
+        await_weights = not self.cfg.trainer.lora.enabled
+        fleet = Fleet.before_push(self.servers, self.sync.urls, launch, await_weights, self.http)
         for line in fleet.news(version):
             self.run_log.message(line)
         if fleet.changed:
@@ -183,7 +194,7 @@ class Driver:
         with self.phase("push"):
             pushed = self.sync.push(trainer.export(), version)  # every rank takes part (Megatron gathers)
         self.loop.run(self.manager.weights_pushed(version))
-        if held := fleet.admitted(self.servers.router_url, launch.api_key, launch.start_timeout):
+        if held := fleet.admitted(self.http, self.servers.router_url, launch.start_timeout):
             self.run_log.message(f"engines {', '.join(held)} got version {version}; the router still holds them")
         routers = self.servers.router_restarts() - self.router_restarts  # by its watch, at once (launch/local.py)
         if routers:
@@ -262,53 +273,6 @@ class Driver:
         self.run_log.message(f"{what} in {Path(self.cfg.run_dir) / 'hf'}")
 
 
-class Follower:
-    """Every other rank's side of the same loop: it joins the collectives rank 0's `Driver`
-    starts (the weight export, the checkpoint's state and barrier) and keeps nothing else."""
-
-    def connect(self) -> None:
-        pass
-
-    def phase(self, name: str) -> AbstractContextManager[None]:
-        return nullcontext()
-
-    def start_producing(self, version: int, stack: ExitStack) -> None:
-        pass
-
-    def rollout(self, version: int) -> tuple[None, dict[str, float]]:
-        return None, {}  # the batch comes by broadcast
-
-    def push(self, trainer: Trainer, version: int) -> dict[str, float]:
-        trainer.join_export()
-        return {}
-
-    def evaluate(self) -> dict[str, float]:
-        return {}
-
-    def record_trained(self, step: int, groups: list[list[Sample]]) -> None:
-        pass
-
-    def save(self, step: int, trainer: Trainer) -> dict[str, float]:
-        trainer.state_dict()  # this rank's part of rank 0's (Megatron gathers the shards)
-        dist.barrier()  # rank 0 is writing the checkpoint
-        return {}
-
-    def load_state(self, state: dict[str, Any], source: str) -> None:
-        pass
-
-    def message(self, text: str) -> None:
-        pass
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        pass
-
-    def end_step(self, step: int, metrics: dict[str, float], started: float) -> None:
-        pass
-
-    def done(self) -> None:
-        pass
-
-
 def init_distributed() -> tuple[int, int]:
     """(rank, world size); a plain `python -m slimish.train` is a world of one."""
     if "WORLD_SIZE" not in os.environ:
@@ -359,6 +323,7 @@ def train(cfg: RunConfig, fns: RolloutFunctions) -> None:
         )
     state = checkpoint.load(resume_from) if resume_from else None
     start_step = state["step"] if state else 0
+    cpus = place_this_rank(cfg)  # launch.cpu_placement: this rank's CPUs now, rank 0's engines' below
     with ExitStack() as stack:
         if rank == 0:  # the engines start while the trainer loads: `ready` below waits for them
             launch = run_launch(cfg)
@@ -371,14 +336,15 @@ def train(cfg: RunConfig, fns: RolloutFunctions) -> None:
                 except ValueError as exc:
                     raise SystemExit(f"slimish train: {exc}") from None
             logs = Path(cfg.run_dir) / "logs"
-            servers = stack.enter_context(start_servers(launch, cfg.model, logs, first_gpu, wait=False))
-        trainer = make_trainer(cfg)
+            servers = stack.enter_context(start_servers(launch, cfg.model, logs, first_gpu, False, cpus.engines))
+        trainer = make_trainer(cfg, servers.store if rank == 0 else None)  # launch.colocate's store: nproc 1
         ptx = (
             ptx_batches(cfg, trainer.tokenizer) if cfg.algorithm.ptx_coef > 0 else None
         )  # bad demonstrations fail here
         if rank == 0:
             servers.ready(launch.start_timeout)
             side: Driver | Follower = Driver(cfg, fns, servers, stack, start_step, world)
+            side.message("\n".join(cpus.lines()))
         else:
             side = Follower()
         if state:
@@ -449,7 +415,7 @@ def dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
     )
     try:
         source = model_source(cfg.model, args.config)
-        lines = describe(cfg, load_model(source), source, machine)
+        lines = describe(cfg, load_model(source), source, machine, usable_cpus())
     except ValueError as exc:
         raise SystemExit(f"slimish train --dry-run: {exc}") from None
     named = {

@@ -35,6 +35,7 @@ FLOORS = [
         "flags",
         "moe",
         "batch_invariant",
+        "colocate",
     },
     {"formats", "tiny_model"},
     {"client", "engine"},

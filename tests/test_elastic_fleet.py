@@ -15,14 +15,15 @@ from helpers import ROOT, generate_response, running_engines, running_router, wa
 from test_train_resume import _argv, _prompts, _trained
 
 from slimish.launch.elastic import fleet_urls
+from slimish.launch.workers import key_client
 from slimish.metrics import read_metrics
 from slimish.router.proxy import WORKER_HEADER
 
 GROUPS = 2
 
 
-def _workers(router: str) -> dict[str, dict]:
-    return {w["url"]: w for w in httpx.get(router + "/workers", timeout=10).json()["workers"]}
+def _workers(router: str, headers: dict[str, str] | None = None) -> dict[str, dict]:
+    return {w["url"]: w for w in httpx.get(router + "/workers", headers=headers, timeout=10).json()["workers"]}
 
 
 def _served_by(router: str, n: int) -> set[str]:
@@ -55,9 +56,30 @@ def test_a_worker_joining_a_running_fleet_takes_no_request_until_it_serves_the_f
             assert _served_by(router, 8) == {a.url, b.url}
 
             # The next push's fleet: A (the run's own) first, then B; never the teacher's named worker.
-            assert fleet_urls(router, [a.url], skip_model="teacher") == [a.url, b.url]
-            b.stop()  # dead: left out at once, before the router's health checks notice
-            assert fleet_urls(router, [a.url], skip_model="teacher") == [a.url]
+            with key_client(None) as http:
+                assert fleet_urls(http, router, [a.url], skip_model="teacher") == [a.url, b.url]
+                b.stop()  # dead: left out at once, before the router's health checks notice
+                assert fleet_urls(http, router, [a.url], skip_model="teacher") == [a.url]
+
+
+def test_the_join_gate_reads_keyed_engines_with_the_routers_key(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The same gate in a keyed fleet: the router reads each worker's weight version with its key
+    (`/model_info` is a keyed route), so B, serving "default" while A serves 3, is held, not
+    admitted at once as a worker whose version cannot be read; and the push's probe reaches it."""
+    key = {"Authorization": "Bearer sk-fleet"}
+    with running_engines(tiny_model_dir, tmp_path_factory, n=2, api_key="sk-fleet") as (a, b):
+        with running_router(worker_urls=[a.url], join_check_interval=0.05, api_key="sk-fleet") as router:
+            httpx.post(a.url + "/update_weight_version", json={"new_version": "3"}, headers=key).raise_for_status()
+            assert httpx.post(router + "/workers", json={"url": b.url}, headers=key).status_code == 202
+            wait_for(lambda: _workers(router, key)[b.url]["is_healthy"], "B healthy on the router")
+            held = _workers(router, key)[b.url]
+            assert held["joining"] and held["last_error"] == "joining: serves weight version default, the fleet 3"
+            with key_client("sk-fleet") as http:  # the run's: its push probes the fleet with it
+                assert fleet_urls(http, router, [a.url]) == [a.url, b.url]
+            httpx.post(b.url + "/update_weight_version", json={"new_version": "3"}, headers=key).raise_for_status()
+            wait_for(lambda: not _workers(router, key)[b.url]["joining"], "B admitted", timeout=10)
 
 
 # Registers the test's engine with the run's router as step 3's rollout begins (and waits until

@@ -29,7 +29,7 @@ SERVING = {
     ("POST", "/v1/completions"): (200, BOTH),
     ("POST", "/v1/chat/completions"): (200, BOTH),
 }
-# Control routes whose effects cannot stall what follows (pause and joining a process group can).
+# Control routes whose effects cannot stall what follows (pause, a memory release and joining a process group can).
 ENGINE_OPS = {
     **SERVING,
     **{
@@ -43,7 +43,6 @@ ENGINE_OPS = {
             "/update_weights_from_disk",
             "/update_weights_from_distributed",
             "/destroy_weights_update_group",
-            "/release_memory_occupation",
             "/tokenize",
             "/v1/detokenize",
         )

@@ -181,7 +181,7 @@ def test_a_teacher_served_by_name_behind_the_policy_router(
     from helpers import metric_total, running_router
     from slimish.launch.config import LaunchConfig, TeacherConfig
     from slimish.launch import teacher_servers
-    from slimish.launch.workers import existing_engine_urls
+    from slimish.launch.workers import existing_engine_urls, key_client
 
     launch = LaunchConfig(
         start_timeout=120, teacher=TeacherConfig(model=str(tiny_model_dir_other_seed), served_name="teacher")
@@ -203,11 +203,11 @@ def test_a_teacher_served_by_name_behind_the_policy_router(
             await teacher.close()
             return samples
 
-    with running_router(worker_urls=[engine]) as router:
+    with running_router(worker_urls=[engine]) as router, key_client(None) as http:
         with teacher_servers(launch, tmp_path / "teacher", router) as servers:
             (teacher_url,) = servers.engine_urls
-            assert servers.router_url == router and existing_engine_urls(router) == [engine, teacher_url]
-            check_push_targets(existing_engine_urls(router, skip_model="teacher"), servers.engine_urls)
+            assert servers.router_url == router and existing_engine_urls(http, router) == [engine, teacher_url]
+            check_push_targets(existing_engine_urls(http, router, skip_model="teacher"), servers.engine_urls)
             samples = asyncio.run(main(router, teacher_url))
             assert metric_total(teacher_url, "sglang:num_requests_total") == 3  # the scorings, nothing else
             assert metric_total(teacher_url, "sglang:generation_tokens_total") == 0

@@ -320,6 +320,31 @@ def test_a_batch_past_failed_groups_says_why_they_failed(
     assert len(said) == 1 and "reward fn: KeyError: 'judge unavailable'" in said[0], said
 
 
+def test_a_batch_comes_in_the_order_its_prompts_were_taken(
+    servers: Servers, tiny_model_dir: Path, prompts: str
+) -> None:
+    """Group 0 finishes after group 1 (its reward waits for group 1's), and the batch still
+    starts with group 0: the trainer's sums follow the batch's order, so a run whose groups finish
+    in another order would train to other last bits (1-2 ulp in loss, entropy, grad norm)."""
+    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2")
+    second_scored = asyncio.Event()
+
+    async def reward_first_group_last(ctx, sample):
+        if sample.group_id == 0:
+            await asyncio.wait_for(second_scored.wait(), timeout=60)
+        elif sample.index == 1:
+            second_scored.set()
+        return float(sample.index)
+
+    async def body(m: RolloutManager) -> Any:
+        groups, _ = await m.next_batch(0)
+        return groups, list(m.tally.kept)
+
+    groups, finished = run_manager(cfg, servers.router_url, short_rollout, body, reward_first_group_last)
+    assert [g[0].group_id for g in finished] == [1, 0]  # the finishing order this test forces
+    assert [[(s.group_id, s.index) for s in g] for g in groups] == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+
+
 def test_dict_rewards_with_a_reward_key_are_kept(servers: Servers, tiny_model_dir: Path, prompts: str) -> None:
     cfg = make_cfg(
         tiny_model_dir,
@@ -457,6 +482,60 @@ def test_async_production_runs_ahead_by_the_staleness_bound(
     } == {1}
     assert 0.0 <= metrics["rollout/engine_idle_fraction"] <= 1.0 and metrics["rollout/staleness_max"] == 0
     assert accounted(m) and m.counters["prompts_taken"] == 6 + len(m.requeued)
+
+
+async def set_versions(urls: list[str], version: str) -> None:
+    for url in urls:
+        async with Client(url) as client:
+            assert (await client.update_weight_version(version)).success
+
+
+def test_a_sync_step_rolls_out_again_for_the_groups_too_stale_to_train(
+    servers: Servers, tiny_model_dir: Path, prompts: str
+) -> None:
+    """Sync mode, the trainer at version 1 while the engines still serve "default" (0): both of
+    the step's groups are too stale and dropped. The step rolls out again for them, and once the
+    engines serve 1 (set when the first round's last sample is done, before the second round
+    starts) the batch is full, of fresh groups only, instead of empty."""
+    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2")
+    first_round = []
+
+    async def catching_up(ctx, sample):
+        done = await math_plugin.rollout(ctx, sample)
+        if sample.group_id < 2:
+            first_round.append(sample)
+            if len(first_round) == 4:  # nothing is generating now: the second round starts after this
+                await set_versions(servers.engine_urls, "1")
+        return done
+
+    async def body(m: RolloutManager) -> Any:
+        try:
+            return await m.next_batch(1), m
+        finally:
+            await set_versions(servers.engine_urls, DEFAULT_WEIGHT_VERSION)
+
+    (groups, metrics), m = run_manager(cfg, servers.router_url, catching_up, body)
+    assert [[(s.group_id, s.weight_versions[0]) for s in g] for g in groups] == [[(2, 1), (2, 1)], [(3, 1), (3, 1)]]
+    assert m.buffer.dropped_stale == 2 and metrics["rollout/groups_kept"] == 4 and metrics["rollout/groups_short"] == 0
+
+
+def test_a_sync_step_whose_engines_keep_serving_old_weights_fails_naming_them(
+    servers: Servers, tiny_model_dir: Path, prompts: str
+) -> None:
+    """An engine that never got the trainer's weights makes every group too stale, every round:
+    after a bounded number of rounds the step fails naming each engine's weight version, and
+    no empty batch reaches the trainer."""
+    cfg = make_cfg(tiny_model_dir, prompts, "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2")
+
+    async def body(m: RolloutManager) -> Any:
+        with pytest.raises(RolloutStalled) as failed:
+            await m.next_batch(1)
+        return failed.value, m
+
+    error, m = run_manager(cfg, servers.router_url, math_plugin.rollout, body)
+    assert "too stale for the trainer at version 1" in str(error), error
+    assert all(f"{url}: default" in str(error) for url in servers.engine_urls), error
+    assert m.buffer.dropped_stale == m.counters["groups_kept"] >= 4 and not m.buffer.groups
 
 
 async def record_temperature(ctx, sample):

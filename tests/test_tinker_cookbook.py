@@ -80,8 +80,18 @@ def train(tc, data: list[list[types.Datum]]) -> None:
 def test_sl_loop_recipe_learns_and_its_checkpoints_load(url: str, tmp_path: Path) -> None:
     """tinker_cookbook.recipes.sl_loop as shipped: train_mean_nll falls, and its `tinker://`
     checkpoints (state at step 5, state + sampler weights at the end) load again into a training
-    client and a sampling client that agree with each other and differ from the base model."""
+    client and a sampling client that agree with each other and differ from the base model.
+    The recipe never closes its ServiceClient, and the SDK's background loop keeps it alive, so its
+    session heartbeat outlived this module's server (a "Session heartbeat failed" warning minutes
+    later): the clients it made are closed here."""
     from tinker_cookbook.recipes import sl_loop
+
+    made: list[tinker.ServiceClient] = []
+
+    class Closed(tinker.ServiceClient):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
 
     config = sl_loop.Config(
         base_url=url,
@@ -93,7 +103,14 @@ def test_sl_loop_recipe_learns_and_its_checkpoints_load(url: str, tmp_path: Path
         learning_rate=1e-2,  # at 1e-3 the random tiny model's nll falls only 4% in 10 steps
         save_every=5,
     )
-    sl_loop.main(config)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tinker, "ServiceClient", Closed)
+        try:
+            sl_loop.main(config)
+        finally:
+            for client in made:
+                client.close("success").result()
+    assert len(made) == 1
 
     nll = [row["train_mean_nll"] for row in read_jsonl(tmp_path / "metrics.jsonl") if "train_mean_nll" in row]
     assert len(nll) == 10 and nll[-1] < 0.8 * nll[0], nll

@@ -97,7 +97,7 @@ def _info_routes(router: APIRouter, engine: Engine, cfg: EngineConfig) -> None:
             "last_gen_throughput": engine.last_gen_throughput,
             "memory_usage": {
                 "weight": round(weight_gb, 3),
-                "kvcache": 0.0,
+                "kvcache": engine.kv_cache_bytes() / 1e9,  # GB, as "weight"; read between steps or not, roughly
                 "token_capacity": capacity,
                 "token_capacity_swa": None,
                 "graph": {},

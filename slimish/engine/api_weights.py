@@ -1,5 +1,5 @@
 """Weight updates: the broadcast group (init / update / destroy), from disk, versions, the
-0.5.23 update session, reading a weight back, and memory release (a no-op on CPU)."""
+0.5.23 update session, reading a weight back, and memory release (the KV cache, on CPU)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from slimish.engine.engine import Engine
-from slimish.engine.http import control, parse
+from slimish.engine.http import control, error_message, parse
 from slimish.engine.items import RequestError
 from slimish.engine.weights import Tensors
 from slimish.protocol import (
@@ -153,7 +153,12 @@ def _update_routes(router: APIRouter, engine: Engine) -> None:
     @router.api_route("/release_memory_occupation", methods=["GET", "POST"])
     @router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def memory_occupation(request: Request) -> JSONResponse:
-        await parse(request, MemoryOccupationReq)  # nothing to release on CPU; SGLang replies `null`
+        """SGLang replies `null`, or a 400 when it cannot (a release while requests run)."""
+        req = await parse(request, MemoryOccupationReq)
+        try:
+            await engine.occupy_memory(req.tags, release=request.url.path == "/release_memory_occupation")
+        except ValueError as exc:
+            return error_message(str(exc))
         return JSONResponse(None)
 
 

@@ -45,6 +45,12 @@ class EngineConfig:
     weight_sync_timeout_s: int = doc(600, "a trainer gone mid-broadcast frees the engine after this")
     stream_interval: int = doc(1, "decode steps between streamed chunks")
     seed: int = doc(0, "torch seed for requests without `sampling_seed`")
+    cpu_threads: int = doc(
+        0,
+        "Torch intra-op CPU threads (torch.set_num_threads); 0: torch's default, from OMP_NUM_THREADS (a run's "
+        "launcher sets 1 unless the environment sets it, or as many as the engine's CPUs under "
+        "launch.cpu_placement=split). enable_deterministic_inference runs one.",
+    )
     log_level: str = "warning"
     # Limits; each refusal names the field and the limit. Requests beyond the limits of what the
     # engine can hold are a 400; a full engine is a 503 with `Retry-After` (try again later or
@@ -72,6 +78,12 @@ class EngineConfig:
         'faster per decode step on CPU in interleaved A/B runs, benchmarks/README.md) or "sdpa" (HF\'s SDPA). Prefill '
         "always uses SDPA, so the two differ only by rounding.",
     )
+    cpu_packed_linear: bool = doc(
+        True,
+        "An fp32 model on the CPU runs its linear layers on a copy of each weight packed once for oneDNN "
+        "(slimish/engine/packed.py): ~1.5x faster projections at 32 decode rows, for twice the linear weights' memory. "
+        "Off under enable_deterministic_inference (its own kernels).",
+    )
     enable_deterministic_inference: bool = doc(
         False,
         "SGLang's flag: a sequence's logits, and so its log-probs and (with a `sampling_seed`) its tokens, are bit "
@@ -83,6 +95,13 @@ class EngineConfig:
         False,
         "Serve nothing (503, /health included) until a weight push has set every parameter: for an engine that joins "
         "or rejoins a running training run, so it never serves stale weights.",
+    )
+    shared_weights: str | None = doc(
+        None,
+        "slimish only, not an SGLang flag: the directory of a colocated run's shared weight store (launch.colocate, "
+        "slimish/colocate.py). At load every parameter becomes a view of it and the loaded copy is dropped: the engine "
+        "serves the trainer's weights in place, a push is a version flip, and a load into them (from disk or a "
+        "broadcast; an adapter's is fine) is refused. The store holds `dtype`'s weights.",
     )
     enable_return_routed_experts: bool = doc(
         False,
@@ -121,6 +140,7 @@ class EngineConfig:
             "max_lora_rank",
             "page_size",
         )
+        at_least(0, self, "", "cpu_threads")
         at_least(self.page_size, self, "", "radix_cache_max_tokens")
         at_least(0, self, "", "max_queued_requests")
         one_of("engine.decode_attention_backend", self.decode_attention_backend, DECODE_ATTENTION_BACKENDS)
@@ -149,6 +169,13 @@ class EngineConfig:
             )
         if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
             raise ValueError(f"engine.device (--device) must be cpu, cuda or cuda:K, got {self.device!r}")
+        if self.shared_weights and (self.device != "cpu" or self.await_weights or self.cpu_packed_linear):
+            raise ValueError(
+                "engine.shared_weights (--shared-weights) maps host memory the trainer writes: it needs device=cpu, "
+                "no await_weights (the store is always whole) and cpu_packed_linear off (a packed copy would be a "
+                f"second, stale copy), got device={self.device!r}, await_weights={self.await_weights}, "
+                f"cpu_packed_linear={self.cpu_packed_linear}"
+            )
         check_parsers("engine.", self.tool_call_parser, self.reasoning_parser)
 
 

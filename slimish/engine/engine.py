@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from slimish.colocate import WeightStore
 from slimish.engine.config import EngineConfig
 from slimish.engine.grammar import GrammarError, Grammars, matcher
 from slimish.engine.items import Item, RequestError, check_limits, check_routes, nth_copy
@@ -37,7 +38,7 @@ from slimish.engine.scheduler import LogprobWish, Scheduler, Sequence
 from slimish.engine.weights import WeightUpdater
 from slimish.formats.model import ModelFormat
 from slimish.moe import route_shape
-from slimish.protocol import GenerateReqInput, SamplingParams
+from slimish.protocol import MEMORY_TAGS, GenerateReqInput, SamplingParams
 
 
 class Unavailable(RuntimeError):
@@ -65,6 +66,8 @@ class Engine:
         use_device(self.device)
         torch.manual_seed(cfg.seed)
         self.model = load_model(self.model_path, cfg.dtype, self.device)
+        if cfg.shared_weights:  # colocated: the trainer's weights, in place of the loaded copy
+            WeightStore(cfg.shared_weights).attach(self.model, fill=False, field="engine.dtype (--dtype)")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.vocab_size = self.model.config.vocab_size
         self.context_length = cfg.context_length or self.model.config.max_position_embeddings
@@ -86,6 +89,8 @@ class Engine:
         capture = cfg.enable_return_routed_experts and self.route_shape is not None
         if cfg.enable_deterministic_inference:
             torch.set_num_threads(1)  # batch-invariant kernels need a row never split between threads
+        elif cfg.cpu_threads:
+            torch.set_num_threads(cfg.cpu_threads)
         self._runner = Runner(
             self.model,
             cfg.page_size,
@@ -94,6 +99,7 @@ class Engine:
             cfg.decode_attention_backend,
             capture_routes=capture,
             deterministic=cfg.enable_deterministic_inference,
+            cpu_packed_linear=cfg.cpu_packed_linear,
         )
         self._scheduler = Scheduler(
             self._runner,
@@ -371,6 +377,9 @@ class Engine:
         """Sequences running and waiting now."""
         return len(self._scheduler.running), len(self._scheduler.waiting)
 
+    def kv_cache_bytes(self) -> int:
+        return self._scheduler.kv_bytes()
+
     @property
     def last_gen_throughput(self) -> float:
         return self._scheduler.last_gen_throughput
@@ -398,6 +407,15 @@ class Engine:
 
         return await self.run(flush)
 
+    async def occupy_memory(self, tags: list[str] | None, release: bool) -> None:
+        """`/release_memory_occupation` (`release`) and `/resume_memory_occupation` on host memory:
+        `kv_cache` frees the KV (Scheduler.release_kv); `weights` and `cuda_graph` free nothing
+        here (a colocated engine's weights are the trainer's one copy). None or []: every tag."""
+        if unknown := sorted(set(tags or ()) - set(MEMORY_TAGS)):
+            raise RequestError(f"tags: {unknown} are not memory tags; some of {list(MEMORY_TAGS)}, or null for all")
+        if not tags or "kv_cache" in tags:
+            await self.run(self._scheduler.release_kv if release else self._scheduler.resume_kv)
+
     async def set_weight_version(self, version: str, abort_all: bool = False) -> None:
         """Label the base model's weights `version`, aborting every sequence first if asked."""
 
@@ -415,6 +433,8 @@ class Engine:
         or while paused; drop the KV cache, which even a failed load may have made stale; then
         version the base model, or only the adapter `lora`. When a failed load left the weights
         torn, the sequences on them are aborted (a paused one must not resume) before it raises."""
+        if self.cfg.shared_weights and lora is None:
+            raise ValueError(f"these weights are a colocated trainer's (--shared-weights {self.cfg.shared_weights})")
         if abort_all:
             await self.abort(abort_all=True)
 

@@ -20,6 +20,7 @@ cached pages, as SGLang keeps them with its KV slots, so a cache hit returns the
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Hashable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -31,9 +32,11 @@ from transformers.cache_utils import DynamicLayer
 
 from slimish import moe
 from slimish.batch_invariant import make_batch_invariant
-from slimish.engine.attention import use_decode_attention
+from slimish.engine.attention import MATMUL, use_decode_attention
 from slimish.engine.config import EngineConfig
+from slimish.engine.decode_forward import decode_forward, supported
 from slimish.engine.lora import LoraManager
+from slimish.engine.packed import PackedLinears, available
 from slimish.engine.prefix_cache import PrefixCache
 
 
@@ -139,6 +142,14 @@ class KVSlab:
         mask[:r, :w] = self.mask[:r, :w]
         self.mask = mask
 
+    def row(self, i: int) -> KVSlab:
+        """Row `i` as a one-row slab sharing this one's memory, to be read (a batched prefill's
+        requests each take theirs); its `cache` still writes to the whole slab."""
+        view = copy.copy(self)
+        view.keys, view.values = [k[i : i + 1] for k in self.keys], [v[i : i + 1] for v in self.values]
+        view.mask, view.rows = self.mask[i : i + 1], 1
+        return view
+
     def advance(self, columns: int) -> None:
         self.mask[: self.rows, self.width : self.width + columns] = 1
         self.width += columns
@@ -231,6 +242,14 @@ class CachedPage:
 
 
 @dataclass
+class PrefillRequest:
+    input_ids: list[int]
+    logits_from: int | None  # the first position whose logits are wanted; None: the last only
+    namespace: Hashable  # what the KV depends on besides the tokens (the prefix cache's key)
+    adapter: str | None = None  # the LoRA adapter's name; None: the base model
+
+
+@dataclass
 class PrefillOutput:
     slab: KVSlab  # one row: the prompt's KV
     logits: torch.Tensor  # [positions, vocab] fp32: from `logits_from` to the end, or just the last
@@ -244,7 +263,9 @@ class Runner:
     each one a slot. `decode_attention_backend` is how one-token forwards attend (attention.py).
     `capture_routes`: record the routers' choices (a MoE model only; `decode_routes` holds the
     last decode step's). `deterministic` (`--enable-deterministic-inference`): every forward runs
-    batch-invariant kernels (batch_invariant.py), whatever the decode attention backend says."""
+    batch-invariant kernels (batch_invariant.py), whatever the decode attention backend says.
+    `cpu_packed_linear`: otherwise, an fp32 CPU model's linear layers run on packed weights (packed.py).
+    Decode steps of the llama family run `decode_forward` (decode_forward.py) where they can."""
 
     def __init__(
         self,
@@ -255,27 +276,38 @@ class Runner:
         decode_attention_backend: str = EngineConfig.decode_attention_backend,
         capture_routes: bool = False,
         deterministic: bool = False,
+        cpu_packed_linear: bool = EngineConfig.cpu_packed_linear,
     ) -> None:
+        self.packed: PackedLinears | None = None
         if deterministic:
             make_batch_invariant(model)
         else:
             use_decode_attention(model, decode_attention_backend)
+            if cpu_packed_linear and available(model):
+                self.packed = PackedLinears(model)
         self.model = model
         self.device = model.device
         self.page_size = page_size
         self.prefix_cache = prefix_cache
         self.lora = lora
         self.capture = RouteCapture(model) if capture_routes else None
+        # decode_forward.py: HF's own forward for the rest (its hooks capture routes; its attention may be SDPA)
+        self.own_decode = (
+            not deterministic and decode_attention_backend == MATMUL and not capture_routes and supported(model)
+        )
         self.decode_routes: torch.Tensor | None = None  # [rows, layers, top_k] of the last decode step
 
     def _adapters(self, adapters: list[str | None] | None) -> ContextManager[None]:
         return self.lora.rows(adapters) if self.lora is not None and adapters is not None else nullcontext()
 
     def flush_cache(self) -> None:
+        """Drop what was derived from the weights: cached KV and packed weights (every weight load calls this)."""
+        if self.packed is not None:
+            self.packed.drop()
         if self.prefix_cache is not None:
             self.prefix_cache.flush()
 
-    def _hit_limit(self, n_ids: int, logits_from: int | None) -> int:
+    def hit_limit(self, n_ids: int, logits_from: int | None) -> int:
         """How much of a prompt may come from the cache: never its last token (its logits are
         needed), nor a position whose logits were asked for (`logits_from`)."""
         return min(n_ids - 1, n_ids if logits_from is None else logits_from)
@@ -285,52 +317,97 @@ class Runner:
         if self.prefix_cache is None:
             return 0
         return (
-            len(self.prefix_cache.match(namespace, input_ids, self._hit_limit(len(input_ids), logits_from)))
+            len(self.prefix_cache.match(namespace, input_ids, self.hit_limit(len(input_ids), logits_from)))
             * self.page_size
         )
 
-    @torch.inference_mode()
     def prefill(
         self, input_ids: list[int], logits_from: int | None, namespace: Hashable, adapter: str | None = None
     ) -> PrefillOutput:
-        """KV of `input_ids` and the logits of positions `logits_from..` (None: the last only),
-        and with capture the routes of every position.
+        """One request's `prefill_many`."""
+        return self.prefill_many([PrefillRequest(input_ids, logits_from, namespace, adapter)])[0]
+
+    @torch.inference_mode()
+    def prefill_many(self, requests: list[PrefillRequest]) -> list[PrefillOutput]:
+        """Each request's KV and the logits of its positions `logits_from..` (None: the last
+        only), and with capture the routes of every position.
 
         Cached whole pages are copied in; the rest runs one page per forward, and the whole
-        pages computed go into the cache under `namespace`."""
-        n, p = len(input_ids), self.page_size
+        pages computed go into the cache under the request's namespace. Requests with the same
+        page schedule (as long, as many cached pages, the same logits wanted) run together, one
+        forward per page for all of them (SGLang's extend batch, as equal rows): the kernels give a
+        row the same bits whatever rows share its forward, so each request gets exactly what it
+        would alone (tests/test_engine_decode.py). Rows of other lengths are not padded in: SDPA
+        over a longer page changes the last bits (benchmarks/README.md). A request whose first
+        page to compute is an earlier one's waits until that one is cached."""
+        p = self.page_size
+        groups: dict[tuple[int, int, int | None], list[tuple[int, list[CachedPage]]]] = {}
+        later, firsts = [], set()
+        for i, r in enumerate(requests):
+            n = len(r.input_ids)
+            pages = (
+                self.prefix_cache.match(r.namespace, r.input_ids, self.hit_limit(n, r.logits_from))
+                if self.prefix_cache
+                else []
+            )
+            end = (len(pages) + 1) * p  # the first page this request computes; cached if whole
+            if self.prefix_cache is not None and end <= n:
+                first = (r.namespace, tuple(r.input_ids[:end]))
+                if first in firsts:
+                    later.append(i)
+                    continue
+                firsts.add(first)
+            groups.setdefault((n, len(pages), r.logits_from), []).append((i, pages))
+        outputs: dict[int, PrefillOutput] = {}
+        for members in groups.values():
+            done = self._prefill_group([requests[i] for i, _ in members], [pages for _, pages in members])
+            outputs.update(zip([i for i, _ in members], done))
+        if later:
+            outputs.update(zip(later, self.prefill_many([requests[i] for i in later])))
+        return [outputs[i] for i in range(len(requests))]
+
+    def _prefill_group(self, requests: list[PrefillRequest], cached: list[list[CachedPage]]) -> list[PrefillOutput]:
+        """Requests of one page schedule, in one slab of a row each, page by page."""
+        rows, n, p, logits_from = len(requests), len(requests[0].input_ids), self.page_size, requests[0].logits_from
         slab = KVSlab(self.model)
-        slab.reserve(1, n, exact=True)
-        slab.rows = 1
-        pages = (
-            self.prefix_cache.match(namespace, input_ids, self._hit_limit(n, logits_from)) if self.prefix_cache else []
-        )
-        for k, page in enumerate(pages):
-            for i, (keys, values) in enumerate(zip(slab.keys, slab.values)):
-                keys[0, :, k * p : (k + 1) * p] = page.kv[i, 0]
-                values[0, :, k * p : (k + 1) * p] = page.kv[i, 1]
-        slab.advance(len(pages) * p)
+        slab.reserve(rows, n, exact=True)
+        slab.rows = rows
+        for row, pages in enumerate(cached):
+            for k, page in enumerate(pages):
+                for i, (keys, values) in enumerate(zip(slab.keys, slab.values)):
+                    keys[row, :, k * p : (k + 1) * p] = page.kv[i, 0]
+                    values[row, :, k * p : (k + 1) * p] = page.kv[i, 1]
+        slab.advance(len(cached[0]) * p)
         first = n - 1 if logits_from is None else logits_from
-        logits, routes = [], [page.routes for page in pages]
+        ids = torch.tensor([r.input_ids for r in requests], device=self.device)
+        logits, routes = [], [[page.routes for page in pages] for pages in cached]
         for start in range(slab.width, n, p):
             end = min(start + p, n)
             keep = max(end - max(first, start), 0)
-            with self._adapters([adapter]):
+            with self._adapters([r.adapter for r in requests]):
                 out = self.model(
-                    input_ids=torch.tensor([input_ids[start:end]], device=self.device),
-                    position_ids=torch.arange(start, end, device=self.device).unsqueeze(0),
+                    input_ids=ids[:, start:end],
+                    position_ids=torch.arange(start, end, device=self.device).expand(rows, -1),
                     cache=slab.cache,
                     use_cache=True,
                     logits_to_keep=keep if keep else torch.empty(0, dtype=torch.long, device=self.device),
                 )
             slab.advance(end - start)
-            logits.append(out.logits[0].float())
+            logits.append(out.logits.float())
             if self.capture is not None:
-                routes.append(self.capture.take(end - start, self.device))
-        rows = torch.cat(routes) if self.capture is not None else None
-        if self.prefix_cache is not None:
-            self.prefix_cache.insert(namespace, input_ids, n // p, lambda k: _page(slab, rows, k * p, (k + 1) * p))
-        return PrefillOutput(slab=slab, logits=torch.cat(logits), cached_tokens=len(pages) * p, routes=rows)
+                taken = self.capture.take(rows * (end - start), self.device)
+                for row, chunk in enumerate(taken.view(rows, end - start, *taken.shape[1:])):
+                    routes[row].append(chunk)
+        outputs = []
+        for row, r in enumerate(requests):
+            view, row_routes = slab.row(row), torch.cat(routes[row]) if self.capture is not None else None
+            if self.prefix_cache is not None:
+                self.prefix_cache.insert(
+                    r.namespace, r.input_ids, n // p, lambda k, v=view, rr=row_routes: _page(v, rr, k * p, (k + 1) * p)
+                )
+            row_logits = torch.cat([chunk[row] for chunk in logits])
+            outputs.append(PrefillOutput(view, row_logits, len(cached[row]) * p, row_routes))
+        return outputs
 
     @torch.inference_mode()
     def decode(self, batch: KVBatch, tokens: list[int], adapters: list[str | None] | None = None) -> torch.Tensor:
@@ -338,21 +415,28 @@ class Runner:
         s, device = batch.slab, self.device
         s.reserve(len(batch), s.width + 1)
         s.mask[: s.rows, s.width] = 1
-        with self._adapters(adapters):
-            out = self.model(
-                input_ids=torch.tensor(tokens, device=device).unsqueeze(1),
-                # 4D, so HF passes it through instead of building one per step (attention.py)
-                attention_mask=s.mask[: s.rows, None, None, : s.width + 1].bool(),
-                position_ids=torch.tensor(batch.lens, device=device).unsqueeze(1),
-                cache=s.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+        ids = torch.tensor(tokens, device=device).unsqueeze(1)
+        positions = torch.tensor(batch.lens, device=device).unsqueeze(1)
+        # 4D, so HF passes it through instead of building one per step (attention.py)
+        mask = s.mask[: s.rows, None, None, : s.width + 1].bool()
+        if self.own_decode and not any(adapters or ()):  # no adapter row: LoRA's hooks would add nothing
+            logits = decode_forward(self.model, s.cache.layers, ids, positions, mask)
+        else:
+            with self._adapters(adapters):
+                out = self.model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    cache=s.cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            logits = out.logits[:, -1, :]
         s.advance(1)
         batch.lens = [n + 1 for n in batch.lens]
         if self.capture is not None:
             self.decode_routes = self.capture.take(len(tokens), device)
-        return out.logits[:, -1, :].float()
+        return logits.float()
 
 
 def _page(slab: KVSlab, routes: torch.Tensor | None, start: int, end: int) -> CachedPage:

@@ -36,6 +36,22 @@ class RowState:
     grammar: Any = None  # an xgrammar matcher for constrained decoding
 
 
+def _adjusts(r: RowState) -> bool:
+    """Whether `_adjust_logits` changes this row's logits: its conditions, or-ed (keep them in step)."""
+    p = r.params
+    return bool(
+        (p.repetition_penalty != 1.0 and r.seen_ids)
+        or ((p.frequency_penalty or p.presence_penalty) and r.output_ids)
+        or p.logit_bias
+        or (len(r.output_ids) < p.min_new_tokens and r.stop_ids)
+        or r.grammar is not None
+    )
+
+
+def _truncates(p: SamplingParams) -> bool:
+    return p.top_k < TOP_K_OFF or p.top_p < 1.0 or p.min_p > 0.0
+
+
 def _adjust_logits(logits: torch.Tensor, rows: list[RowState]) -> None:
     """In place: penalties, logit bias, no stop token before `min_new_tokens`, and the grammar's
     mask, all before logprobs are taken, as SGLang does."""
@@ -78,23 +94,34 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> tuple[list[int], torch
 
     Sampled rows draw by inverse CDF, all rows at once: one uniform number per row, from the
     row's own generator when it has a `sampling_seed` (so a seed gives the same tokens whatever
-    else is in the batch), else from torch's default generator.
+    else is in the batch), else from torch's default generator. Work a row does not need is
+    skipped for the whole batch (a copy when no row adjusts its logits, the division when every
+    temperature is 1, the argmax when no row is greedy), and each per-row step runs only over the
+    rows that take it: a decode step calls this once for every row.
     """
-    logits = logits.clone()
-    _adjust_logits(logits, rows)
+    if any(_adjusts(r) for r in rows):
+        logits = logits.clone()  # the caller's logits may serve again (a shared prefill's)
+        _adjust_logits(logits, rows)
     # A temperature past float32's range would be inf (a grammar's -inf mask / inf = NaN), and
     # extreme penalties or biases can push a logit to +inf (softmax: NaN): the largest finite
     # value keeps the distribution in both cases (a -inf mask stays -inf).
     top = torch.finfo(logits.dtype).max
-    temps = torch.tensor([temperature_of(r.params) for r in rows], device=logits.device).clamp(max=top)
-    scaled = (logits / temps[:, None]).clamp(max=top)
+    temps = [min(temperature_of(r.params), top) for r in rows]
+    if any(t != 1.0 for t in temps):
+        scaled = (logits / torch.tensor(temps, device=logits.device)[:, None]).clamp_(max=top)
+    else:
+        scaled = logits.clamp(max=top)
     logprobs = log_softmax(scaled)  # the trainer's arithmetic (batch_invariant.py)
-    tokens = scaled.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if r.params.temperature >= SAMPLING_EPS]
+    if len(sampled) == len(rows):
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    else:
+        tokens = scaled.argmax(dim=-1)
     if sampled:
-        probs = logprobs[sampled].exp()
+        probs = logprobs.exp() if len(sampled) == len(rows) else logprobs[sampled].exp()
         for k, i in enumerate(sampled):
-            probs[k] = _truncate(probs[k], rows[i].params)
+            if _truncates(rows[i].params):
+                probs[k] = _truncate(probs[k], rows[i].params)
         cdf = probs.cumsum(dim=-1)
         # Generators stay on the CPU: a seed draws the same numbers whatever the engine's device.
         u = torch.stack([torch.rand((), generator=rows[i].generator) for i in sampled]).to(cdf.device)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from slimish.batch_invariant import log_softmax
-from slimish.engine.runner import KVBatch, KVSlab, PrefillOutput, Runner, use_device
+from slimish.engine.runner import KVBatch, KVSlab, PrefillOutput, PrefillRequest, Runner, use_device
 from slimish.engine.sampling import RowState, sample, temperature_of
 from slimish.protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
 
@@ -119,6 +119,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # row i of the batch is running[i]
         self.paused: str | None = None  # None, or the pause mode
+        self.released = False  # the KV freed (/release_memory_occupation): nothing generates
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.last_gen_throughput = 0.0
         self._inbox: deque[Sequence] = deque()
@@ -187,6 +188,32 @@ class Scheduler:
     def resume(self) -> None:
         self.paused = None
 
+    def release_kv(self) -> None:
+        """`/release_memory_occupation`: the batch's KV buffers and the prefix cache are freed, and
+        nothing is admitted until `resume_kv` (new requests wait, as while paused); the next batch
+        grows its buffers afresh. Refused unless idle, as SGLang asserts (waiting requests are
+        allowed while paused)."""
+        if self.running or (self.waiting and self.paused is None):
+            raise ValueError(
+                f"release_memory_occupation needs the engine idle: {len(self.running)} running, "
+                f"{len(self.waiting)} waiting; pause generation or let them finish first"
+            )
+        self.batch = KVBatch(self.runner.model)
+        self.runner.flush_cache()
+        self.released = True
+
+    def resume_kv(self) -> None:
+        if not self.released:
+            raise ValueError("resume_memory_occupation: kv_cache is not released")
+        self.released = False
+
+    def kv_bytes(self) -> int:
+        """Bytes of KV held: the batch's buffers and the prefix cache's pages."""
+        s = self.batch.slab
+        per_token = 2 * len(s.keys) * s.heads * s.head_dim * s.dtype.itemsize
+        cached = self.runner.prefix_cache.tokens if self.runner.prefix_cache is not None else 0
+        return sum(t.nbytes for t in (*s.keys, *s.values)) + cached * per_token
+
     def version_of(self, lora: str | None) -> str:
         """The weight version of the base model, or of the adapter named `lora`."""
         return self.weight_version if lora is None else self.runner.lora.get(lora).version
@@ -196,7 +223,7 @@ class Scheduler:
     def _has_work(self) -> bool:
         if self._commands or self._inbox:
             return True
-        return self.paused is None and bool(self.waiting or self.running)
+        return self.paused is None and not self.released and bool(self.waiting or self.running)
 
     def _loop(self) -> None:
         use_device(self.runner.device)
@@ -210,7 +237,7 @@ class Scheduler:
                 self._inbox.clear()
             try:
                 blocked = self._run_commands()
-                if self.paused is None:
+                if self.paused is None and not self.released:
                     if not blocked:
                         self._admit()
                     if self.running:
@@ -245,30 +272,47 @@ class Scheduler:
         return False
 
     def _admit(self) -> None:
+        """Take waiting requests within the prefill budget, prefill them together
+        (`Runner.prefill_many`: one forward per page for those of one page schedule), then let each
+        sample its first token and join the batch."""
         budget = self.max_prefill_tokens
-        joined: list[Sequence] = []
-        self._admitting = joined  # off `waiting`, not yet `running`: a failing step must fail these too
-        slabs: list[KVSlab] = []
+        admitted: list[tuple[Sequence, int, bool]] = []  # (request, its prefill's index, shared with an earlier one)
+        self._admitting = []  # off `waiting`, not yet `running`: a failing step must fail these too
         held: list[Sequence] = []  # no adapter slot free this round
-        shared: dict[PrefillKey, PrefillOutput] = {}  # this round's prefills, by what makes them identical
-        while self.waiting and len(self.running) + len(joined) < self.max_running:
+        prefills: list[PrefillRequest] = []
+        index_of: dict[PrefillKey, int] = {}  # with share_prefills: this round's prefills, by what makes them identical
+        planned: set[tuple[Hashable, tuple[int, ...]]] = set()  # the whole pages this round's prefills will cache
+        while self.waiting and len(self.running) + len(admitted) < self.max_running:
             req = self.waiting[0]
             key = self._prefill_key(req)
-            cost = 0 if self.share_prefills and key in shared else self._prefill_cost(key)
-            if joined and cost > budget:
+            shared = key in index_of
+            cost = 0 if shared else self._prefill_cost(key, planned)
+            if admitted and cost > budget:
                 break
             self.waiting.popleft()
-            if not self._adapter_slot(req, joined):
+            if not self._adapter_slot(req, self._admitting):
                 held.append(req)
                 continue
             budget -= cost
-            joined.append(req)
-            slab = self._prefill(req, key, shared)
-            if slab is None:
-                joined.pop()
-            else:
-                slabs.append(slab)
+            if not shared:
+                namespace, ids, logits_from = key
+                if self.share_prefills:
+                    index_of[key] = len(prefills)
+                    planned.update(
+                        (namespace, ids[:end])
+                        for end in range(self.runner.page_size, len(ids) + 1, self.runner.page_size)
+                    )
+                prefills.append(PrefillRequest(list(ids), logits_from, namespace, req.lora))
+            admitted.append((req, index_of[key] if shared else len(prefills) - 1, shared))
+            self._admitting.append(req)
         self.waiting.extendleft(reversed(held))
+        outputs = self.runner.prefill_many(prefills) if prefills else []
+        joined, slabs = [], []
+        for req, index, shared in admitted:
+            slab = self._start(req, outputs[index], shared)
+            if slab is not None:
+                joined.append(req)
+                slabs.append(slab)
         if joined:
             self.batch.add(slabs, [s.width for s in slabs])
             self.running += joined
@@ -308,19 +352,23 @@ class Scheduler:
         makes two prefills identical, and all a prefill needs."""
         return (self.kv_namespace(req), tuple(self._prefill_ids(req)), self._logits_from(req))
 
-    def _prefill_cost(self, key: PrefillKey) -> int:
+    def _prefill_cost(self, key: PrefillKey, planned: set[tuple[Hashable, tuple[int, ...]]]) -> int:
+        """Prompt tokens to compute: past the cached prefix, and past the whole pages an earlier
+        prefill of this round caches first (`planned`; `Runner.prefill_many` runs them in that order)."""
         namespace, ids, logits_from = key
-        return len(ids) - self.runner.cached_prefix(namespace, list(ids), logits_from)
+        cached, page = self.runner.cached_prefix(namespace, list(ids), logits_from), self.runner.page_size
+        while (
+            cached + page <= self.runner.hit_limit(len(ids), logits_from)
+            and (namespace, ids[: cached + page]) in planned
+        ):
+            cached += page
+        return len(ids) - cached
 
-    def _prefill(self, req: Sequence, key: PrefillKey, shared: dict[PrefillKey, PrefillOutput]) -> KVSlab | None:
-        """Prefill one request (or take an identical one's prefill from this round); its KV if it
-        joins the batch."""
-        namespace, ids, logits_from = key
-        out = shared.get(key) if self.share_prefills else None
-        cached = len(ids)  # a shared prefill: this request computed none
-        if out is None:
-            out = shared[key] = self.runner.prefill(list(ids), logits_from, namespace, req.lora)
-            cached = out.cached_tokens
+    def _start(self, req: Sequence, out: PrefillOutput, shared: bool) -> KVSlab | None:
+        """A prefilled request's first token (or its prompt logprobs only); its KV if it joins the
+        batch. `shared`: an identical request of this round computed the prefill."""
+        logits_from = self._logits_from(req)
+        cached = len(self._prefill_ids(req)) if shared else out.cached_tokens
         if req.wish.return_routed_experts:  # a resumed request's too: as SGLang, they are recomputed
             req.routes = [out.routes]
         if req.output_ids:  # resumed: what its first prefill found stays reported

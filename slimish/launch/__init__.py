@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slimish.launch.commands import teacher_launch_config
+from slimish.launch.cpus import Place
 from slimish.launch.local import Servers, engines_only, local_servers
 from slimish.launch.workers import named_workers, registered
 
@@ -17,16 +18,22 @@ if TYPE_CHECKING:
 
 
 def start_servers(
-    launch: "LaunchConfig", model: str | Path, log_dir: str | Path, first_gpu: int = 0, wait: bool = True
+    launch: "LaunchConfig",
+    model: str | Path,
+    log_dir: str | Path,
+    first_gpu: int = 0,
+    wait: bool = True,
+    places: tuple[Place, ...] = (),
 ) -> AbstractContextManager[Servers]:
     """The engines and router of a run, by `launch.mode`; Ray is imported only when used. Local
-    GPU engines go on this machine's GPUs from `first_gpu` on (slimish/launch/plan.py). With
-    `wait=False`, `Servers.ready` waits for local engines (Ray's are up on entry)."""
+    GPU engines go on this machine's GPUs from `first_gpu` on (slimish/launch/plan.py), local
+    engines on their CPUs in `places` (slimish/launch/cpus.py). With `wait=False`,
+    `Servers.ready` waits for local engines (Ray's are up on entry)."""
     if launch.mode == "ray":
         from slimish.launch.ray_engines import ray_servers
 
         return ray_servers(launch, model, log_dir)
-    return local_servers(launch, model, log_dir, first_gpu, wait)
+    return local_servers(launch, model, log_dir, first_gpu, wait, places)
 
 
 @contextmanager

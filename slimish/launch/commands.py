@@ -19,12 +19,18 @@ if TYPE_CHECKING:
 
 
 def engine_command(
-    launch: "LaunchConfig", model: str | Path, host: str, port: int | str, gpus: tuple[int, ...] = ()
+    launch: "LaunchConfig",
+    model: str | Path,
+    host: str,
+    port: int | str,
+    gpus: tuple[int, ...] = (),
+    threads: int = 0,
 ) -> tuple[str, list[str]]:
     """One engine of `launch.engine_kind` (builtin or sglang) as `python -m MODULE ARGV`: the
     module and the arguments. `gpus`: its GPUs on its node (slimish/launch/plan.py
     `engine_gpus`) where the launcher places it; none under Ray, whose bundle sets the GPUs the
-    engine sees, and none for a CPU engine."""
+    engine sees, and none for a CPU engine. `threads`: a built-in engine's `cpu_threads` where
+    `launch.cpu_placement` places it (slimish/launch/cpus.py), unless launch.engine_flag sets them."""
     if launch.engine_kind == "sglang":
         return MODULE, sglang_argv(model, host, port, launch.sglang_args, launch.api_key, gpus[0] if gpus else None)
     flags = engine_flags(launch.engine_flag)
@@ -37,6 +43,8 @@ def engine_command(
         )
     if launch.api_key:
         flags.setdefault("api_key", launch.api_key)
+    if threads:
+        flags.setdefault("cpu_threads", threads)
     return "slimish.cli", engine_argv(model, host, port, flags)
 
 

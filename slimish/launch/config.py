@@ -89,6 +89,14 @@ class LaunchConfig:
         "started and supervised elsewhere; a router is started in front of them).",
     )
     engine_urls: list[str] = doc_factory(list, "engine_kind=external only")
+    cpu_placement: str = doc(
+        "auto",
+        "Which CPUs the trainer and the engines it starts use on this machine (slimish/launch/cpus.py): split (the "
+        "trainer and the router pinned to the first half of the usable CPUs, rounded down, the engines to blocks of "
+        "the rest, each with as many torch threads as CPUs; explicit trainer.cpu_threads or engine_flag cpu_threads "
+        "win) | shared (nobody pinned: each takes the cores it sees) | auto: split in async mode with local built-in "
+        "CPU engines and no local teacher, shared otherwise (sync's engines idle while the trainer trains).",
+    )
     sglang_args: list[str] = doc_factory(
         list,
         "Passed through to every SGLang server after --model-path/--host/--port, which the launcher owns; "
@@ -102,11 +110,26 @@ class LaunchConfig:
     engine_cpus: float = doc(1.0, "mode=ray: CPUs of each engine's bundle")
     engine_gpus: float = doc(0.0, "mode=ray: GPUs of each engine's bundle (SGLang: its tp size)")
     placement_strategy: str = doc("PACK", "mode=ray: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD")
+    colocate: bool = doc(
+        False,
+        "Engines and trainer on this machine's cores sharing one copy of the weights (docs/colocate.md): the policy's "
+        "parameters live in a shared-memory store the engines map, the optimiser step writes what they serve, and a "
+        "push is a version flip plus a cache flush (no bytes copied); the engines' KV cache is freed while the trainer "
+        "trains. Built-in CPU engines started by the run, the torch trainer on one rank, sync mode; with trainer.lora "
+        "the base is shared and the adapter pushed as usual.",
+    )
     teacher: TeacherConfig = field(default_factory=TeacherConfig)  # on-policy distillation's teacher
 
     def __post_init__(self) -> None:
         one_of("launch.mode", self.mode, ("local", "ray"))
+        if self.colocate and (self.mode, self.engine_kind, self.router_url) != ("local", "builtin", None):
+            raise ValueError(
+                "launch.colocate needs launch.mode=local, launch.engine_kind=builtin and no launch.router_url (engines "
+                f"this run starts on its machine), got mode={self.mode!r}, engine_kind={self.engine_kind!r}, "
+                f"router_url={self.router_url!r}; SGLang engines (GPU memory release and IPC handles) are not supported"
+            )
         one_of("launch.engine_kind", self.engine_kind, ("builtin", "sglang", "external"))
+        one_of("launch.cpu_placement", self.cpu_placement, ("auto", "split", "shared"))  # slimish/launch/cpus.py
         if self.engine_kind == "external" and not (self.engine_urls or self.router_url):
             raise ValueError("launch.engine_urls: engine_kind=external needs the engines' URLs")
         if self.engine_urls and self.engine_kind != "external":

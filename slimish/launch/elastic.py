@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from slimish.launch.local import Servers
-from slimish.launch.workers import admin_headers, existing_engine_urls
+from slimish.launch.workers import existing_engine_urls
 
 if TYPE_CHECKING:
     from slimish.launch.config import LaunchConfig
@@ -35,24 +35,26 @@ if TYPE_CHECKING:
 PROBE_TIMEOUT_S = 5.0  # an engine that cannot answer /model_info in this long is left out of the push
 
 
-def fleet_urls(router_url: str, own: list[str], api_key: str | None = None, skip_model: str | None = None) -> list[str]:
+def fleet_urls(http: httpx.Client, router_url: str, own: list[str], skip_model: str | None = None) -> list[str]:
     """The engines the next push goes to: the run's own engines (`own`, alive: restart_dead ran
     just before), then the router's other workers, less those registered under `skip_model` (the
     teacher's), that answer `/model_info` now. Not the router's health view: an engine started
     with `--await-weights` fails `/health` until a push has set its weights, and one that died
     since its last health check must not stall the group's forming. `[router_url]` when it is an
-    engine, not a router."""
+    engine, not a router. `http`: a `key_client` with the run's key, as the router's admin routes
+    and the engines' `/model_info` are keyed routes in a keyed run (a probe without it would find
+    no engine alive)."""
     own = [u.rstrip("/") for u in own]
-    others = [u.rstrip("/") for u in existing_engine_urls(router_url, api_key, skip_model)]
+    others = [u.rstrip("/") for u in existing_engine_urls(http, router_url, skip_model)]
     others = [u for u in others if u not in own]
     with ThreadPoolExecutor(max_workers=max(1, len(others))) as pool:
-        alive = list(pool.map(_answers, others))
+        alive = list(pool.map(lambda url: _answers(http, url), others))
     return own + [u for u, up in zip(others, alive) if up]
 
 
-def _answers(url: str) -> bool:
+def _answers(http: httpx.Client, url: str) -> bool:
     try:
-        return httpx.get(url + "/model_info", timeout=PROBE_TIMEOUT_S).status_code == 200
+        return http.get(url + "/model_info", timeout=PROBE_TIMEOUT_S).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -68,11 +70,14 @@ class Fleet:
     outsiders: list[str]  # the joined that are not the run's own: the router holds them until the push
 
     @classmethod
-    def before_push(cls, servers: Servers, group: list[str], launch: LaunchConfig, await_weights: bool) -> Fleet:
-        """The run's dead engines restarted (`Servers.restart_dead`), then the fleet read."""
+    def before_push(
+        cls, servers: Servers, group: list[str], launch: LaunchConfig, await_weights: bool, http: httpx.Client
+    ) -> Fleet:
+        """The run's dead engines restarted (`Servers.restart_dead`), then the fleet read over
+        `http` (the run's `key_client`: one for every push)."""
         restarted = servers.restart_dead(launch.start_timeout, await_weights=await_weights)
         own = servers.own_urls()
-        urls = fleet_urls(servers.router_url, own, launch.api_key, launch.teacher.served_name)
+        urls = fleet_urls(http, servers.router_url, own, launch.teacher.served_name)
         joined = [u for u in urls if u not in group]
         return cls(urls, restarted, joined, [u for u in group if u not in urls], [u for u in joined if u not in own])
 
@@ -95,13 +100,13 @@ class Fleet:
             )
         return lines
 
-    def admitted(self, router_url: str, api_key: str | None, timeout: float) -> list[str]:
+    def admitted(self, http: httpx.Client, router_url: str, timeout: float) -> list[str]:
         """Waits (up to `timeout` s) until the router routes to every outsider: healthy, no longer
         joining. Those the push just brought the fleet's weights take load from the next request
         on, not from the router's next check. Returns those it still holds then."""
         deadline = time.monotonic() + timeout
         while self.outsiders:
-            r = httpx.get(router_url.rstrip("/") + "/workers", headers=admin_headers(api_key), timeout=10.0)
+            r = http.get(router_url.rstrip("/") + "/workers")
             r.raise_for_status()
             routed = {w["url"] for w in r.json()["workers"] if w["is_healthy"] and not w.get("joining")}
             held = [u for u in self.outsiders if u not in routed]

@@ -6,17 +6,20 @@ start, wait for and stop servers the same way: bounded waits, no orphans.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from slimish.colocate import WeightStore, shared_store
 from slimish.launch.commands import engine_argv, engine_command
+from slimish.launch.cpus import Place
 from slimish.launch.plan import engine_gpus
-from slimish.launch.workers import existing_engine_urls
+from slimish.launch.workers import existing_engine_urls, key_client
 from slimish.net import connect_host, free_port
 from slimish.processes import ServerProcess, start_all
 
@@ -44,18 +47,29 @@ def engine_server(
     log_path: str | Path | None,
     host: str = "127.0.0.1",
     gpus: tuple[int, ...] = (),
+    place: Place = Place(),
 ) -> ServerProcess:
-    """`engine_command`'s engine on a free port of `host`, not started."""
+    """`engine_command`'s engine on a free port of `host`, not started; on `place`'s CPUs and
+    threads (slimish/launch/cpus.py), where it places the engine."""
     port = free_port(host)
-    module, argv = engine_command(launch, model, host, port, gpus)
-    return ServerProcess(argv, port=port, host=connect_host(host), log_path=log_path, module=module)
+    module, argv = engine_command(launch, model, host, port, gpus, place.threads)
+    return ServerProcess(
+        argv,
+        port=port,
+        host=connect_host(host),
+        log_path=log_path,
+        module=module,
+        cpus=place.cpus,
+        api_key=launch.api_key,
+    )
 
 
 def await_weights_on_relaunch(engine: ServerProcess) -> None:
     """A built-in engine started again serves nothing (503) until a push has set every parameter,
     so it is waited for on `/model_info` (up and loaded). SGLang has no such gate: a restarted
-    SGLang server serves its checkpoint until the push that follows its restart."""
-    if engine.module != "slimish.cli":
+    SGLang server serves its checkpoint until the push that follows its restart. Nor has an
+    engine that maps a colocated run's store: its weights are the trainer's, whole."""
+    if engine.module != "slimish.cli" or any(a.startswith("--shared-weights") for a in engine.argv):
         return
     if "--await-weights" not in engine.argv:
         engine.argv += ["--await-weights"]
@@ -138,6 +152,7 @@ class Servers:
     engine_urls: list[str]
     engines: list[ServerProcess] = field(default_factory=list)
     router: RouterWatch | None = None  # when this run started the router
+    store: WeightStore | None = None  # launch.colocate: the weights the engines map (slimish/colocate.py)
 
     def router_restarts(self) -> int:
         """How often the run's router exited and was started again."""
@@ -174,23 +189,32 @@ class Servers:
 
 @contextmanager
 def local_servers(
-    launch: "LaunchConfig", model: str | Path, log_dir: str | Path, first_gpu: int = 0, wait: bool = True
+    launch: "LaunchConfig",
+    model: str | Path,
+    log_dir: str | Path,
+    first_gpu: int = 0,
+    wait: bool = True,
+    places: tuple[Place, ...] = (),
 ) -> Iterator[Servers]:
     """The engines and router a run needs: started here (children, stopped on exit) unless
     `launch.router_url` names existing ones, whose engines are then read from its worker list,
     or `launch.engine_kind` is external (a router is started in front of `launch.engine_urls`).
     GPU engines go on this machine's GPUs from `first_gpu` on (`engine_gpus`). With `wait=False`
     the engines are only spawned and the caller calls `Servers.ready` later: the trainer loads
-    its model meanwhile (seconds off every run's start)."""
+    its model meanwhile (seconds off every run's start). `places`: each engine's CPUs
+    (`local_engines`)."""
     if launch.router_url:
-        yield Servers(
-            launch.router_url, existing_engine_urls(launch.router_url, launch.api_key, launch.teacher.served_name)
-        )
+        with key_client(launch.api_key) as http:
+            urls = existing_engine_urls(http, launch.router_url, launch.teacher.served_name)
+        yield Servers(launch.router_url, urls)
         return
-    with engines_only(launch, model, log_dir, first_gpu, wait=False) as engines:
+    with (
+        shared_store(model) if launch.colocate else nullcontext() as store,
+        engines_only(colocated(launch, store), model, log_dir, first_gpu, wait=False, places=places) as engines,
+    ):
         urls = [e.url for e in engines] or [u.rstrip("/") for u in launch.engine_urls]
         watch = RouterWatch(router_process(launch, urls, Path(log_dir)), launch.start_timeout)
-        servers = Servers(watch.router.url, urls, engines, watch)
+        servers = Servers(watch.router.url, urls, engines, watch, store)
         try:
             if wait:
                 servers.ready(launch.start_timeout)
@@ -199,26 +223,44 @@ def local_servers(
             watch.close()
 
 
-def local_engines(launch: "LaunchConfig", model: str | Path, log_dir: Path, first_gpu: int = 0) -> list[ServerProcess]:
+def colocated(launch: "LaunchConfig", store: WeightStore | None) -> "LaunchConfig":
+    """`launch` with its built-in engines mapping `store` (`launch.colocate`), packing no copy."""
+    if store is None:
+        return launch
+    flags = [f"shared_weights={store.path}", "cpu_packed_linear=false"]
+    return dataclasses.replace(launch, engine_flag=[*launch.engine_flag, *flags])
+
+
+def local_engines(
+    launch: "LaunchConfig", model: str | Path, log_dir: Path, first_gpu: int = 0, places: tuple[Place, ...] = ()
+) -> list[ServerProcess]:
     """`launch.engines` engines of `launch.engine_kind` for this machine, not started (none for
-    external ones), each on its own GPUs from `first_gpu` on (slimish/launch/plan.py)."""
+    external ones), each on its own GPUs from `first_gpu` on (slimish/launch/plan.py) and on
+    its CPUs in `places` (slimish/launch/cpus.py; none given: not pinned)."""
     if launch.engine_kind == "external":
         return []
+    gpus = engine_gpus(launch, first_gpu)
+    places = places or (Place(),) * len(gpus)
     return [
-        engine_server(launch, model, log_dir / f"engine{i}.log", gpus=gpus)
-        for i, gpus in enumerate(engine_gpus(launch, first_gpu))
+        engine_server(launch, model, log_dir / f"engine{i}.log", gpus=ids, place=place)
+        for i, (ids, place) in enumerate(zip(gpus, places, strict=True))
     ]
 
 
 @contextmanager
 def engines_only(
-    launch: "LaunchConfig", model: str | Path, log_dir: str | Path, first_gpu: int = 0, wait: bool = True
+    launch: "LaunchConfig",
+    model: str | Path,
+    log_dir: str | Path,
+    first_gpu: int = 0,
+    wait: bool = True,
+    places: tuple[Place, ...] = (),
 ) -> Iterator[list[ServerProcess]]:
     """`local_engines` started and healthy (only spawned, with `wait=False`), stopped when the
     block ends."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    engines = local_engines(launch, model, log_dir, first_gpu)
+    engines = local_engines(launch, model, log_dir, first_gpu, places)
     try:
         if wait:
             start_all(engines, launch.start_timeout)

@@ -31,6 +31,7 @@ from slimish.launch.commands import (
     run_launch,
     teacher_launch_config,
 )
+from slimish.launch.cpus import cpu_placement
 from slimish.launch.sglang import flag_value, sglang_tp
 
 if TYPE_CHECKING:
@@ -324,11 +325,16 @@ def show(parts: list[Part]) -> str:
 Use = tuple[str, list[Part], str]  # who, what it holds, a note on the figure
 
 
-def describe(cfg: "RunConfig", m: "BridgeConfig", source: Path, machine: Machine) -> list[str]:
+def describe(
+    cfg: "RunConfig", m: "BridgeConfig", source: Path, machine: Machine, cpus: tuple[int, ...] = ()
+) -> list[str]:
     """The plan as lines of text; raises ValueError (naming the field) when a size does not
-    divide, a GPU is missing, or a GPU's memory does not hold what is put on it."""
+    divide, a GPU is missing, or a GPU's memory does not hold what is put on it. With `cpus`
+    (rank 0's usable CPUs), where the trainer and the local engines run on them
+    (slimish/launch/cpus.py)."""
     t, teacher = cfg.trainer, teacher_launch(cfg)
     launch = run_launch(cfg)
+    placement = cpu_placement(cfg, cpus) if cpus else None
     first = first_free_gpu(cfg, cuda=True)
     check_sizes(cfg, m)
     check_placement(launch, t.nproc, first, machine.gpus_per_node, teacher)
@@ -362,7 +368,9 @@ def describe(cfg: "RunConfig", m: "BridgeConfig", source: Path, machine: Machine
                     f"  {name}: node 0 "
                     + (f"GPU{'s' * (len(gpus) > 1)} {', '.join(map(str, gpus))}" if gpus else "cpu")
                 )
-            module, argv = engine_command(lc, model, "NODE_IP" if lc.mode == "ray" else "127.0.0.1", "PORT", gpus)
+            threads = placement.engines[i].threads if placement and placement.engines and who == "engine" else 0
+            host = "NODE_IP" if lc.mode == "ray" else "127.0.0.1"
+            module, argv = engine_command(lc, model, host, "PORT", gpus, threads)
             commands.append(f"  {name}: python -m {module} {shlex.join(argv)}")
             if who == "engine" and (gpus or (lc.mode == "ray" and lc.engine_gpus)):  # the teacher is another model
                 parts, note = engine_memory(lc, m, model, machine.gpu_memory_gib)
@@ -372,11 +380,15 @@ def describe(cfg: "RunConfig", m: "BridgeConfig", source: Path, machine: Machine
                     on_ray.append((name, parts, note))
     ws = cfg.weight_sync
     sync = f" over {ws.backend or 'nccl'}, master_address {ws.master_address}, {1 + launch.engines * engines_tp(launch)} ranks"
+    how = ws.transport + (sync if ws.transport == "distributed" else "")
+    if cfg.launch.colocate:
+        how = "colocated: one shared weight store, a push is a version flip (docs/colocate.md)"
     return [
         *lines,
         "memory per GPU, GiB (activations, CUDA graphs and allocator slack not counted):",
         *memory_lines(on_gpu, on_ray, machine.gpu_memory_gib, t.nproc),
-        "weight sync: " + ws.transport + (sync if ws.transport == "distributed" else ""),
+        "weight sync: " + how,
+        *(placement.lines() if placement else []),
         "command lines (PORT: a free port picked at start):",
         *commands,
     ]

@@ -43,13 +43,14 @@ from slimish.rollout.api import RolloutRuntime
 from slimish.rollout.data import PromptData
 from slimish.rollout.functions import RolloutFunctions
 from slimish.rollout.pipeline import FINISHED, Pipeline, failed, new_sample
-from slimish.rollout.stats import RolloutStalled, Tally, batch_metrics
+from slimish.rollout.stats import EnginesBehind, RolloutStalled, Tally, batch_metrics
 from slimish.types import Sample, SampleStatus
 
 if TYPE_CHECKING:
     from slimish.rollout.evaluation import EvalSet
 
 ABORT_RETRY_S = 1.0  # while leftovers are still running, the abort is re-sent this often (late arrivals)
+STALE_ROUNDS = 3  # a sync step rolls out this often at most for groups too stale to train (`_rolled_out`)
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,14 @@ class RolloutManager:
     async def run_step(self, current_version: int = 0) -> dict[str, Any]:
         """Fill the buffer with `rollout_batch_size` more groups that survive filtering."""
         self.tally.mark()
-        need, abort = self.cfg.rollout_batch_size, asyncio.Event()
+        need = self.cfg.rollout_batch_size
+        kept = await self._fill(need, current_version)
+        return {**self.tally.stats(self.tally.kept, len(self.requeued)), "groups_short": need - kept}
+
+    async def _fill(self, need: int, current_version: int) -> int:
+        """Roll out until `need` more groups survived filtering, or the prompt cap is spent
+        (`max_prompts_factor * need` prompts); how many survived."""
+        abort = asyncio.Event()
         limit = math.ceil(self.cfg.max_prompts_factor * need)
         tasks: set[asyncio.Task[bool]] = set()
         kept = taken = 0
@@ -119,7 +127,7 @@ class RolloutManager:
                 kept += sum(t.result() for t in done)
         finally:
             await self._stop(tasks, abort)
-        return {**self.tally.stats(self.tally.kept, len(self.requeued)), "groups_short": need - kept}
+        return kept
 
     def _refill(self, n: int) -> int:
         """`keep_when_insufficient`: the step's newest filtered groups (up to `n`) go into the
@@ -185,14 +193,17 @@ class RolloutManager:
     async def next_batch(self, version: int) -> tuple[list[list[Sample]], dict[str, float]]:
         """The batch the trainer at `version` trains on next, no group staler than the bound, and
         its metrics; `time/rollout` is how long the trainer waited for it. Sync: roll it out now.
-        Async: wait for the producer to have it."""
+        Async: wait for the producer to have it. The groups come in the order their prompts were
+        taken, not the order they finished: the trainer's float sums follow the batch's order, and
+        finishing order depends on timing (the loss differed by an ulp between runs of one seed)."""
         n = self.cfg.rollout_batch_size
         if self.producer is None:
-            stats = await self.run_step(version)
-            groups, waited = self.buffer.get_batch(n, version), stats["seconds"]
+            groups, stats = await self._rolled_out(n, version)
+            waited = stats["seconds"]
         else:
             groups, stats = await self._produced(n, version)
             waited = stats["wait_seconds"]
+        groups.sort(key=lambda group: group[0].group_id)
         if stats["errors"]:  # the counts are in the metrics; the reasons are said here
             log.warning(
                 "rollout: %d groups failed, %d samples failed on infrastructure (retried) since the last batch; first errors: %s",
@@ -201,6 +212,38 @@ class RolloutManager:
                 "; ".join(stats["errors"][:3]),
             )
         return groups, batch_metrics(groups, stats, self.buffer, version, waited)
+
+    async def _rolled_out(self, n_groups: int, version: int) -> tuple[list[list[Sample]], dict[str, Any]]:
+        """Sync: `n_groups` groups rolled out now, and the stats since. Groups too stale for the
+        trainer at `version` (made by an engine serving older weights than were pushed) are
+        dropped by the buffer and rolled out again, up to `STALE_ROUNDS` times, as the async
+        producer makes up for them; then the run stops naming each engine's weight version,
+        rather than hand the trainer an empty batch."""
+        self.tally.mark()
+        batch: list[list[Sample]] = []
+        for _ in range(STALE_ROUNDS):
+            dropped = self.buffer.dropped_stale
+            await self._fill(n_groups - len(batch), version)
+            batch += self.buffer.get_batch(n_groups - len(batch), version)
+            if len(batch) == n_groups or self.buffer.dropped_stale == dropped:  # full, or the prompt cap spent
+                return batch, {**self.tally.stats(batch, len(self.requeued)), "groups_short": n_groups - len(batch)}
+        raise EnginesBehind(
+            f"{STALE_ROUNDS} rollout rounds in a row made groups too stale for the trainer at version {version} "
+            f"(buffer.max_staleness={self.staleness.bound}; {self.buffer.dropped_stale} groups dropped so far): an "
+            f"engine serves older weights than were pushed. Weight versions served: {await self._served_versions()}"
+        )
+
+    async def _served_versions(self) -> str:
+        """Each engine's weight version, by the router's fan-out of `/get_weight_version` (or the
+        engine's own reply, when the run talks to one engine), for an error message."""
+        client = self.runtime.client
+        try:
+            reply = await client.request("POST", "/get_weight_version", {})
+            if "workers" not in reply:
+                return f"{client.base_url}: {reply['weight_version']}"
+            return ", ".join(f"{w['url']}: {(w.get('body') or {}).get('weight_version')}" for w in reply["workers"])
+        except (ServerError, KeyError, TypeError, AttributeError) as exc:
+            return f"unknown ({client.base_url} did not say: {exc})"
 
     async def _produced(self, n_groups: int, version: int) -> tuple[list[list[Sample]], dict[str, Any]]:
         """`n_groups` groups from the producer, waiting for them; the stats since the last

@@ -47,6 +47,11 @@ class RolloutStalled(RuntimeError):
     """A step took `max_prompts_factor * rollout_batch_size` prompts and no group survived."""
 
 
+class EnginesBehind(RolloutStalled):
+    """A sync step's groups kept coming out too stale to train on: an engine serves older weights
+    than the trainer pushed (slimish/rollout/manager.py, `_rolled_out`)."""
+
+
 class RolloutFailing(RuntimeError):
     """`rollout.max_consecutive_failures` groups in a row failed the same way: an error certain to
     repeat, so the run stops instead of spending its prompts on it."""

@@ -10,7 +10,8 @@ POLICIES = ("least_inflight", "round_robin", "cache_aware", "session")
 # Help shared by a group of fields.
 KEYS_DOC = (
     "Security. With no keys set nothing is checked (like SGLang). `admin_api_key` falls back to `api_key`, so "
-    "setting only `--api-key` does not leave worker management open."
+    "setting only `--api-key` does not leave worker management open. The router sends `api_key` to its workers on "
+    "every call (as sglang-router its `--api-key`), so keyed engines take the same key."
 )
 CONCURRENCY_DOC = (
     "Serving requests in flight (streams until their end) before the next gets a 429 with `Retry-After: "

@@ -221,7 +221,7 @@ class Proxy:
         reply: WorkerReply | None = None
         timeout = self.cfg.request_timeout
         try:
-            reply = await self.upstream.send(worker.url, method, route, body, headers, timeout)
+            reply = await self.upstream.send(worker.url, method, route, body, {**headers, **self.workers.auth}, timeout)
             if reply.status >= 500:
                 detail = (await reply.read())[:500].decode(errors="replace")
                 self.metrics.errors.labels(worker.url, f"status_{reply.status}").inc()
@@ -303,7 +303,7 @@ class Proxy:
         result: dict[str, Any] = {"worker_id": worker.id, "url": worker.url}
         try:
             async with self.session.request(
-                method, worker.url + path, data=body, headers={"content-type": "application/json"}
+                method, worker.url + path, data=body, headers={"content-type": "application/json", **self.workers.auth}
             ) as resp:
                 raw = await resp.read()
                 result.update(

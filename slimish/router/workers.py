@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from slimish.protocol import version_number
+from slimish.protocol import auth_headers, version_number
 from slimish.router.config import RouterConfig
 from slimish.router.upstream import ConnectFailed, Disconnected
 
@@ -77,6 +77,10 @@ class WorkerRegistry:
 
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
+        # On every call to a worker (forwarded, fanned out, health and info reads): the router's
+        # `api_key`, as sglang-router sends its `--api-key` to its workers. A caller's key is
+        # checked by the router, never passed on.
+        self.auth = auth_headers(cfg.api_key)
         self._workers: dict[str, Worker] = {}
         self._session: aiohttp.ClientSession | None = None
         self._pending: set[asyncio.Task] = set()
@@ -173,7 +177,7 @@ class WorkerRegistry:
     async def _check(self, worker: Worker) -> bool:
         assert self._session is not None, "registry not bound to a client session"
         try:
-            async with self._session.get(worker.url + "/health", timeout=self._timeout) as resp:
+            async with self._session.get(worker.url + "/health", headers=self.auth, timeout=self._timeout) as resp:
                 ok, cause = resp.status == 200, f"GET /health replied {resp.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             ok, cause = False, f"GET /health failed: {describe_exc(exc, self.cfg.health_check_timeout)}"
@@ -245,7 +249,7 @@ class WorkerRegistry:
         optional, as not every engine has them: {} then."""
         assert self._session is not None
         try:
-            async with self._session.get(worker.url + path, timeout=self._timeout) as resp:
+            async with self._session.get(worker.url + path, headers=self.auth, timeout=self._timeout) as resp:
                 info = await resp.json() if resp.status == 200 else {}
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return {}

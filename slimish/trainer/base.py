@@ -10,7 +10,6 @@ reduction over data-parallel ranks and the model state: `Backend` (backend.py) l
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,6 +20,7 @@ from torch import Tensor
 
 from slimish.buffer import group_version
 from slimish.plugins import load_function
+from slimish.processes import usable_cpus
 from slimish.trainer.advantages import (
     explained_variance,
     gae_advantages,
@@ -72,7 +72,8 @@ class Trainer(Backend):
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0  # greedy: T = 1
         self.sft_optimizer = None
         engines_idle = not cfg.async_training  # while this trains
-        cores = max(1, (os.cpu_count() or 1) // local_ranks) if engines_idle else torch.get_num_threads()
+        # usable CPUs: launch.cpu_placement may have pinned this rank to some (slimish/launch/cpus.py)
+        cores = max(1, len(usable_cpus()) // local_ranks) if engines_idle else torch.get_num_threads()
         self.cpu_threads = cfg.trainer.cpu_threads or cores
         if cfg.algorithm.true_on_policy:  # batch-invariant kernels: a row is never split between threads
             self.cpu_threads = 1

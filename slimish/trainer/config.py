@@ -314,9 +314,10 @@ class TrainerConfig:
     )
     cpu_threads: int = doc(
         0,
-        "CPU intra-op threads while training (train and SFT steps); 0: this machine's cores / local ranks in sync "
-        "mode, where the engines idle while the trainer trains (2 threads: 1.7x faster fwd+bwd on 2 cores), and "
-        "OMP_NUM_THREADS in async mode, where they do not.",
+        "CPU intra-op threads while training (train and SFT steps); 0: this rank's usable cores / local ranks in sync "
+        "mode, where the engines idle while the trainer trains (2 threads: 1.7x faster fwd+bwd on 2 cores), and in "
+        "async mode, where they do not, the trainer's share of them (launch.cpu_placement=split, the default) or "
+        "OMP_NUM_THREADS (shared).",
     )
     ref_model: str | None = doc(None, "None with kl_coef > 0: a frozen copy of the policy at its first RL step")
     seed: int | None = doc(None, "model initialisation (Megatron); None: the run's seed")

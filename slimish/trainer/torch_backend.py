@@ -49,6 +49,7 @@ from slimish.trainer.routing import replaying, route_state
 from slimish.types import Sample
 
 if TYPE_CHECKING:
+    from slimish.colocate import WeightStore
     from slimish.config import RunConfig
 
 
@@ -58,7 +59,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class TorchTrainer(Trainer):
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, store: WeightStore | None = None) -> None:
         tc = cfg.trainer
         distributed = dist.is_available() and dist.is_initialized()
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
@@ -71,6 +72,8 @@ class TorchTrainer(Trainer):
         self.dp_rank, self.dp_size = self.rank, self.world
         self._setup(cfg, AutoTokenizer.from_pretrained(cfg.model), int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
         self.model = self._load(cfg.model)
+        if store is not None:  # launch.colocate: the optimiser steps write the engines' weights
+            store.attach(self.model, fill=True, field="trainer")
         self.routes = route_state(cfg.algorithm.routing_replay, self.model.config, cfg.model)
         self.lora = tc.lora.enabled
         self.policies = [p.name for p in cfg.policies]  # several: one adapter each (policies.py)

@@ -1,0 +1,61 @@
+"""The decode forward (one token per row) of the llama family, on the model's own modules.
+
+Why: HF's forward is general (keyword plumbing, mask and cache objects, hub-kernel wrappers,
+module hooks on every call), which a small model's decode step pays on every layer. This loop runs
+the same ops in the same order on the same weights, so the same bits (tests/test_engine_decode.py),
+with one Python pass per layer: 2-4% of a step at 32 rows, 7% at 8 (benchmarks/README.md). Linear
+layers are called through their `forward`, which skips module hooks: the runner takes HF's path
+whenever hooks matter (LoRA, route capture) and for every other model family.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from slimish.engine.attention import matmul_decode_attention
+
+FAMILIES = ("llama", "qwen2", "qwen3")  # decoder layers alike: RMSNorm, rotary, GQA, SiLU-gated MLP
+
+
+def supported(model: PreTrainedModel) -> bool:
+    cfg = model.config
+    return cfg.model_type in FAMILIES and cfg.hidden_act == "silu" and not getattr(cfg, "use_sliding_window", False)
+
+
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF's RMSNorm forward of these families, op for op."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's `apply_rotary_pos_emb` for one tensor."""
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+def decode_forward(
+    model: PreTrainedModel, layers: list, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Next-token logits [rows, vocab] of `tokens` [rows, 1] at `positions` [rows, 1]; `layers` are
+    the KV cache's (their `update` writes the new column and returns the live K and V), `mask` the
+    boolean [rows, 1, 1, columns] attention mask."""
+    inner, rows = model.model, tokens.shape[0]
+    h = inner.embed_tokens.forward(tokens)
+    cos, sin = (t.unsqueeze(1) for t in inner.rotary_emb(h, positions))
+    for layer, cache in zip(inner.layers, layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        x = _rms_norm(layer.input_layernorm, h)
+        shape = (rows, 1, -1, attn.head_dim)
+        q, k = attn.q_proj.forward(x).view(shape), attn.k_proj.forward(x).view(shape)
+        if hasattr(attn, "q_norm"):  # qwen3
+            q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
+        v = attn.v_proj.forward(x).view(shape).transpose(1, 2)
+        keys, values = cache.update(_rotate(k.transpose(1, 2), cos, sin), v)
+        out, _ = matmul_decode_attention(attn, _rotate(q.transpose(1, 2), cos, sin), keys, values, mask, attn.scaling)
+        h = h + attn.o_proj.forward(out.reshape(rows, 1, -1).contiguous())
+        x = _rms_norm(layer.post_attention_layernorm, h)
+        h = h + mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
+    return model.lm_head.forward(_rms_norm(inner.norm, h)[:, -1, :])

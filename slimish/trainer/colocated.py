@@ -1,0 +1,89 @@
+"""Weight sync of a colocated run (`launch.colocate`, docs/colocate.md): the trainer's parameters
+and every engine's are views of one shared store (slimish/colocate.py), so the optimiser's step has
+already written the weights the engines serve. A push moves no bytes:
+
+    /resume_memory_occupation (the KV cache) -> version flip (/update_weight_version)
+
+SGLang's own routes, on every engine at once. Nothing is paused: in sync mode the engines are idle
+between the rollout and the push, and their KV cache is released meanwhile (`release`: it frees
+the prefix cache too), so the trainer has that memory while it trains. A push with nothing
+released (the first) flips the version and flushes the cache (/flush_cache) instead. The push
+first checks that what the trainer exports lies in the store (a copy would mean the engines do not
+serve it), and `connect` that every engine maps this store.
+
+With `trainer.lora` the base weights are shared the same way (the trainer maps them before its
+adapter is added; they never change), and the adapter is pushed as in any run (`WeightSync`, a
+broadcast of a few MB): the built-in engine keeps each adapter in its batch slots as padded,
+scaled copies (slimish/engine/lora.py), not as tensors a trainer could map.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from slimish.colocate import WeightStore
+from slimish.protocol import wire_version
+from slimish.trainer.backend import WeightExport
+from slimish.trainer.engine_control import WeightSyncError
+from slimish.trainer.weight_sync import WeightSync, timings
+
+
+class ColocatedSync:
+    """`WeightSync`'s interface (connect, push, close, urls) for engines that map `store`; `sync`,
+    the run's `WeightSync` to them, carries its calls and its adapter pushes."""
+
+    def __init__(self, store: WeightStore, sync: WeightSync) -> None:
+        self.store, self.sync = store, sync
+        self.urls, self.engines = sync.urls, sync.engines
+        self.released = False
+
+    def connect(self) -> None:
+        """Checks that every engine maps this store (`--shared-weights`); forms the adapter's
+        group with `trainer.lora` (the base needs none)."""
+        infos = self.engines.all(lambda c: c.server_info())
+        wrong = {
+            url: info.get("shared_weights")
+            for url, info in zip(self.urls, infos)
+            if info.get("shared_weights") is None or Path(info["shared_weights"]) != self.store.path
+        }
+        if wrong:
+            raise WeightSyncError(
+                f"launch.colocate: engines {wrong} do not map the run's weight store {self.store.path} "
+                "(their --shared-weights); a colocated push reaches only engines that do"
+            )
+        if self.sync.adapter is not None:
+            self.sync.connect()
+
+    def close(self) -> None:
+        self.sync.close()
+
+    def release(self) -> None:
+        """The engines' KV cache freed while the trainer trains; the next push takes it back."""
+        self._memory("/release_memory_occupation")
+        self.released = True
+
+    def push(self, export: WeightExport, version: int) -> dict[str, float]:
+        """Every engine serves the trainer's current parameters (or adapter) as `version`;
+        `WeightSync.push`'s timings, `bytes` 0 for the shared weights."""
+        wire_version(version)
+        started, released = time.perf_counter(), self.released
+        if released:
+            self._memory("/resume_memory_occupation")
+            self.released = False
+        if export.adapter_config is not None:
+            return self.sync.push(export, version)
+        copies = [name for name, t in export.tensors if not self.store.holds(t)]
+        if copies:
+            raise WeightSyncError(
+                f"push: {len(copies)} exported tensors (e.g. {copies[0]!r}) are not in the weight store "
+                f"{self.store.path}: the trainer's parameters must be views of it (WeightStore.attach)"
+            )
+        self.engines.set_version(version)
+        if not released:  # a release emptied the prefix cache, and nothing has run since
+            self.engines.all(lambda c: c.flush_cache())
+        return timings(time.perf_counter() - started, 0.0, 0, 0)
+
+    def _memory(self, route: str) -> None:
+        """`route` for the KV cache on every engine; SGLang replies null (a refusal is an error)."""
+        self.engines.all(lambda c: c.request("POST", route, {"tags": ["kv_cache"]}))

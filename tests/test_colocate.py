@@ -1,0 +1,259 @@
+"""Colocated mode (`launch.colocate`, docs/colocate.md): engines and trainer map one shared weight
+store, a push is a version flip that copies nothing, and the engines' KV cache is released while
+the trainer trains."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from helpers import generate, post, run_quickstart, wait_for
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from slimish.colocate import DATA, PREFIX, SHM, WeightStore, plan_layout, shared_store
+from slimish.config import load_run_config
+from slimish.engine.config import EngineConfig
+from slimish.launch.config import LaunchConfig
+from slimish.launch.local import engine_process
+from slimish.processes import start_all
+from slimish.trainer.backend import WeightExport
+from slimish.trainer.colocated import ColocatedSync
+from slimish.trainer.config import WeightSyncConfig
+from slimish.trainer.engine_control import WeightSyncError
+from slimish.trainer.weight_sync import WeightSync
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+IDS = [5, 17, 42, 99, 7, 300, 301, 302, 60, 61, 62, 63]
+
+
+@pytest.fixture(scope="module")
+def big_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~25M fp32 parameters (~100 MB) on the tiny model's tokenizer: a second copy of them in an
+    engine's memory is plain to see."""
+    out = tmp_path_factory.mktemp("big-model")
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.update({"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8})
+    config.update({"num_key_value_heads": 4, "head_dim": 64})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    for f in Path(tiny_model_dir).iterdir():
+        if "token" in f.name or f.name == "chat_template.jinja":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def private_kb(pid: int) -> int:
+    """Memory only this process holds (Private_Clean + Private_Dirty of /proc/PID/smaps_rollup)."""
+    rows = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+    return sum(int(rows[key].split()[0]) for key in ("Private_Clean", "Private_Dirty"))
+
+
+def store_mapping(pid: int, store: WeightStore) -> dict[str, int]:
+    """The store's mapping in /proc/PID/smaps: its inode and kB figures (empty if not mapped)."""
+    lines, found = Path(f"/proc/{pid}/smaps").read_text().splitlines(), {}
+    for i, line in enumerate(lines):
+        if line.endswith(str(store.path / DATA)):
+            found = {"inode": int(line.split()[4])}
+            for row in lines[i + 1 :]:
+                key, _, value = row.partition(":")
+                if not value.strip().endswith("kB"):
+                    break
+                found[key] = int(value.split()[0])
+    return found
+
+
+def input_logprobs(url: str, ids: list[int]) -> tuple[torch.Tensor, str]:
+    """The engine's logprobs of `ids[1:]` and the weight version it reports."""
+    reply = generate(
+        url, input_ids=ids, return_logprob=True, logprob_start_len=0, sampling_params={"max_new_tokens": 0}
+    )
+    rows = reply["meta_info"]["input_token_logprobs"][1:]
+    return torch.tensor([lp for lp, _, _ in rows]), reply["meta_info"]["weight_version"]
+
+
+def model_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """The model's logprobs of `ids[1:]` (with their graph)."""
+    lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def test_engine_and_trainer_share_one_copy_and_a_push_copies_nothing(big_model: Path, tmp_path: Path) -> None:
+    with shared_store(big_model) as store:
+        trainer = AutoModelForCausalLM.from_pretrained(big_model, dtype=torch.float32)
+        store.attach(trainer, fill=True, field="trainer")
+        coloc = engine_process(
+            big_model, log_path=tmp_path / "coloc.log", shared_weights=store.path, cpu_packed_linear=False
+        )
+        plain = engine_process(big_model, log_path=tmp_path / "plain.log", cpu_packed_linear=False)
+        with ExitStack() as stack:
+            stack.callback(coloc.stop)
+            stack.callback(plain.stop)
+            start_all([coloc, plain], 300)
+            sync = ColocatedSync(store, WeightSync(WeightSyncConfig(timeout_s=60), [coloc.url]))
+            try:
+                sync.connect()
+                before = model_logprobs(trainer, IDS).detach()
+                for url in (coloc.url, plain.url):  # every weight read once
+                    assert torch.allclose(input_logprobs(url, IDS)[0], before, atol=1e-4)
+                # One copy: the engine maps the trainer's file (same inode), its pages are resident
+                # and shared, and it holds a store's worth less private memory than an engine
+                # that loaded the same checkpoint on its own.
+                mine, theirs = store_mapping(coloc.proc.pid, store), store_mapping(os.getpid(), store)
+                assert mine and mine["inode"] == theirs["inode"]
+                assert mine["Shared_Clean"] + mine["Shared_Dirty"] >= 0.9 * store.nbytes / 1024
+                saved = private_kb(plain.proc.pid) - private_kb(coloc.proc.pid)
+                assert saved >= 0.8 * store.nbytes / 1024, (saved, store.nbytes)
+
+                optimizer = torch.optim.SGD(trainer.parameters(), lr=0.5)
+                (-model_logprobs(trainer, IDS).mean()).backward()
+                optimizer.step()  # in place: the engine's weights
+                after = model_logprobs(trainer, IDS).detach()
+                assert (after - before).abs().max() > 1e-2  # the step moved them
+
+                sync.release()
+                pushed = sync.push(WeightExport(trainer.named_parameters()), 1)
+                assert pushed["bytes"] == 0 and pushed["buckets"] == 0
+                served, version = input_logprobs(coloc.url, IDS)
+                assert version == "1" and torch.allclose(served, after, atol=1e-4)
+                # The trainer's weights are not the engine's to overwrite: a load into them is refused.
+                refused = post(coloc.url, "/update_weights_from_disk", {"model_path": str(big_model)})
+                assert refused.status_code == 400 and "--shared-weights" in refused.json()["message"]
+                with pytest.raises(WeightSyncError, match="not in the weight store"):
+                    sync.push(WeightExport([(n, p.detach().clone()) for n, p in trainer.named_parameters()]), 2)
+            finally:
+                sync.close()
+    assert not store.path.exists()
+
+
+def test_layout_ties_names_and_aligns_views(tiny_qwen2_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+    layout = plan_layout(model.named_parameters(remove_duplicate=False))
+    assert layout["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    entries = list(layout["tensors"].values())
+    assert all(e["offset"] % 64 == 0 for e in entries) and entries[0]["offset"] == 0
+    assert (
+        sum(p.numel() for p in model.parameters()) * 4
+        <= layout["nbytes"]
+        < sum(p.numel() for p in model.parameters()) * 4 + 64 * len(entries)
+    )
+
+
+def test_trainer_parameters_are_views_and_a_resume_copies_into_them(tiny_model_dir: Path) -> None:
+    from slimish.trainer.torch_backend import TorchTrainer
+
+    cfg = load_run_config(None, [f"model={tiny_model_dir}", "data.source=task:max_digit", "launch.colocate=true"])
+    with shared_store(tiny_model_dir) as store:
+        trainer = TorchTrainer(cfg, store)
+        assert all(store.holds(p) for p in trainer.model.parameters())
+        state = trainer.state_dict()
+        state["model"] = {name: t + 1 for name, t in state["model"].items()}
+        trainer.load_state_dict(state)  # a checkpoint resume
+        assert all(store.holds(p) for p in trainer.model.parameters())
+        other = WeightStore(store.path)  # what an engine maps
+        name = "model.layers.0.mlp.up_proj.weight"
+        assert torch.equal(other.view(name), state["model"][name])
+
+
+def test_kv_cache_release_and_resume(engine: str) -> None:
+    """Released: the KV is freed (`/server_info` memory_usage.kvcache 0) and a new request waits,
+    queued, until the resume, then runs as it would have. Refused: a release while a request
+    runs, a resume of what is not released, a tag SGLang does not have."""
+
+    def state() -> dict:
+        return httpx.get(engine + "/server_info", timeout=10).json()["internal_states"][0]
+
+    expected = generate(engine, input_ids=IDS, sampling_params=GREEDY)["output_ids"]
+    assert state()["memory_usage"]["kvcache"] > 0  # the batch's buffers and the cached pages
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=engine, timeout=120) as client:
+            long = asyncio.create_task(
+                client.post("/generate", json={"input_ids": IDS, "sampling_params": {**GREEDY, "max_new_tokens": 1500}})
+            )
+            await asyncio.to_thread(wait_for, lambda: state()["#running-req"] == 1, "the long request to run")
+            busy = await client.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
+            assert busy.status_code == 400 and "idle" in busy.json()["error"]["message"]
+            await client.post("/abort_request", json={"abort_all": True})
+            await long
+
+            released = await client.post("/release_memory_occupation", json={"tags": None})
+            assert released.status_code == 200 and released.json() is None
+            assert state()["memory_usage"]["kvcache"] == 0
+            waiting = asyncio.create_task(client.post("/generate", json={"input_ids": IDS, "sampling_params": GREEDY}))
+            await asyncio.to_thread(wait_for, lambda: state()["#queue-req"] == 1, "the request to queue")
+            assert not waiting.done() and state()["memory_usage"]["kvcache"] == 0
+            resumed = await client.post("/resume_memory_occupation", json={"tags": ["kv_cache"]})
+            assert resumed.status_code == 200
+            assert (await waiting).json()["output_ids"] == expected
+
+    asyncio.run(main())
+    again = post(engine, "/resume_memory_occupation", {"tags": ["kv_cache"]})
+    assert again.status_code == 400 and "not released" in again.json()["error"]["message"]
+    bad = post(engine, "/release_memory_occupation", {"tags": ["kv"]})
+    assert bad.status_code == 400 and "tags" in bad.json()["error"]["message"]
+    assert post(engine, "/release_memory_occupation", {"tags": ["weights"]}).status_code == 200  # nothing to free
+    assert generate(engine, input_ids=IDS, sampling_params=GREEDY)["output_ids"] == expected
+
+
+@pytest.mark.parametrize(
+    "overrides, needs",
+    [
+        (["trainer.nproc=2"], "trainer.nproc=1"),
+        (["async_training=true", "buffer.max_staleness=1"], "async_training=false"),
+        (["trainer.lora.enabled=true", "policies=[{name: a}, {name: b}]"], "no policies"),
+        (["trainer.backend=megatron"], "trainer.backend=torch"),
+        (["launch.engine_flag=[dtype=bfloat16]"], "launch.engine_flag dtype=float32"),
+        (["trainer.dtype=bfloat16"], "trainer.dtype=float32"),
+        (["launch.engine_kind=sglang"], "launch.engine_kind=builtin"),
+        (["launch.router_url=http://127.0.0.1:1"], "no launch.router_url"),
+    ],
+)
+def test_refusals_name_the_field(overrides: list[str], needs: str) -> None:
+    with pytest.raises(SystemExit) as err:
+        load_run_config(None, ["model=m", "data.source=task:max_digit", "launch.colocate=true", *overrides])
+    assert "launch.colocate needs" in str(err.value) and needs in str(err.value)
+
+
+def test_engine_refuses_another_dtype_and_a_packed_copy(tiny_model_dir: Path) -> None:
+    from slimish.engine.engine import Engine
+
+    with pytest.raises(ValueError, match="cpu_packed_linear"):
+        EngineConfig(model=str(tiny_model_dir), shared_weights="/nowhere")
+    with shared_store(tiny_model_dir) as store:
+        cfg = EngineConfig(
+            model=str(tiny_model_dir), shared_weights=str(store.path), dtype="bfloat16", cpu_packed_linear=False
+        )
+        with pytest.raises(ValueError, match=r"engine\.dtype \(--dtype\): .* bfloat16 .* float32"):
+            Engine(cfg)
+    with pytest.raises(ValueError, match="launch.colocate"):
+        LaunchConfig(colocate=True, mode="ray")
+
+
+@pytest.mark.parametrize("lora", [[], ["trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.lora.alpha=8"]])
+def test_a_colocated_run_trains_and_removes_its_store(tiny_model_dir: Path, tmp_path: Path, lora: list[str]) -> None:
+    """Two sync steps, full or LoRA (the base shared, the adapter pushed): the engine computes
+    what the trainer does (mismatch ~0), and the store is gone when the run ends."""
+    rows = run_quickstart(
+        tmp_path,
+        "steps=2",
+        "sft.steps=0",
+        "eval.every=0",
+        "checkpoint.every=0",
+        "rollout.rollout_batch_size=4",
+        "algorithm.ptx_coef=0",
+        "launch.colocate=true",
+        *lora,
+        model=tiny_model_dir,
+        timeout=600,
+    )
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["train/mismatch"] < 1e-4 for r in rows[1:])
+    gone = [p for p in SHM.glob(f"{PREFIX}*") if not Path("/proc", p.name.removeprefix(PREFIX).split("-")[0]).exists()]
+    assert not gone, "a store outlived its run"
