@@ -23,6 +23,7 @@ from slimish.gateway.config import GatewayConfig
 from slimish.launch.commands import engine_flags
 from slimish.launch.config import LaunchConfig
 from slimish.launch.cpus import check_split
+from slimish.launch.sglang import sglang_tp
 from slimish.metrics import MetricsConfig
 from slimish.rollout.config import ZERO_VARIANCE_FILTER, DataConfig, EvalConfig, RolloutConfig
 from slimish.schema import doc, doc_factory, one_of
@@ -142,21 +143,37 @@ def check_true_on_policy(cfg: RunConfig) -> None:
 
 def check_colocate(cfg: RunConfig) -> None:
     """What `launch.colocate` needs of the rest of the run, refused by name (docs/colocate.md): one
-    trainer process whose fp32 parameters the engines map, pushes between steps only."""
+    trainer process, and on CPU fp32 parameters the engines map (async is fine there: the engines
+    pause for each optimiser step, slimish/trainer/colocated.py); with SGLang engines one engine on
+    the trainer's GPU, sync, the whole policy pushed (slimish/trainer/colocated_sglang.py)."""
     flags = engine_flags(cfg.launch.engine_flag)
     needs = {
         "trainer.backend=torch (Megatron's parameters are its own, sharded)": cfg.trainer.backend == "torch",
-        "trainer.nproc=1 (one trainer process maps the store)": cfg.trainer.nproc == 1,
+        "trainer.nproc=1 (one trainer process beside the engines)": cfg.trainer.nproc == 1,
         "no policies (several adapters: not supported colocated yet)": not cfg.policies,
-        "async_training=false (the optimiser step would write weights the engines are reading)": not cfg.async_training,
-        "trainer.dtype=float32 (or its CPU default): the engines compute on the trainer's fp32 weights": (
-            cfg.trainer.dtype in (None, "float32")
-        ),
-        "launch.engine_flag dtype=float32 (the store holds the trainer's fp32 weights)": (
-            flags.get("dtype", "float32") == "float32"
-        ),
-        "launch.engine_flag device=cpu (the store is host memory)": flags.get("device", "cpu") == "cpu",
     }
+    if cfg.launch.engine_kind == "sglang":
+        needs |= {
+            "async_training=false with launch.engine_kind=sglang (its memory is released while the trainer trains)": (
+                not cfg.async_training
+            ),
+            "trainer.lora.enabled=false with launch.engine_kind=sglang (the whole policy is pushed)": (
+                not cfg.trainer.lora.enabled
+            ),
+            "launch.engines=1 and --tp-size 1 with launch.engine_kind=sglang (one engine on the trainer's one GPU)": (
+                cfg.launch.engines == 1 and sglang_tp(cfg.launch.sglang_args) == 1
+            ),
+        }
+    else:
+        needs |= {
+            "trainer.dtype=float32 (or its CPU default): the engines compute on the trainer's fp32 weights": (
+                cfg.trainer.dtype in (None, "float32")
+            ),
+            "launch.engine_flag dtype=float32 (the store holds the trainer's fp32 weights)": (
+                flags.get("dtype", "float32") == "float32"
+            ),
+            "launch.engine_flag device=cpu (the store is host memory)": flags.get("device", "cpu") == "cpu",
+        }
     if missing := [need for need, ok in needs.items() if not ok]:
         raise ValueError(f"launch.colocate needs {'; '.join(missing)}")
 

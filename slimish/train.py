@@ -55,6 +55,7 @@ from slimish.rollout.stats import RolloutFailing, RolloutStalled
 from slimish.trainer import checkpoint, make_trainer
 from slimish.trainer.base import Trainer
 from slimish.trainer.colocated import ColocatedSync
+from slimish.trainer.colocated_sglang import SGLangColocatedSync
 from slimish.trainer.follower import Follower
 from slimish.trainer.sft import ptx_batches, sft_batches
 from slimish.trainer.weight_sync import PolicySyncs, WeightSync
@@ -138,7 +139,7 @@ class Driver:
         self.view = ViewWriter(cfg.run_dir, cfg.metrics.view_groups, cfg.model)  # RUN_DIR/view/: `slimish view`
         stack.callback(self.view.close)
 
-    def _weight_sync(self, engine_urls: list[str]) -> WeightSync | PolicySyncs | ColocatedSync:
+    def _weight_sync(self, engine_urls: list[str]) -> WeightSync | PolicySyncs | ColocatedSync | SGLangColocatedSync:
         """The push into the policy's engines, and only theirs (never the teacher's); with
         `policies`, one per policy (each its adapter); with `launch.colocate`, a version flip."""
         check_push_targets(engine_urls, self.teacher.engine_urls if self.teacher else [])
@@ -154,24 +155,30 @@ class Driver:
             self.cfg.trainer.lora.adapter,
             self.servers.router_url,
         )
+        if self.cfg.launch.colocate and self.cfg.launch.engine_kind == "sglang":
+            return SGLangColocatedSync(sync)
         return sync if self.servers.store is None else ColocatedSync(self.servers.store, sync)
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """Times a phase of the step for view/timeline.jsonl (rollout, train, push, eval, checkpoint)."""
         return self.view.phase(name)
 
-    def start_producing(self, version: int, stack: ExitStack) -> None:
+    def start_producing(self, version: int, stack: ExitStack, trainer: Trainer) -> None:
         """Async mode: the rollout runs from now on, beside training; stopped (its leftovers
-        requeued) when the run ends."""
+        requeued) when the run ends. Colocated, the engines pause for each step's optimiser
+        writes into the weights they read, until the push (ColocatedSync.hold)."""
+        if isinstance(self.sync, ColocatedSync):
+            trainer.before_weight_write = lambda: self.sync.hold()  # the sync in use then
         self.loop.run(self.manager.start(version))
         stack.callback(lambda: self.loop.run(self.manager.stop()))
 
     def rollout(self, version: int) -> tuple[list[list[Sample]], dict[str, float]]:
         """The step's batch and its metrics (`time/rollout`: how long the trainer waited).
-        Colocated, the engines then free their KV cache until the push (the trainer's turn)."""
+        Colocated and sync, the engines then free their KV cache until the push (the trainer's
+        turn); in async mode they keep generating with it."""
         with self.phase("rollout"):
             batch = self.loop.run(self.manager.next_batch(version))
-        if isinstance(self.sync, ColocatedSync):
+        if isinstance(self.sync, (ColocatedSync, SGLangColocatedSync)) and not self.cfg.async_training:
             self.sync.release()
         return batch
 
@@ -202,6 +209,7 @@ class Driver:
         self.router_restarts += routers
         return {
             "time/weight_push": pushed["seconds"],
+            **({"time/generation_paused": pushed["paused"]} if "paused" in pushed else {}),
             "launch/engines_restarted": float(len(fleet.restarted)),
             "launch/engines": float(len(self.sync.urls)),
             "launch/router_restarted": float(routers),
@@ -359,7 +367,7 @@ def train(cfg: RunConfig, fns: RolloutFunctions) -> None:
             first.update(side.evaluate())
         side.log(start_step, first)
         if cfg.async_training:
-            side.start_producing(start_step, stack)
+            side.start_producing(start_step, stack, trainer)
         for step in range(start_step + 1, cfg.steps + 1):
             started = time.perf_counter()
             groups, metrics = side.rollout(step - 1)

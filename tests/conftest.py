@@ -105,11 +105,13 @@ def moe_routes_engine(tiny_qwen3_moe_dir: Path, tmp_path_factory: pytest.TempPat
 def sglang_double(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """`python -m sglang.launch_server` in children is tests/sglang_double: SGLang 0.5.23's command
     line and rules over the built-in engine (SGLang itself needs a GPU). Yields the file each
-    start is recorded in (`{"argv", "pid"}` per line)."""
+    start is recorded in (`{"argv", "pid"}` per line); beside it, calls.jsonl records the control
+    calls the servers served, in order (sglang/tensors.py)."""
     record = tmp_path_factory.mktemp("sglang-double") / "starts.jsonl"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SGLANG_DOUBLE), os.environ.get("PYTHONPATH")])))
         mp.setenv("SGLANG_SHIM_RECORD", str(record))
+        mp.setenv("SGLANG_SHIM_CALLS", str(record.parent / "calls.jsonl"))
         yield record
 
 

@@ -5,8 +5,10 @@ the trainer trains."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -125,11 +127,51 @@ def test_engine_and_trainer_share_one_copy_and_a_push_copies_nothing(big_model: 
                 # The trainer's weights are not the engine's to overwrite: a load into them is refused.
                 refused = post(coloc.url, "/update_weights_from_disk", {"model_path": str(big_model)})
                 assert refused.status_code == 400 and "--shared-weights" in refused.json()["message"]
+                async_step(coloc.url, sync, trainer, optimizer)
                 with pytest.raises(WeightSyncError, match="not in the weight store"):
-                    sync.push(WeightExport([(n, p.detach().clone()) for n, p in trainer.named_parameters()]), 2)
+                    sync.push(WeightExport([(n, p.detach().clone()) for n, p in trainer.named_parameters()]), 3)
             finally:
                 sync.close()
     assert not store.path.exists()
+
+
+def async_step(url: str, sync: ColocatedSync, trainer: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """An async step with a request running: `hold` pauses it between two engine steps (retract:
+    its KV is recomputed after), the optimiser step writes the engine's weights, and the push
+    flips the version to 2 and continues. Every token is the version it is labelled with: its
+    logprob is that of the weights of its label, to the decimal, not of a half-written step."""
+
+    def running() -> bool:
+        return httpx.get(url + "/server_info", timeout=10).json()["internal_states"][0]["#running-req"] == 1
+
+    old = {n: p.detach().clone() for n, p in trainer.named_parameters()}
+    wish = {"temperature": 0.0, "max_new_tokens": 48, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(generate, url, input_ids=IDS, sampling_params=wish, return_logprob=True)
+        wait_for(running, "the request to run")
+        sync.hold()
+        (-model_logprobs(trainer, IDS).mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        pushed = sync.push(WeightExport(trainer.named_parameters()), 2)
+        meta = reply.result(timeout=120)["meta_info"]
+    assert pushed["bytes"] == 0 and pushed["paused"] > 0 and sync.held is None
+    spans = [(s["version"], s["start"], s["end"]) for s in meta["weight_versions"]]
+    assert [v for v, _, _ in spans] == ["1", "2"] and spans[0][1:] == (0, spans[1][1]) and spans[1][2] == 48, spans
+    assert meta["num_retractions"] == 1
+    ids = IDS + [t for _, t, _ in meta["output_token_logprobs"]]
+    served = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
+    with torch.no_grad():
+        by_old = torch.func.functional_call(trainer, old, (torch.tensor([ids]),)).logits[0]
+        by_new = trainer(torch.tensor([ids])).logits[0]
+    made = torch.tensor(ids[len(IDS) :])[:, None]
+    old_lp, new_lp = (torch.log_softmax(x[len(IDS) - 1 : -1], -1).gather(1, made)[:, 0] for x in (by_old, by_new))
+    cut = spans[1][1]
+    assert torch.allclose(served[:cut], old_lp[:cut], atol=1e-4) and torch.allclose(
+        served[cut:], new_lp[cut:], atol=1e-4
+    )
+    assert (old_lp - new_lp).abs().max() > 1e-2  # the two versions are told apart
+    assert input_logprobs(url, IDS)[1] == "2"
 
 
 def test_layout_ties_names_and_aligns_views(tiny_qwen2_dir: Path) -> None:
@@ -206,12 +248,15 @@ def test_kv_cache_release_and_resume(engine: str) -> None:
     "overrides, needs",
     [
         (["trainer.nproc=2"], "trainer.nproc=1"),
-        (["async_training=true", "buffer.max_staleness=1"], "async_training=false"),
         (["trainer.lora.enabled=true", "policies=[{name: a}, {name: b}]"], "no policies"),
         (["trainer.backend=megatron"], "trainer.backend=torch"),
         (["launch.engine_flag=[dtype=bfloat16]"], "launch.engine_flag dtype=float32"),
         (["trainer.dtype=bfloat16"], "trainer.dtype=float32"),
-        (["launch.engine_kind=sglang"], "launch.engine_kind=builtin"),
+        (["launch.engine_kind=external"], "launch.engine_kind=builtin or sglang"),
+        (["launch.engine_kind=sglang", "async_training=true", "buffer.max_staleness=1"], "async_training=false with"),
+        (["launch.engine_kind=sglang", "trainer.lora.enabled=true"], "trainer.lora.enabled=false with"),
+        (["launch.engine_kind=sglang", "launch.engines=2"], "launch.engines=1 and --tp-size 1"),
+        (["launch.engine_kind=sglang", "launch.sglang_args=[--tp-size,2]"], "launch.engines=1 and --tp-size 1"),
         (["launch.router_url=http://127.0.0.1:1"], "no launch.router_url"),
     ],
 )
@@ -219,6 +264,19 @@ def test_refusals_name_the_field(overrides: list[str], needs: str) -> None:
     with pytest.raises(SystemExit) as err:
         load_run_config(None, ["model=m", "data.source=task:max_digit", "launch.colocate=true", *overrides])
     assert "launch.colocate needs" in str(err.value) and needs in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides", [["async_training=true", "buffer.max_staleness=1"], ["launch.engine_kind=sglang"]]
+)
+def test_async_and_sglang_colocated_runs_are_accepted(overrides: list[str]) -> None:
+    """Accepted; SGLang's engine goes on the trainer's GPU, able to release its memory."""
+    from slimish.launch.commands import run_launch
+    from slimish.launch.plan import first_free_gpu
+
+    cfg = load_run_config(None, ["model=m", "data.source=task:max_digit", "launch.colocate=true", *overrides])
+    sglang = cfg.launch.engine_kind == "sglang"
+    assert ("--enable-memory-saver" in run_launch(cfg).sglang_args) == sglang and first_free_gpu(cfg, True) == 0
 
 
 def test_engine_refuses_another_dtype_and_a_packed_copy(tiny_model_dir: Path) -> None:
@@ -236,10 +294,17 @@ def test_engine_refuses_another_dtype_and_a_packed_copy(tiny_model_dir: Path) ->
         LaunchConfig(colocate=True, mode="ray")
 
 
-@pytest.mark.parametrize("lora", [[], ["trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.lora.alpha=8"]])
-def test_a_colocated_run_trains_and_removes_its_store(tiny_model_dir: Path, tmp_path: Path, lora: list[str]) -> None:
-    """Two sync steps, full or LoRA (the base shared, the adapter pushed): the engine computes
-    what the trainer does (mismatch ~0), and the store is gone when the run ends."""
+LORA = ["trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.lora.alpha=8"]
+ASYNC = ["async_training=true", "buffer.max_staleness=1"]
+
+
+@pytest.mark.parametrize("extra", [LORA, ASYNC], ids=["lora", "async"])
+def test_a_colocated_run_trains_and_removes_its_store(tiny_model_dir: Path, tmp_path: Path, extra: list[str]) -> None:
+    """Two steps, sync with LoRA (the KV released while the trainer trains, the base shared, the
+    adapter pushed) or async full (generation held from each step's optimiser step to its push):
+    the engine computes what the trainer does (mismatch ~0 on the tokens of the trainer's version),
+    each step trains on tokens of pushes before it, and the store is gone when the run ends. (The
+    sync full run: tests/test_true_on_policy.py; its push, above.)"""
     rows = run_quickstart(
         tmp_path,
         "steps=2",
@@ -249,11 +314,16 @@ def test_a_colocated_run_trains_and_removes_its_store(tiny_model_dir: Path, tmp_
         "rollout.rollout_batch_size=4",
         "algorithm.ptx_coef=0",
         "launch.colocate=true",
-        *lora,
+        *extra,
         model=tiny_model_dir,
         timeout=600,
     )
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert all(r["train/mismatch"] < 1e-4 for r in rows[1:])
+    assert all(r["train/mismatch_fresh"] < 1e-4 for r in rows[1:])  # async: stale tokens are another version's
+    paused = [r["time/generation_paused"] for r in rows]
+    assert paused[0] == 0 and (all(p > 0 for p in paused[1:]) if extra == ASYNC else paused == [0, 0, 0]), paused
+    trained = [json.loads(line) for line in (tmp_path / "run" / "trained_prompts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in trained] == [1, 2]
+    assert all({v for vs in r["versions"] for v in vs} <= set(range(r["step"])) for r in trained), trained
     gone = [p for p in SHM.glob(f"{PREFIX}*") if not Path("/proc", p.name.removeprefix(PREFIX).split("-")[0]).exists()]
     assert not gone, "a store outlived its run"

@@ -24,6 +24,32 @@ def test_config_refuses_unknown_devices(device: str) -> None:
         EngineConfig(model="unused", device=device)
 
 
+def test_a_batch_samples_as_its_rows_alone() -> None:
+    """`sample` over a batch (the min_new_tokens mask in one write, the unseeded rows' uniforms in
+    one draw) gives each row the token and logprobs it gets sampled alone, seeded rows mixed in."""
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(0))
+    logits[:, 2] = 50.0  # the stop token would win every draw unless masked
+    params = [
+        SamplingParams(temperature=1.0, min_new_tokens=4),
+        SamplingParams(temperature=0.7, sampling_seed=11),
+        SamplingParams(temperature=1.0, min_new_tokens=4, top_k=5),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.3, min_new_tokens=4, sampling_seed=5),
+        SamplingParams(temperature=1.0),
+    ]
+
+    def rows() -> list[RowState]:
+        seeded = [None if p.sampling_seed is None else torch.Generator().manual_seed(p.sampling_seed) for p in params]
+        return [RowState(p, [1, 3], [3], {2, 0}, g) for p, g in zip(params, seeded)]
+
+    torch.manual_seed(7)
+    tokens, logprobs = sample(logits, rows())
+    torch.manual_seed(7)
+    alone = [sample(logits[i : i + 1], [row]) for i, row in enumerate(rows())]
+    assert tokens == [t[0] for t, _ in alone] and 2 not in tokens[0:5:2]  # masked below min_new_tokens
+    assert torch.equal(logprobs, torch.cat([lp for _, lp in alone]))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
 def test_cuda_without_cuda_is_refused_at_start(tiny_model_dir: Path, device: str) -> None:

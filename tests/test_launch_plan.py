@@ -20,10 +20,12 @@ from slimish.cli import main
 from slimish.config import load_run_config
 from slimish.engine.config import EngineConfig
 from slimish.flags import add_config_arguments
+from slimish.launch.commands import rollout_batch_launch
 from slimish.launch.config import LaunchConfig, TeacherConfig
 from slimish.launch.local import engine_server, local_engines
 from slimish.launch.plan import model_params, next_gpu, teacher_launch
 from slimish.processes import ServerProcess
+from slimish.rollout.config import RolloutConfig
 from slimish.launch.sglang import sglang_argv
 from slimish.net import free_port
 
@@ -75,6 +77,23 @@ def test_builtin_gpu_engines_get_one_gpu_each_and_cpu_engines_none():
     assert devices("device=cuda") == ["cuda:1", "cuda:2"]
     assert devices("device=cuda:0") == ["cuda:0", "cuda:0"]  # named: kept
     assert devices() == [None, None]
+
+
+def test_cpu_engines_run_the_rollouts_samples_in_flight_in_one_batch():
+    """64 samples in flight on engines of 32 rows would decode in two waves: each engine's batch
+    is widened to its share, unless the user set it or the engines are on GPUs."""
+    wide = RolloutConfig(max_concurrency=64)
+
+    def rows(launch: LaunchConfig, rollout: RolloutConfig = wide) -> list[str]:
+        return [f for f in rollout_batch_launch(launch, rollout).engine_flag if f.startswith("max_running_requests")]
+
+    assert rows(LaunchConfig()) == ["max_running_requests=64"]
+    assert rows(LaunchConfig(engines=3)) == []  # 22 each: the default's 32 hold them
+    assert rows(LaunchConfig(engines=2), RolloutConfig(max_concurrency=100)) == ["max_running_requests=50"]
+    assert rows(LaunchConfig(engine_flag=["max_running_requests=8"])) == ["max_running_requests=8"]  # theirs stands
+    assert rows(LaunchConfig(engine_flag=["device=cuda"])) == []  # planned against the card's memory
+    assert rollout_batch_launch(LaunchConfig(engine_kind="sglang"), wide) == LaunchConfig(engine_kind="sglang")
+    assert EngineConfig.max_running_requests == 32  # what the cases above assume
 
 
 def test_teacher_engines_go_after_the_policy_engines(tmp_path):

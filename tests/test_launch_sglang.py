@@ -5,7 +5,10 @@ parses SGLang's command line, records it, and serves the built-in engine under S
 
 from __future__ import annotations
 
+import base64
 import json
+import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -33,8 +36,13 @@ def starts(record: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def sglang_servers(sglang_double, tiny_model_dir, tmp_path_factory):
+    """One SGLang engine as a colocated run launches it (`--enable-memory-saver` added), which the
+    other pushes (a broadcast, disk) take as any SGLang engine."""
     launch = LaunchConfig(
-        engine_kind="sglang", sglang_args=["--sglang-tp-size", "1", "--mem-fraction-static=0.5"], start_timeout=WAIT_S
+        engine_kind="sglang",
+        sglang_args=["--sglang-tp-size", "1", "--mem-fraction-static=0.5"],
+        start_timeout=WAIT_S,
+        colocate=True,
     )
     with local_servers(launch, tiny_model_dir, tmp_path_factory.mktemp("logs")) as servers:
         yield servers
@@ -120,6 +128,7 @@ def test_sglang_engine_started_registered_and_synced(
         "--tp-size",
         "1",
         "--mem-fraction-static=0.5",
+        "--enable-memory-saver",
     ]
     assert start["pid"] == engine.proc.pid  # the supervised child is the server itself
     workers = httpx.get(sglang_servers.router_url + "/workers", timeout=30).json()["workers"]
@@ -133,6 +142,66 @@ def test_sglang_engine_started_registered_and_synced(
         sync.push(WeightExport(pushed), 3)
         assert sync.engines.sessions is True  # probed: begin/end_weight_update bracket the push
     assert httpx.get(engine.url + "/model_info", timeout=30).json()["weight_version"] == "3"
+
+
+def test_a_colocated_push_releases_resumes_and_hands_over_ipc_handles(sglang_servers, sglang_double, tiny_model_dir):
+    """The GPU form of launch.colocate against the double, with CPU tensors in place of CUDA ones:
+    SGLang's calls in slime's order, the tensors as one base64 pickle per TP rank in a session,
+    checked as SGLang's SafeUnpickler would take them (sglang_double/sglang/tensors.py) and never
+    unpickled; what SGLang refuses is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from slimish.trainer.colocated_sglang import SGLangColocatedSync, ipc_payload
+
+    url = sglang_servers.engine_urls[0]
+    calls = sglang_double.parent / "calls.jsonl"
+    seen = len(calls.read_text().splitlines()) if calls.exists() else 0
+    named = list(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    sync = SGLangColocatedSync(WeightSync(WeightSyncConfig(timeout_s=60.0, bucket_mb=0.5), [url]))
+    try:
+        sync.connect()
+        sync.release()
+        pushed = sync.push(WeightExport(named), 5)
+    finally:
+        sync.close()
+    assert pushed["buckets"] >= 2 and pushed["bytes"] == sum(p.numel() * 4 for _, p in named)
+    sequence = [json.loads(line) for line in calls.read_text().splitlines()[seen:]]
+    assert sequence == [
+        {"path": "/flush_cache"},
+        {"path": "/release_memory_occupation", "tags": None},
+        {"path": "/resume_memory_occupation", "tags": ["weights"]},
+        {"path": "/begin_weight_update"},
+        *[{"path": "/update_weights_from_tensor", "entries": 1}] * int(pushed["buckets"]),
+        {"path": "/end_weight_update"},
+        {"path": "/resume_memory_occupation", "tags": ["kv_cache", "cuda_graph"]},
+        {"path": "/update_weight_version"},
+    ]
+    assert httpx.get(url + "/model_info", timeout=30).json()["weight_version"] == "5"
+    assert generate(url, **ASK)["meta_info"]["weight_version"] == "5"  # the KV cache is back
+
+    entries = ipc_payload(named[:1], 1)
+    bad_pickle = base64.b64encode(pickle.dumps(os.system)).decode()
+
+    def update(**body):
+        return httpx.post(url + "/update_weights_from_tensor", json=body, timeout=30)
+
+    assert update(serialized_named_tensors=entries).status_code == 400  # outside a session
+    assert httpx.post(url + "/begin_weight_update", json={}, timeout=30).status_code == 200
+    try:
+        for body, why in [
+            ({"serialized_named_tensors": entries * 2}, "one entry per TP rank"),
+            ({"serialized_named_tensors": ["not base64!"]}, "not base64"),
+            ({"serialized_named_tensors": [bad_pickle]}, "Blocked unsafe global"),
+        ]:
+            refused = update(**body)
+            assert refused.status_code == 400 and why in refused.json()["message"], refused.text
+        httpx.post(url + "/release_memory_occupation", json={"tags": ["weights"]}, timeout=30).raise_for_status()
+        refused = update(serialized_named_tensors=entries)
+        assert refused.status_code == 400 and "released" in refused.json()["message"]
+        httpx.post(url + "/resume_memory_occupation", json={"tags": ["weights"]}, timeout=30).raise_for_status()
+        assert update(serialized_named_tensors=entries).json()["success"] is True
+    finally:
+        httpx.post(url + "/end_weight_update", json={}, timeout=30)
 
 
 def test_a_dead_sglang_server_is_started_again_with_the_same_command_line(sglang_servers, sglang_double):

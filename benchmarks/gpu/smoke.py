@@ -17,7 +17,12 @@ Steps, each printing `PASS name: detail`, `FAIL name: detail` or `SKIP name: rea
    0.5.23 takes an adapter only from a directory, reloaded under an abort pause; the built-in
    engine by broadcast), checked through the engine's logprobs with and without it.
 5. `slimish train` on the quickstart task (configs/quickstart.yaml, shortened; engine_kind of step
-   2): weight versions served per step, finite rewards, mismatch below 1e-2.
+   2): weight versions served per step, finite rewards, mismatch below 1e-2. Then the same run
+   with `launch.colocate=true` (`coloc_*`): SGLang on the trainer's GPU with
+   `--enable-memory-saver`, its memory released while the trainer trains, the weights pushed as
+   CUDA IPC handles (`/update_weights_from_tensor`); the mismatch bound is the check that it
+   serves the trainer's weights. A dry run skips it (the double loads no IPC handles; the CPU
+   form is tested in tests/test_colocate.py).
 6. A random-weight Qwen3-MoE on an engine started with `--enable-return-routed-experts`: every
    reply's `meta_info.routed_experts` has SGLang's rows (prompt + output - 1, layers, top-k); the
    torch trainer pushes its experts under checkpoint names (served back equal) and takes one R3
@@ -604,15 +609,30 @@ def moe_checks(report: Report, setup: Setup) -> None:
             release()
 
 
-def rl_checks(report: Report, setup: Setup) -> None:
-    """`slimish train` on the quickstart task, shortened, with the engines of the kind under test."""
-    names = ("rl_run", "rl_versions", "rl_rewards", "rl_mismatch")
+def rl_checks(report: Report, setup: Setup, colocate: bool = False) -> None:
+    """`slimish train` on the quickstart task, shortened, with the engines of the kind under test.
+    `colocate` (`coloc_*`): `launch.colocate=true`, on a GPU SGLang's form (the engine on the
+    trainer's GPU releases its memory while the trainer trains and takes the weights as CUDA IPC
+    handles); skipped on a dry run (the double loads no IPC handles).
+    The served weights equal the trainer's when each step's mismatch is below the bound: the
+    engine computed the rollout's logprobs with the weights pushed before it."""
+    prefix = "coloc" if colocate else "rl"
+    names = tuple(f"{prefix}_{check}" for check in ("run", "versions", "rewards", "mismatch"))
     out = Path(setup.args.out).absolute()
+    if colocate and (setup.sglang_missing or setup.dry_run):
+        why = (
+            "dry run: the double loads no CUDA IPC handles"
+            if setup.dry_run
+            else f"needs SGLang ({setup.sglang_missing})"
+        )
+        for name in names:
+            report.skip(name, f"the GPU form of launch.colocate: {why} (the CPU form: tests/test_colocate.py)")
+        return
     with report.guard(*names):
         launch = setup.launch()
         steps = setup.args.steps
         prompts, n = (4, 4) if setup.dry_run else (8, 8)
-        run_dir = out / f"rl-{int(time.time())}"
+        run_dir = out / f"{prefix}-{int(time.time())}"
         values = {
             "model": str(setup.model),
             "run_dir": str(run_dir),
@@ -622,6 +642,7 @@ def rl_checks(report: Report, setup: Setup) -> None:
                 "sglang_args": launch.sglang_args,
                 "engine_flag": launch.engine_flag,
                 "start_timeout": launch.start_timeout,
+                "colocate": colocate,
             },
             "rollout": {
                 "rollout_batch_size": prompts,
@@ -633,12 +654,12 @@ def rl_checks(report: Report, setup: Setup) -> None:
             "checkpoint": {"every": 0},
             "weight_sync": {"backend": "gloo", "transport": "distributed", "timeout_s": launch.start_timeout},
         }
-        config = out / "rl.yaml"
+        config = out / f"{prefix}.yaml"
         OmegaConf.save(OmegaConf.merge(OmegaConf.load(ROOT / "configs" / "quickstart.yaml"), values), config)
         argv = [sys.executable, "-m", "slimish.cli", "train", "--config", str(config)]
-        report.progress(f"rl: {' '.join(argv[1:])} ({launch.engine_kind} engine; logs in {run_dir / 'logs'})")
+        report.progress(f"{prefix}: {' '.join(argv[1:])} ({launch.engine_kind} engine; logs in {run_dir / 'logs'})")
         started = time.perf_counter()
-        with open(out / "rl.log", "w") as log:
+        with open(out / f"{prefix}.log", "w") as log:
             done = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=setup.args.rl_timeout)
         wall = time.perf_counter() - started
         rows = [r for r in read_metrics(run_dir) if r["step"] >= 1] if (run_dir / "metrics.jsonl").exists() else []
@@ -650,10 +671,10 @@ def rl_checks(report: Report, setup: Setup) -> None:
         tail = (
             ""
             if done.returncode == 0
-            else "; log tail: " + " | ".join((out / "rl.log").read_text(errors="replace").splitlines()[-3:])
+            else "; log tail: " + " | ".join((out / f"{prefix}.log").read_text(errors="replace").splitlines()[-3:])
         )
         report.check(
-            "rl_run",
+            names[0],
             done.returncode == 0 and len(rows) == steps,
             f"exit {done.returncode}, {len(rows)}/{steps} steps in {wall:.1f} s ({timing}){tail}",
         )
@@ -663,20 +684,20 @@ def rl_checks(report: Report, setup: Setup) -> None:
             f"step {t['step']}: {t['versions']}" for t in trained if any(v != [t["step"] - 1] for v in t["versions"])
         ]
         report.check(
-            "rl_versions",
+            names[1],
             len(trained) == steps and not wrong,
             f"{len(trained)} steps, each trained on samples of the version pushed before it (step k: k-1)"
             + (f"; wrong: {'; '.join(wrong[:3])}" if wrong else ""),
         )
         rewards = [(r.get("reward/mean", float("nan")), r.get("reward/std", float("nan"))) for r in rows]
         report.check(
-            "rl_rewards",
+            names[2],
             bool(rows) and all(math.isfinite(m) and math.isfinite(s) for m, s in rewards),
             "reward/mean, reward/std per step: " + ", ".join(f"{m:.3f}/{s:.3f}" for m, s in rewards),
         )
         mismatches = [r.get("train/mismatch", float("nan")) for r in rows]
         report.check(
-            "rl_mismatch",
+            names[3],
             bool(rows) and all(m < MISMATCH_MAX for m in mismatches),
             f"train/mismatch per step (< {MISMATCH_MAX:g}): " + ", ".join(f"{m:.2e}" for m in mismatches),
         )
@@ -706,6 +727,7 @@ def run(args: argparse.Namespace) -> int:
     engine_checks(report, setup)
     lora_checks(report, setup)
     rl_checks(report, setup)
+    rl_checks(report, setup, colocate=True)
     moe_checks(report, setup)
     print(
         f"{'FAILED: ' + ', '.join(report.failed) if report.failed else 'all checks passed'} "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from slimish.engine.attention import matmul_decode_attention
+from slimish.engine.attention import attend, decode_bias
 
 FAMILIES = ("llama", "qwen2", "qwen3")  # decoder layers alike: RMSNorm, rotary, GQA, SiLU-gated MLP
 
@@ -24,10 +24,10 @@ def supported(model: PreTrainedModel) -> bool:
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """HF's RMSNorm forward of these families, op for op."""
+    """HF's RMSNorm forward of these families, op for op (the same bits), its temporaries updated
+    in place."""
     h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * h.to(x.dtype)
+    return (h * h.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon).rsqrt_()).to(x.dtype).mul_(norm.weight)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -45,6 +45,9 @@ def decode_forward(
     inner, rows = model.model, tokens.shape[0]
     h = inner.embed_tokens.forward(tokens)
     cos, sin = (t.unsqueeze(1) for t in inner.rotary_emb(h, positions))
+    first = inner.layers[0].self_attn
+    kv_heads = first.k_proj.out_features // first.head_dim
+    bias = decode_bias(mask, kv_heads, first.q_proj.out_features // first.head_dim // kv_heads, h.dtype)
     for layer, cache in zip(inner.layers, layers):
         attn, mlp = layer.self_attn, layer.mlp
         x = _rms_norm(layer.input_layernorm, h)
@@ -54,8 +57,8 @@ def decode_forward(
             q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
         v = attn.v_proj.forward(x).view(shape).transpose(1, 2)
         keys, values = cache.update(_rotate(k.transpose(1, 2), cos, sin), v)
-        out, _ = matmul_decode_attention(attn, _rotate(q.transpose(1, 2), cos, sin), keys, values, mask, attn.scaling)
-        h = h + attn.o_proj.forward(out.reshape(rows, 1, -1).contiguous())
+        out = attend(_rotate(q.transpose(1, 2), cos, sin), keys, values, bias, attn.scaling)
+        h.add_(attn.o_proj.forward(out.view(rows, 1, -1)))  # in place: the residual's own tensor
         x = _rms_norm(layer.post_attention_layernorm, h)
-        h = h + mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
+        h.add_(mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(x)).mul_(mlp.up_proj.forward(x))))
     return model.lm_head.forward(_rms_norm(inner.norm, h)[:, -1, :])

@@ -54,8 +54,11 @@ def _truncates(p: SamplingParams) -> bool:
 
 def _adjust_logits(logits: torch.Tensor, rows: list[RowState]) -> None:
     """In place: penalties, logit bias, no stop token before `min_new_tokens`, and the grammar's
-    mask, all before logprobs are taken, as SGLang does."""
+    mask, all before logprobs are taken, as SGLang does. The stop-token mask, which every row of
+    a fixed-length rollout takes at every step, is one indexed write for the whole batch."""
     device = logits.device
+    masked_rows: list[int] = []
+    masked_ids: list[int] = []
     for i, r in enumerate(rows):
         p = r.params
         if p.repetition_penalty != 1.0 and r.seen_ids:
@@ -71,7 +74,10 @@ def _adjust_logits(logits: torch.Tensor, rows: list[RowState]) -> None:
             for tok, bias in p.logit_bias.items():
                 logits[i, int(tok)] += bias
         if len(r.output_ids) < p.min_new_tokens and r.stop_ids:
-            logits[i, torch.tensor(sorted(r.stop_ids), device=device)] = float("-inf")
+            masked_rows += [i] * len(r.stop_ids)
+            masked_ids += r.stop_ids
+    if masked_rows:
+        logits[torch.tensor(masked_rows, device=device), torch.tensor(masked_ids, device=device)] = float("-inf")
     mask_logits(logits, [r.grammar for r in rows])
 
 
@@ -123,8 +129,24 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> tuple[list[int], torch
             if _truncates(rows[i].params):
                 probs[k] = _truncate(probs[k], rows[i].params)
         cdf = probs.cumsum(dim=-1)
-        # Generators stay on the CPU: a seed draws the same numbers whatever the engine's device.
-        u = torch.stack([torch.rand((), generator=rows[i].generator) for i in sampled]).to(cdf.device)
+        u = _uniforms([rows[i].generator for i in sampled]).to(cdf.device)
         picks = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         tokens[sampled] = picks.clamp(max=probs.shape[1] - 1)
     return tokens.tolist(), logprobs
+
+
+def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One uniform number per row, in row order: from the row's own generator, else from torch's
+    default one. The default generator's rows draw together in one call, which yields the very
+    numbers a draw per row would (tests/test_engine.py checks), without a call per row.
+    Generators stay on the CPU: a seed draws the same numbers whatever the engine's device."""
+    seeded = [k for k, g in enumerate(generators) if g is not None]
+    if not seeded:
+        return torch.rand(len(generators))
+    u = torch.empty(len(generators))
+    unseeded = [k for k, g in enumerate(generators) if g is None]
+    if unseeded:
+        u[unseeded] = torch.rand(len(unseeded))
+    for k in seeded:
+        u[k] = torch.rand((), generator=generators[k])
+    return u

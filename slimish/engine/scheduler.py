@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from slimish.batch_invariant import log_softmax
-from slimish.engine.runner import KVBatch, KVSlab, PrefillOutput, PrefillRequest, Runner, use_device
+from slimish.engine.runner import KVBatch, PrefillOutput, PrefillRequest, Runner, use_device
 from slimish.engine.sampling import RowState, sample, temperature_of
 from slimish.protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
 
@@ -307,15 +307,17 @@ class Scheduler:
             self._admitting.append(req)
         self.waiting.extendleft(reversed(held))
         outputs = self.runner.prefill_many(prefills) if prefills else []
-        joined, slabs = [], []
-        for req, index, shared in admitted:
-            slab = self._start(req, outputs[index], shared)
-            if slab is not None:
-                joined.append(req)
-                slabs.append(slab)
+        firsts = [(req, outputs[index]) for req, index, shared in admitted if self._start(req, outputs[index], shared)]
+        if firsts:  # every admitted request's first token in one sampling call
+            logits = torch.cat([out.logits[-1:] for _, out in firsts])
+            tokens, logprobs = sample(logits, [req.row_state() for req, _ in firsts])
+            for k, (req, _) in enumerate(firsts):
+                self._append(req, tokens[k], logprobs[k])
+        joined = [(req, outputs[index].slab) for req, index, _ in admitted if req.finish_reason is None]
         if joined:
+            slabs = [slab for _, slab in joined]
             self.batch.add(slabs, [s.width for s in slabs])
-            self.running += joined
+            self.running += [req for req, _ in joined]
         self._admitting = []
 
     def _adapter_slot(self, req: Sequence, joined: list[Sequence]) -> bool:
@@ -364,24 +366,24 @@ class Scheduler:
             cached += page
         return len(ids) - cached
 
-    def _start(self, req: Sequence, out: PrefillOutput, shared: bool) -> KVSlab | None:
-        """A prefilled request's first token (or its prompt logprobs only); its KV if it joins the
-        batch. `shared`: an identical request of this round computed the prefill."""
+    def _start(self, req: Sequence, out: PrefillOutput, shared: bool) -> bool:
+        """A prefilled request's prompt logprobs and routes; whether it samples a first token now
+        (`_admit` samples those of one round together). A resumed request has its first token
+        already; a prompt-scoring one (max_new_tokens 0) finishes here. `shared`: an identical
+        request of this round computed the prefill."""
         logits_from = self._logits_from(req)
         cached = len(self._prefill_ids(req)) if shared else out.cached_tokens
         if req.wish.return_routed_experts:  # a resumed request's too: as SGLang, they are recomputed
             req.routes = [out.routes]
         if req.output_ids:  # resumed: what its first prefill found stays reported
-            return out.slab
+            return False
         req.cached_tokens = cached
         if logits_from is not None:
             self._input_logprobs(req, out.logits)
         if req.params.max_new_tokens == 0:  # prompt scoring: input logprobs only
             self._finish(req, {"type": "length", "length": 0})
-            return None
-        tokens, logprobs = sample(out.logits[-1:], [req.row_state()])
-        self._append(req, tokens[0], logprobs[0])
-        return out.slab if req.finish_reason is None else None
+            return False
+        return True
 
     def _decode(self) -> None:
         t0 = time.monotonic()

@@ -15,6 +15,7 @@ from slimish.launch.sglang import MODULE, sglang_argv
 if TYPE_CHECKING:
     from slimish.launch.config import LaunchConfig
     from slimish.config import RunConfig
+    from slimish.rollout.config import RolloutConfig
     from slimish.trainer.config import AlgorithmConfig, LoraConfig
 
 
@@ -86,11 +87,42 @@ def engine_flags(pairs: list[str], field: str = "launch.engine_flag") -> dict[st
 
 def run_launch(cfg: "RunConfig") -> "LaunchConfig":
     """The run's `launch` section with the engine flags its other settings need: serving the
-    trained adapter (`lora_launch`), returning routes to replay (`routing_replay_launch`) and
-    deterministic inference (`true_on_policy_launch`). What `slimish train`, `slimish rollout` and the
-    dry run start engines with."""
+    trained adapter (`lora_launch`), returning routes to replay (`routing_replay_launch`),
+    deterministic inference (`true_on_policy_launch`), a running batch as wide as the rollout
+    (`rollout_batch_launch`) and memory a colocated trainer can take (`colocate_launch`). What `slimish train`, `slimish rollout` and the dry run
+    start engines with."""
     launch = routing_replay_launch(lora_launch(cfg.launch, cfg.trainer.lora), cfg.algorithm)
-    return true_on_policy_launch(launch, cfg.algorithm)
+    return colocate_launch(rollout_batch_launch(true_on_policy_launch(launch, cfg.algorithm), cfg.rollout))
+
+
+def colocate_launch(launch: "LaunchConfig") -> "LaunchConfig":
+    """`launch` with SGLang engines able to give their GPU memory to a colocated trainer
+    (`launch.colocate`): `--enable-memory-saver` (sglang 0.5.23:
+    python/sglang/srt/arg_groups/fields/exec_.py), unless given."""
+    if not (launch.colocate and launch.engine_kind == "sglang"):
+        return launch
+    return _with_flags(launch, {"enable_memory_saver": []}, switches={"enable_memory_saver"}, sglang_only=True)
+
+
+def rollout_batch_launch(launch: "LaunchConfig", rollout: "RolloutConfig") -> "LaunchConfig":
+    """`launch` with built-in CPU engines whose running batch holds their share of the samples
+    the rollout keeps in flight (`rollout.max_concurrency` over `launch.engines`), where that is
+    more than the engine's default `max_running_requests`: an engine of 32 rows serving 64
+    samples decodes them in two waves, twice the decode steps, each step's fixed cost paid twice
+    (on a small model nearly all of a step). A value the user set stands; GPU engines keep theirs,
+    since the dry run plans their KV bound against the card's memory."""
+    from slimish.engine.config import EngineConfig
+
+    flags = engine_flags(launch.engine_flag)
+    rows = -(-rollout.max_concurrency // max(launch.engines, 1))
+    if (
+        launch.engine_kind != "builtin"
+        or "max_running_requests" in flags
+        or str(flags.get("device", EngineConfig.device)) != "cpu"
+        or rows <= EngineConfig.max_running_requests
+    ):
+        return launch
+    return dataclasses.replace(launch, engine_flag=[*launch.engine_flag, f"max_running_requests={rows}"])
 
 
 def lora_launch(launch: "LaunchConfig", lora: "LoraConfig") -> "LaunchConfig":
@@ -125,14 +157,19 @@ def true_on_policy_launch(launch: "LaunchConfig", algorithm: "AlgorithmConfig") 
     return _with_flags(launch, {flag: ["true"]}, switches={flag})
 
 
-def _with_flags(launch: "LaunchConfig", flags: dict[str, list[str]], switches: set[str]) -> "LaunchConfig":
-    """`launch` with `flags` (SGLang's names and values) added to both engine kinds' arguments,
-    except those the user set; `switches` are bare flags on SGLang's command line."""
+def _with_flags(
+    launch: "LaunchConfig", flags: dict[str, list[str]], switches: set[str], sglang_only: bool = False
+) -> "LaunchConfig":
+    """`launch` with `flags` (SGLang's names and values) added to both engine kinds' arguments
+    (`sglang_only`: SGLang's alone), except those the user set; `switches` are bare flags on
+    SGLang's command line."""
     given = {pair.split("=", 1)[0].lstrip("-").replace("-", "_") for pair in launch.engine_flag}
     given_sglang = {
         arg.split("=", 1)[0].removeprefix("--sglang-").lstrip("-").replace("-", "_") for arg in launch.sglang_args
     }
-    engine_flag = [f"{name}={v}" for name, values in flags.items() if name not in given for v in values]
+    engine_flag = [
+        f"{name}={v}" for name, values in flags.items() if name not in given and not sglang_only for v in values
+    ]
     sglang_args = [
         arg
         for name, values in flags.items()

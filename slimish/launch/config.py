@@ -114,19 +114,23 @@ class LaunchConfig:
         False,
         "Engines and trainer on this machine's cores sharing one copy of the weights (docs/colocate.md): the policy's "
         "parameters live in a shared-memory store the engines map, the optimiser step writes what they serve, and a "
-        "push is a version flip plus a cache flush (no bytes copied); the engines' KV cache is freed while the trainer "
-        "trains. Built-in CPU engines started by the run, the torch trainer on one rank, sync mode; with trainer.lora "
-        "the base is shared and the adapter pushed as usual.",
+        "push is a version flip (no bytes copied). Sync: the engines' KV cache is freed while the trainer trains; "
+        "async: generation pauses for each optimiser step and continues on the new version at the push. Built-in CPU "
+        "engines started by the run, the torch trainer on one rank; with trainer.lora the base is shared and the "
+        "adapter pushed as usual. With engine_kind=sglang (GPU, sync, no LoRA): the engines go on the trainer's GPU "
+        "with --enable-memory-saver, release their memory while it trains and take the weights as CUDA IPC handles.",
     )
     teacher: TeacherConfig = field(default_factory=TeacherConfig)  # on-policy distillation's teacher
 
     def __post_init__(self) -> None:
         one_of("launch.mode", self.mode, ("local", "ray"))
-        if self.colocate and (self.mode, self.engine_kind, self.router_url) != ("local", "builtin", None):
+        if self.colocate and (
+            self.mode != "local" or self.engine_kind not in ("builtin", "sglang") or self.router_url is not None
+        ):
             raise ValueError(
-                "launch.colocate needs launch.mode=local, launch.engine_kind=builtin and no launch.router_url (engines "
-                f"this run starts on its machine), got mode={self.mode!r}, engine_kind={self.engine_kind!r}, "
-                f"router_url={self.router_url!r}; SGLang engines (GPU memory release and IPC handles) are not supported"
+                "launch.colocate needs launch.mode=local, launch.engine_kind=builtin or sglang and no launch.router_url "
+                f"(engines this run starts on its machine), got mode={self.mode!r}, engine_kind={self.engine_kind!r}, "
+                f"router_url={self.router_url!r}"
             )
         one_of("launch.engine_kind", self.engine_kind, ("builtin", "sglang", "external"))
         one_of("launch.cpu_placement", self.cpu_placement, ("auto", "split", "shared"))  # slimish/launch/cpus.py

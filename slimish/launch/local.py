@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slimish.colocate import WeightStore, shared_store
-from slimish.launch.commands import engine_argv, engine_command
+from slimish.launch.commands import colocate_launch, engine_argv, engine_command
 from slimish.launch.cpus import Place
 from slimish.launch.plan import engine_gpus
 from slimish.launch.workers import existing_engine_urls, key_client
@@ -209,7 +209,7 @@ def local_servers(
         yield Servers(launch.router_url, urls)
         return
     with (
-        shared_store(model) if launch.colocate else nullcontext() as store,
+        shared_store(model) if launch.colocate and launch.engine_kind == "builtin" else nullcontext() as store,
         engines_only(colocated(launch, store), model, log_dir, first_gpu, wait=False, places=places) as engines,
     ):
         urls = [e.url for e in engines] or [u.rstrip("/") for u in launch.engine_urls]
@@ -224,9 +224,11 @@ def local_servers(
 
 
 def colocated(launch: "LaunchConfig", store: WeightStore | None) -> "LaunchConfig":
-    """`launch` with its built-in engines mapping `store` (`launch.colocate`), packing no copy."""
+    """`launch` with its built-in engines mapping `store` (`launch.colocate`), packing no copy;
+    or its SGLang engines able to hand their GPU memory back (`--enable-memory-saver`; they go
+    on the trainer's GPU, `first_free_gpu`)."""
     if store is None:
-        return launch
+        return colocate_launch(launch)
     flags = [f"shared_weights={store.path}", "cpu_packed_linear=false"]
     return dataclasses.replace(launch, engine_flag=[*launch.engine_flag, *flags])
 

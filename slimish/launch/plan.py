@@ -130,8 +130,9 @@ def load_model(source: Path) -> "BridgeConfig":
 
 def first_free_gpu(cfg: "RunConfig", cuda: bool) -> int:
     """The first GPU of rank 0's node no trainer rank uses: one GPU per local rank on a CUDA
-    machine (slimish/trainer/*_backend.py), none on CPU."""
-    return cfg.trainer.nproc if cuda else 0
+    machine (slimish/trainer/*_backend.py), none on CPU. Colocated (`launch.colocate`), the
+    engines go on the trainer's GPUs: from GPU 0."""
+    return cfg.trainer.nproc if cuda and not cfg.launch.colocate else 0
 
 
 def engine_gpus(launch: "LaunchConfig", first_gpu: int) -> list[tuple[int, ...]]:
@@ -381,7 +382,9 @@ def describe(
     ws = cfg.weight_sync
     sync = f" over {ws.backend or 'nccl'}, master_address {ws.master_address}, {1 + launch.engines * engines_tp(launch)} ranks"
     how = ws.transport + (sync if ws.transport == "distributed" else "")
-    if cfg.launch.colocate:
+    if cfg.launch.colocate and launch.engine_kind == "sglang":
+        how = "colocated on the trainer's GPU: memory released while training, CUDA IPC handles (docs/colocate.md)"
+    elif cfg.launch.colocate:
         how = "colocated: one shared weight store, a push is a version flip (docs/colocate.md)"
     return [
         *lines,

@@ -64,6 +64,9 @@ class Trainer(Backend):
     credit_fn: Callable[..., list[float]] | None  # algorithm.segment_credit as a function
     advantage_fn: Callable[[Tensor, Tensor], Tensor] | None  # algorithm.advantage as a function
     policy_loss_fn: Callable[..., Tensor] | None  # algorithm.loss as a function
+    # Called before each optimiser step of the policy: an async colocated run's engines read the
+    # weights it writes, and pause for it (slimish/trainer/colocated.py `hold`).
+    before_weight_write: Callable[[], None] | None = None
 
     def _setup(self, cfg: RunConfig, tokenizer: Any, local_ranks: int) -> None:
         self.cfg = cfg
@@ -332,11 +335,17 @@ class Trainer(Backend):
                 b.stats[key] += value
             if demo_minis[u]:
                 b.stats["loss/ptx"] += self._nll([b.demos[i] for i in demo_minis[u]], algo.ptx_coef).get("nll", 0.0)
-            grad_norms.append(self._optimizer_step(self.optimizer))
+            grad_norms.append(self._policy_step(self.optimizer))
             self._scheduler_step()
         if critic_norms:
             b.critic_metrics["critic/grad_norm"] = sum(critic_norms) / len(critic_norms)
         return grad_norms, lrs
+
+    def _policy_step(self, optimizer: Any) -> float:
+        """`_optimizer_step` on the policy's weights, announced first (`before_weight_write`)."""
+        if self.before_weight_write is not None:
+            self.before_weight_write()
+        return self._optimizer_step(optimizer)
 
     @contextmanager
     def _route_pass(self, measure: bool, record: bool = False) -> Iterator[None]:
@@ -435,7 +444,7 @@ class Trainer(Backend):
         if not any(any(s.train_mask) for s in samples):
             raise ValueError("sft_step: the batch has no loss-mask-1 token to train on")
         stats = self._nll(samples, 1.0)
-        grad_norm = self._optimizer_step(self.sft_optimizer)
+        grad_norm = self._policy_step(self.sft_optimizer)
         loss, tokens = self._all_reduce(
             torch.tensor([stats.get("nll", 0.0), stats.get("tokens", 0.0)], dtype=torch.float64, device=self.device)
         ).tolist()

@@ -4,12 +4,23 @@ already written the weights the engines serve. A push moves no bytes:
 
     /resume_memory_occupation (the KV cache) -> version flip (/update_weight_version)
 
-SGLang's own routes, on every engine at once. Nothing is paused: in sync mode the engines are idle
+SGLang's own routes, on every engine at once. In sync mode nothing is paused: the engines are idle
 between the rollout and the push, and their KV cache is released meanwhile (`release`: it frees
-the prefix cache too), so the trainer has that memory while it trains. A push with nothing
-released (the first) flips the version and flushes the cache (/flush_cache) instead. The push
-first checks that what the trainer exports lies in the store (a copy would mean the engines do not
-serve it), and `connect` that every engine maps this store.
+the prefix cache too), so the trainer has that memory while it trains. The first push (nothing
+ran before it) flips the version and flushes the cache (/flush_cache) instead. The push first
+checks that what the trainer exports lies in the store (a copy would mean the engines do not serve
+it), and `connect` that every engine maps this store.
+
+In async mode the engines generate while the trainer trains, so the optimiser's step, the only
+write into the store, must not run under a forward: the trainer calls `hold` before its first
+optimiser step of an RL step (`Trainer.before_weight_write`), which pauses generation on every
+engine (/pause_generation with `weight_sync.pause_mode`; it returns between two engine steps, so
+no forward is running); the push then flips the version and continues (/continue_generation).
+Every token is sampled either before the hold, from the old weights and labelled the old
+version, or after the continue, labelled the new one: a sample spanning versions records both,
+as in an async broadcast run. The KV cache is not released in async mode (the engines keep it
+for the requests in flight); the version flip keeps KV made by the old weights out of the
+prefix cache's matches (its namespace is the weight version), so nothing is flushed either.
 
 With `trainer.lora` the base weights are shared the same way (the trainer maps them before its
 adapter is added; they never change), and the adapter is pushed as in any run (`WeightSync`, a
@@ -37,6 +48,8 @@ class ColocatedSync:
         self.store, self.sync = store, sync
         self.urls, self.engines = sync.urls, sync.engines
         self.released = False
+        self.held: float | None = None  # since when generation is paused for the optimiser (async mode)
+        self.pushed = False
 
     def connect(self) -> None:
         """Checks that every engine maps this store (`--shared-weights`); forms the adapter's
@@ -63,26 +76,44 @@ class ColocatedSync:
         self._memory("/release_memory_occupation")
         self.released = True
 
+    def hold(self) -> None:
+        """Async mode, before an optimiser step writes the store: generation paused on every
+        engine (once per RL step) until the push continues it. With `trainer.lora` the store is
+        never written (the adapter's own push pauses), so nothing is held."""
+        if self.held is not None or self.sync.adapter is not None:
+            return
+        mode = self.sync.cfg.pause_mode
+        self.engines.pause(mode, begin=mode == "drain")  # drain: the session's wait is the drain
+        self.held = time.perf_counter()
+
     def push(self, export: WeightExport, version: int) -> dict[str, float]:
         """Every engine serves the trainer's current parameters (or adapter) as `version`;
-        `WeightSync.push`'s timings, `bytes` 0 for the shared weights."""
+        `WeightSync.push`'s timings, `bytes` 0 for the shared weights, and `paused`, how long
+        generation was held for the trainer (async mode; 0 otherwise)."""
         wire_version(version)
-        started, released = time.perf_counter(), self.released
+        started, released, first = time.perf_counter(), self.released, not self.pushed
         if released:
             self._memory("/resume_memory_occupation")
             self.released = False
-        if export.adapter_config is not None:
-            return self.sync.push(export, version)
+        if export.adapter_config is not None:  # the base is never written: nothing was held
+            return {**self.sync.push(export, version), "paused": 0.0}
         copies = [name for name, t in export.tensors if not self.store.holds(t)]
         if copies:
             raise WeightSyncError(
                 f"push: {len(copies)} exported tensors (e.g. {copies[0]!r}) are not in the weight store "
                 f"{self.store.path}: the trainer's parameters must be views of it (WeightStore.attach)"
             )
-        self.engines.set_version(version)
-        if not released:  # a release emptied the prefix cache, and nothing has run since
+        held, self.held = self.held, None
+        try:
+            self.engines.set_version(version)
+        finally:
+            if held is not None:  # the optimiser step is done: generation goes on, on the new version
+                self.engines.resume(end=self.sync.cfg.pause_mode == "drain", resume=True)
+        self.pushed = True
+        if first and not released:  # nothing has run yet: a cache made by no one's weights
             self.engines.all(lambda c: c.flush_cache())
-        return timings(time.perf_counter() - started, 0.0, 0, 0)
+        ended = time.perf_counter()
+        return {**timings(ended - started, 0.0, 0, 0), "paused": 0.0 if held is None else ended - held}
 
     def _memory(self, route: str) -> None:
         """`route` for the KV cache on every engine; SGLang replies null (a refusal is an error)."""

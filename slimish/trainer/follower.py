@@ -21,7 +21,7 @@ class Follower:
     def phase(self, name: str) -> AbstractContextManager[None]:
         return nullcontext()
 
-    def start_producing(self, version: int, stack: ExitStack) -> None:
+    def start_producing(self, version: int, stack: ExitStack, trainer: Trainer) -> None:
         pass
 
     def rollout(self, version: int) -> tuple[None, dict[str, float]]:

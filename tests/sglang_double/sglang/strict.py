@@ -32,8 +32,9 @@ managers/tokenizer_manager.py). What it copies:
   SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false (environ.py:143, :344).
 - Routes: SGLang's (entrypoints/http_server.py), and no others: 404 otherwise. `/metrics` only
   with --enable-metrics (http_server.py:314). Routes SGLang has and the built-in engine lacks
-  (`/load_lora_adapter_from_tensors`, `/update_weights_from_tensor` past its session check, ...)
-  answer 404 too: nothing in slimish calls them.
+  (`/load_lora_adapter_from_tensors`, ...) answer 404 too: nothing in slimish calls them.
+  `/update_weights_from_tensor` is checked as SGLang checks it but loads nothing
+  (sglang/tensors.py): its CUDA IPC handles need a GPU, and the double never unpickles.
 - Versions: a reply's `weight_version` is the server's, adapter or not (tokenizer_manager.py:2511,
   `config_value("weight_version")`); the built-in engine versions each adapter on its own.
 - `/server_info` reports the command line's values, tp_size, dp_size and pp_size among them
@@ -50,6 +51,7 @@ from contextlib import asynccontextmanager, nullcontext
 from typing import Any
 
 from slimish.engine.api_generate import FLUSH_OK
+from sglang.tensors import payload_error, record_call
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -198,6 +200,21 @@ FIELDS = {
     "/abort_request": {"abort_all", "finished_reason", "abort_message", "weight_versions"},  # :2285
 }
 
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # constants.py GPU_MEMORY_TYPE_*
+# The control calls recorded in order when SGLANG_SHIM_CALLS names a file (sglang/tensors.py).
+RECORDED = {
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/update_weights_from_tensor",
+    "/update_weights_from_distributed",
+    "/update_weight_version",
+    "/pause_generation",
+    "/continue_generation",
+    "/flush_cache",
+}
+
 FLUSH_REFUSED = (
     "Weights were updated, but the cache was not flushed because requests are still running or queued. "
     "Retract or finish them, then call /flush_cache."
@@ -304,6 +321,7 @@ class StrictSGLang:
         self.pause_cond = asyncio.Condition()  # :778
         self.lock = RWLock()  # :771 model_update_lock
         self.session = False  # weight_updater.py:99 `_session`
+        self.released: set[str] = set()  # memory tags released (/release_memory_occupation)
         self.handlers: dict[str, Callable[[Scope, bytes, Receive, Send], Awaitable[None]]] = {
             "/pause_generation": self.pause_generation,
             "/continue_generation": self.continue_generation,
@@ -314,6 +332,8 @@ class StrictSGLang:
             "/update_weights_from_disk": self.update_weights_from_disk,
             "/init_weights_update_group": self.init_weights_update_group,
             "/flush_cache": self.flush_cache,
+            "/release_memory_occupation": self.memory,
+            "/resume_memory_occupation": self.memory,
             "/health": self.health,
             "/health_generate": self.health,
             "/server_info": self.server_info,
@@ -354,6 +374,8 @@ class StrictSGLang:
             body = drop_unknown_fields(path, body)
             if path == "/generate" and not self.server_args.get("enable_return_routed_experts"):
                 body = without_routes(body)
+            if path in RECORDED:
+                record_call(path, body)
         handler = self.handlers.get(path)
         await (handler or self.forward)(scope, body, receive, send)
 
@@ -477,7 +499,31 @@ class StrictSGLang:
                 return await control(
                     send, False, f"{route} must run between begin_weight_update() and end_weight_update()"
                 )
+            if route == "update_weights_from_tensor":
+                return await self.update_from_tensor(send, req)
             await self.update_and_flush(scope, body, receive, send, req)
+
+    async def update_from_tensor(self, send: Send, req: dict) -> None:
+        """weight_updater.py:232-271 up to the load (sglang/tensors.py): the payload is checked,
+        not loaded (the built-in engine has no route for it, and the double unpickles nothing).
+        Into released weights it is refused: their memory is not there (torch_memory_saver)."""
+        if error := payload_error(req, int(self.server_args.get("tp_size") or 1)):
+            return await control(send, False, error)
+        if "weights" in self.released:
+            return await control(send, False, "the weights are released: resume_memory_occupation first")
+        if req.get("flush_cache", True) and not await self.idle():
+            return await control(send, False, FLUSH_REFUSED)
+        await control(send, True, "Success")
+
+    async def memory(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+        """The built-in engine frees the KV cache; the double keeps which tags are released."""
+        reply = await self.call(scope, body, receive)
+        if reply.status == 200:
+            tags = set((json.loads(body or b"{}") or {}).get("tags") or MEMORY_TAGS)
+            self.released = (
+                self.released | tags if scope["path"] == "/release_memory_occupation" else self.released - tags
+            )
+        await self.send_reply(send, reply)
 
     async def update_weights_from_disk(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         """tokenizer_manager.py:2288-2322: no session needed; the flush rule holds."""
