@@ -23,12 +23,16 @@ demo: $(STAMP)
 	$(BIN)/slimish train --config configs/quickstart.yaml
 	$(BIN)/slimish plot runs/quickstart/run
 
+# Two pytest-xdist workers, a test file each at a time: the end-to-end runs leave a core idle for
+# much of their time (process start-up, one-thread engines, waits on each other). TEST_WORKERS=0
+# runs the suite in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Everything but the minutes-long end-to-end runs and the runs that must learn (markers in pyproject.toml).
 test-fast: $(STAMP)
-	$(BIN)/pytest -q -m "not slow and not learning"
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not learning"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_throughput.py

@@ -182,7 +182,8 @@ def measure_colocated(model_dir: Path, dtype: str, engines: int, rounds: int, lo
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-    store = create_store(model)  # the model's parameters are the store's views from here on
+    store = create_store(model.named_parameters(remove_duplicate=False))
+    store.attach(model, fill=False, field="model")  # the model's parameters are the store's views from here on
     with ExitStack() as stack:
         stack.callback(shutil.rmtree, store.path, True)
         procs = [

@@ -236,9 +236,13 @@ class Client:
     async def end_weight_update(self) -> ControlResult:
         return await self._control("/end_weight_update", {})
 
-    async def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> ControlResult:
+    async def update_weight_version(
+        self, new_version: str, abort_all_requests: bool = True, lora_name: str | None = None
+    ) -> ControlResult:
+        """The base model's version, or with `lora_name` that adapter's alone (slimish's)."""
+        body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
         return await self._control(
-            "/update_weight_version", {"new_version": new_version, "abort_all_requests": abort_all_requests}
+            "/update_weight_version", {**body, **({"lora_name": lora_name} if lora_name else {})}
         )
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100, lora_name: str | None = None) -> list[Any]:

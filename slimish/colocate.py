@@ -107,17 +107,36 @@ class WeightStore:
                 p.data = view
 
 
-def create_store(model: torch.nn.Module, root: Path = SHM) -> WeightStore:
-    """A new store under `root` holding `model`'s parameters (the model is attached to it)."""
+def create_store(named: Iterable[tuple[str, torch.Tensor]], root: Path = SHM) -> WeightStore:
+    """A new store under `root` holding the values of `named` (`plan_layout`'s input)."""
+    named = list(named)
     remove_stale(root)
     path = root / f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
     path.mkdir(mode=0o700)
-    layout = plan_layout(model.named_parameters(remove_duplicate=False))
+    layout = plan_layout(named)
     with open(path / DATA, "wb") as f:
         f.truncate(layout["nbytes"])
     (path / LAYOUT).write_text(json.dumps(layout))
     store = WeightStore(path)
-    store.attach(model, fill=True, field="create_store")
+    with torch.no_grad():
+        for name, t in named:
+            if name in layout["tensors"]:
+                store.view(name).copy_(t)
+    return store
+
+
+def share_parameters(named: dict[str, torch.Tensor], params: Iterable[torch.nn.Parameter]) -> WeightStore | None:
+    """A new store holding `named`, tensors that are each a whole parameter among `params` (a LoRA
+    adapter's export), and each such parameter made its view: the adapter of a colocated run
+    (slimish/trainer/colocated.py). None, and nothing changed, when one is not a whole parameter
+    (a copy or a slice, as a MoE adapter's per-expert tensors are)."""
+    whole = {(p.data_ptr(), p.shape, p.dtype): p for p in params if p.is_contiguous()}
+    owners = {name: whole.get((t.data_ptr(), t.shape, t.dtype)) for name, t in named.items()}
+    if not owners or None in owners.values() or not all(t.is_contiguous() for t in named.values()):
+        return None
+    store = create_store(named.items())
+    for name, p in owners.items():
+        p.data = store.view(name)
     return store
 
 
@@ -147,7 +166,7 @@ def shared_store(model_path: str | Path) -> Iterator[WeightStore]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    store = create_store(model)
+    store = create_store(model.named_parameters(remove_duplicate=False))
     del model
     try:
         yield store

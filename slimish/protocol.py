@@ -319,6 +319,9 @@ class BeginWeightUpdateReq(_Strict):
 class UpdateWeightVersionReq(_Strict):
     new_version: str
     abort_all_requests: bool = True
+    # slimish extension: version this loaded LoRA adapter alone, its batch slots refreshed from its
+    # tensors first (an adapter mapped from a colocated trainer's store: the trainer wrote them).
+    lora_name: str | None = None
 
 
 class PauseGenerationReq(_Strict):

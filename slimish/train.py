@@ -22,6 +22,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -346,6 +347,8 @@ def train(cfg: RunConfig, fns: RolloutFunctions) -> None:
             logs = Path(cfg.run_dir) / "logs"
             servers = stack.enter_context(start_servers(launch, cfg.model, logs, first_gpu, False, cpus.engines))
         trainer = make_trainer(cfg, servers.store if rank == 0 else None)  # launch.colocate's store: nproc 1
+        if trainer.adapter_store is not None:  # colocated LoRA: the adapter's store goes with the run
+            stack.callback(shutil.rmtree, trainer.adapter_store.path, True)
         ptx = (
             ptx_batches(cfg, trainer.tokenizer) if cfg.algorithm.ptx_coef > 0 else None
         )  # bad demonstrations fail here

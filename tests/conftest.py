@@ -9,17 +9,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # docs/benchmarks.md, CPU facts: 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json  # noqa: E402
-import sys  # noqa: E402
+from collections import Counter  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from slimish.metrics import read_metrics  # noqa: E402
+
 torch.set_num_threads(1)
 
 from family_cases import family_dirs, family_engine, served  # noqa: E402,F401  (fitted models, engines on them)
-from helpers import SGLANG_DOUBLE, run_quickstart  # noqa: E402
+from helpers import DOCS_COUNTS, SGLANG_DOUBLE, built_once, docs_summary, run_quickstart  # noqa: E402
 
 
 def _build(factory: pytest.TempPathFactory, arch: str, seed: int) -> Path:
@@ -119,8 +121,7 @@ def sglang_double(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def quickstart_sft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The quickstart's SFT warm start (held-out accuracy near chance), run once per session: an
     HF export that quickstart-task tests start RL from with `sft.steps=0`."""
-    sft = tmp_path_factory.mktemp("quickstart-sft")
-    run_quickstart(sft, "steps=0", "eval.every=0")
+    sft = built_once(tmp_path_factory, "quickstart-sft", lambda path: run_quickstart(path, "steps=0", "eval.every=0"))
     return sft / "run" / "hf"
 
 
@@ -131,9 +132,11 @@ def quickstart_grpo(tmp_path_factory: pytest.TempPathFactory, quickstart_sft: Pa
     rows and run directory: the quickstart test and the async test's sync run read its first 30
     steps (the schedule is constant, so they are a 30-step run), the distillation test's teacher
     is its final export (`run / "hf"`)."""
-    tmp = tmp_path_factory.mktemp("quickstart-grpo")
     overrides = ["steps=40", "eval.every=30", "eval.n_prompts=1024", "sft.steps=0", "async_training=false"]
-    return run_quickstart(tmp, *overrides, model=quickstart_sft), tmp / "run"
+    tmp = built_once(
+        tmp_path_factory, "quickstart-grpo", lambda path: run_quickstart(path, *overrides, model=quickstart_sft)
+    )
+    return read_metrics(tmp / "run"), tmp / "run"
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +159,17 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
+DOCS: Counter[str] = Counter()  # what tests/test_docs.py ran and checked, from every worker's reports
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "teardown":
+        for name, value in report.user_properties:
+            if name == DOCS_COUNTS:
+                DOCS.update(value)
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
-    """How many documentation code blocks ran and were checked (tests/test_docs.py counts them),
-    shown even under `pytest -q`."""
-    docs = sys.modules.get("test_docs")
-    if docs is not None and docs.COUNTS:
-        terminalreporter.write_line(docs.summary())
+    """How many documentation code blocks ran and were checked, shown even under `pytest -q`."""
+    if DOCS:
+        terminalreporter.write_line(docs_summary(DOCS))

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import model_families
 import pytest
+from helpers import built_once
 from transformers import AutoTokenizer
 
-import model_families
 from slimish.formats.model import ModelFormat
 from slimish.launch.local import engine_process
 
@@ -163,8 +164,13 @@ def expected(fmt: ModelFormat, case: Case) -> Expected:
 def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Every family's model, fitted (per vocabulary, shared weights) to every case's turns, in
     the chained context and in the template's rendering where that differs."""
-    root = tmp_path_factory.mktemp("families")
-    dirs = {name: model_families.build_family(name, root / name) for name in {c.family for c in CASES}}
+    families = sorted({c.family for c in CASES})
+    root = built_once(tmp_path_factory, "families", lambda root: fit_families(root, families))
+    return {name: root / name for name in families}
+
+
+def fit_families(root: Path, families: list[str]) -> None:
+    dirs = {name: model_families.build_family(name, root / name) for name in families}
     by_vocab: dict[str, list[str]] = {}
     for name in dirs:
         by_vocab.setdefault(model_families.FAMILIES[name].vocab, []).append(name)
@@ -180,7 +186,6 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                 if prompt != e.chained_context(k):  # the template re-renders history: fit that context too
                     sequences.append((prompt + e.turns[k], [0] * len(prompt) + [1] * len(e.turns[k])))
         model_families.fit([dirs[n] for n in names], sequences)
-    return dirs
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from fastapi import FastAPI, Request
+from filelock import FileLock
 
 from slimish import moe
 
@@ -360,6 +362,36 @@ def rollout_once(tmp_path: Path, model: Path, router: str, source: str, flags: l
     argv += ["rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=2", *overrides]
     assert cli.main(argv) == 0
     return [Sample.from_dict(json.loads(line)) for line in out.read_text().splitlines()]
+
+
+DOCS_COUNTS = "docs_counts"  # the user property tests/test_docs.py reports its counts under
+
+
+def docs_summary(c: Counter[str]) -> str:
+    """The session's line on the documentation's code blocks (tests/test_docs.py counts them)."""
+    return (
+        f"documentation code blocks: {c['python run'] + c['bash run']} run ({c['python run']} python, {c['bash run']} bash), "
+        f"{c['python parsed'] + c['commands checked'] + c['configs validated']} checked ({c['python parsed']} python parsed only, "
+        f"{c['commands checked']} slimish commands, {c['configs validated']} configs)"
+    )
+
+
+def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Any]) -> Path:
+    """`build(path)` run once per test session, its result a directory `path` that session
+    fixtures hand out. `make test` runs the suite on several pytest-xdist workers, each with its
+    own session fixtures; they share the parent of their base temp directories, so the first
+    worker to ask builds there under a lock and the others wait and read it (a run that raised
+    leaves nothing: the next asker builds again)."""
+    root = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    path, done = root / name, root / f"{name}.built"
+    with FileLock(root / f"{name}.lock"):
+        if not done.exists():
+            path.mkdir(exist_ok=True)
+            build(path)
+            done.touch()
+    return path
 
 
 def run_quickstart(

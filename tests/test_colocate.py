@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import generate, post, run_quickstart, wait_for
+from helpers import generate, post, run_quickstart, running_router, wait_for
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from slimish.colocate import DATA, PREFIX, SHM, WeightStore, plan_layout, shared_store
@@ -30,6 +30,7 @@ from slimish.trainer.config import WeightSyncConfig
 from slimish.trainer.engine_control import WeightSyncError
 from slimish.trainer.weight_sync import WeightSync
 
+LORA = ["trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.lora.alpha=8"]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 IDS = [5, 17, 42, 99, 7, 300, 301, 302, 60, 61, 62, 63]
 
@@ -71,10 +72,10 @@ def store_mapping(pid: int, store: WeightStore) -> dict[str, int]:
     return found
 
 
-def input_logprobs(url: str, ids: list[int]) -> tuple[torch.Tensor, str]:
+def input_logprobs(url: str, ids: list[int], **fields: object) -> tuple[torch.Tensor, str]:
     """The engine's logprobs of `ids[1:]` and the weight version it reports."""
     reply = generate(
-        url, input_ids=ids, return_logprob=True, logprob_start_len=0, sampling_params={"max_new_tokens": 0}
+        url, input_ids=ids, return_logprob=True, logprob_start_len=0, sampling_params={"max_new_tokens": 0}, **fields
     )
     rows = reply["meta_info"]["input_token_logprobs"][1:]
     return torch.tensor([lp for lp, _, _ in rows]), reply["meta_info"]["weight_version"]
@@ -203,6 +204,53 @@ def test_trainer_parameters_are_views_and_a_resume_copies_into_them(tiny_model_d
         assert torch.equal(other.view(name), state["model"][name])
 
 
+def test_a_colocated_adapter_is_mapped_and_a_push_refreshes_its_slot(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """trainer.lora colocated: the trainer's adapter parameters are views of a second store, which
+    the first push loads on the engine (mapped, not read from a file). The trainer's writes reach
+    the engine with no byte sent, at the next push's `/update_weight_version` with `lora_name`
+    (its slot is refreshed then, and not before); a broadcast into the mapped adapter is refused."""
+    from slimish.trainer.torch_backend import TorchTrainer
+
+    cfg = load_run_config(
+        None, [f"model={tiny_model_dir}", "data.source=task:max_digit", "launch.colocate=true", *LORA]
+    )
+    name = cfg.trainer.lora.adapter
+    with shared_store(tiny_model_dir) as store, ExitStack() as stack:
+        trainer = TorchTrainer(cfg, store)
+        adapter = trainer.adapter_store
+        stack.callback(shutil.rmtree, adapter.path, True)
+        lora = [p for n, p in trainer.model.named_parameters() if "lora_" in n]
+        assert lora and all(adapter.holds(p) for p in lora)
+        flags = {
+            "cpu_packed_linear": False,
+            "enable_lora": True,
+            "max_lora_rank": 4,
+            "lora_target_modules": list(cfg.trainer.lora.target_modules),
+        }
+        proc = engine_process(tiny_model_dir, log_path=tmp_path / "engine.log", shared_weights=store.path, **flags)
+        url = stack.enter_context(proc).url
+        router = stack.enter_context(running_router(worker_urls=[url]))
+        sync = ColocatedSync(store, WeightSync(WeightSyncConfig(timeout_s=60), [url], adapter=name, router_url=router))
+        stack.callback(sync.close)
+        sync.connect()
+        assert sync.push(trainer.export(), 1)["bytes"] == 0  # loaded from the store's directory
+        served = lambda: input_logprobs(url, IDS, lora_path=name)  # noqa: E731
+        trained = lambda: model_logprobs(trainer.model, IDS).detach()  # noqa: E731
+        before = served()
+        assert before[1] == "1" and torch.allclose(before[0], trained(), atol=1e-4)
+        with torch.no_grad():  # the optimiser's writes, into the engine's mapping
+            for p in lora:
+                p.add_(torch.randn_like(p) * 0.3)
+        assert (trained() - before[0]).abs().max() > 1e-2
+        assert torch.equal(served()[0], before[0])  # the slot still holds version 1
+        assert sync.push(trainer.export(), 2)["bytes"] == 0
+        after, version = served()
+        assert version == "2" and torch.allclose(after, trained(), atol=1e-4)
+        spec = {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "lora_name": name}
+        refused = post(url, "/update_weights_from_distributed", spec)
+        assert refused.status_code == 400 and "mapped from a colocated trainer" in refused.json()["message"]
+
+
 def test_kv_cache_release_and_resume(engine: str) -> None:
     """Released: the KV is freed (`/server_info` memory_usage.kvcache 0) and a new request waits,
     queued, until the resume, then runs as it would have. Refused: a release while a request
@@ -294,7 +342,6 @@ def test_engine_refuses_another_dtype_and_a_packed_copy(tiny_model_dir: Path) ->
         LaunchConfig(colocate=True, mode="ray")
 
 
-LORA = ["trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.lora.alpha=8"]
 ASYNC = ["async_training=true", "buffer.max_staleness=1"]
 
 

@@ -28,11 +28,13 @@ import sys
 import tempfile
 import typing
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers import DOCS_COUNTS
 from markdown_it import MarkdownIt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,16 +43,14 @@ SLOW_PAGES = {"tutorial.md": 900}  # pages whose blocks may take minutes (the co
 RUN_TIMEOUT_S = 120  # a page's blocks together, elsewhere: "a block must finish in seconds"
 MARKER = re.compile(r"<!--\s*docs:\s*(skip|run|config)\b\s*(.*?)\s*-->")
 
-COUNTS: Counter[str] = Counter()  # conftest.py's terminal summary prints them
 
-
-def summary() -> str:
-    c = COUNTS
-    return (
-        f"documentation code blocks: {c['python run'] + c['bash run']} run ({c['python run']} python, {c['bash run']} bash), "
-        f"{c['python parsed'] + c['commands checked'] + c['configs validated']} checked ({c['python parsed']} python parsed only, "
-        f"{c['commands checked']} slimish commands, {c['configs validated']} configs)"
-    )
+@pytest.fixture
+def counts(record_property: Callable[[str, object], None]) -> Iterator[Counter[str]]:
+    """What a test ran or checked, reported to the session's summary line (conftest.py), which
+    adds up the reports of every pytest-xdist worker."""
+    counted: Counter[str] = Counter()
+    yield counted
+    record_property(DOCS_COUNTS, dict(counted))
 
 
 @dataclass
@@ -204,7 +204,7 @@ def check_config(block: Block) -> None:
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=page_id)
-def test_commands_and_configs(page: Path) -> None:
+def test_commands_and_configs(page: Path, counts: Counter[str]) -> None:
     """Every slimish command in a bash block parses with that subcommand's parser, every
     override names a config key; every config block validates."""
     parsers: dict[str, argparse.ArgumentParser] = {}
@@ -227,19 +227,19 @@ def test_commands_and_configs(page: Path) -> None:
                     continue
                 try:
                     check_command(*found, parsers)
-                    COUNTS["commands checked"] += 1
+                    counts["commands checked"] += 1
                 except AssertionError as exc:
                     failures.append(f"{block.page.relative_to(ROOT)}:{block.line + offset}: {exc}")
         elif block.lang == "yaml" and block.marker == "config":
             try:
                 check_config(block)
-                COUNTS["configs validated"] += 1
+                counts["configs validated"] += 1
             except AssertionError as exc:
                 failures.append(f"{block.where}: {exc}")
         elif block.lang == "python" and block.marker == "skip":
             try:
                 compile(block.code, block.where, "exec")
-                COUNTS["python parsed"] += 1
+                counts["python parsed"] += 1
             except SyntaxError as exc:
                 failures.append(f"{block.where}: {exc}")
     assert not failures, "\n".join(failures)
@@ -284,7 +284,7 @@ def runnable(page: Path) -> list[Block]:
     ],
     ids=page_id,
 )
-def test_code_runs(page: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_code_runs(page: Path, tiny_model_dir: Path, tmp_path: Path, counts: Counter[str]) -> None:
     """A page's python blocks run in order in one namespace (`<!-- docs: run -->` bash blocks in
     between), in a fresh directory holding `model/` and `configs/`; none may fail."""
     blocks_to_run = runnable(page)
@@ -321,7 +321,7 @@ def test_code_runs(page: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     )
     assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
     for b in blocks_to_run:
-        COUNTS[f"{b.lang} run"] += 1
+        counts[f"{b.lang} run"] += 1
 
 
 # ---- the site, the README, the generated page -------------------------------------------------

@@ -2,7 +2,8 @@
 
 Loading a name that is loaded is an error, as in SGLang; refreshing an adapter from disk is an
 unload and a load. Pushing new adapter weights from a trainer goes by broadcast instead
-(`/update_weights_from_distributed` with `lora_name`, api_weights.py).
+(`/update_weights_from_distributed` with `lora_name`, api_weights.py), or, for an adapter loaded
+from a colocated trainer's shared store, by `/update_weight_version` with `lora_name`.
 """
 
 from __future__ import annotations

@@ -56,6 +56,11 @@ def _broadcast_routes(router: APIRouter, engine: Engine) -> None:
         else:  # an adapter-only push (slimish extension): the named adapter's PEFT tensors
             try:
                 target = adapter_tensors(engine, req.lora_name)
+                if engine.adapter(req.lora_name, "lora_name").mapped:
+                    raise RequestError(
+                        f"lora_name: lora adapter {req.lora_name!r} is mapped from a colocated trainer's store; "
+                        "version it with /update_weight_version and lora_name"
+                    )
             except RequestError as exc:  # refused before any receive: the trainer's broadcast would hang otherwise
                 return control(False, fail.format(exc=exc))
 
@@ -123,7 +128,15 @@ def _update_routes(router: APIRouter, engine: Engine) -> None:
     @router.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
         req = await parse(request, UpdateWeightVersionReq)
-        await engine.set_weight_version(req.new_version, req.abort_all_requests)
+        if req.lora_name is None:
+            await engine.set_weight_version(req.new_version, req.abort_all_requests)
+        else:
+            name = req.lora_name
+            try:
+                engine.adapter(name, "lora_name")
+            except RequestError as exc:
+                return control(False, str(exc))
+            await engine.load_weights(lambda: engine.lora.refresh(name), req.new_version, name, req.abort_all_requests)
         return JSONResponse(
             {"success": True, "message": f"Weight version updated to {req.new_version}", "new_version": req.new_version}
         )

@@ -1,8 +1,10 @@
 """What every route of the built-in engine shares: parsing a body into a protocol model, the
-error replies, and the body-size limit."""
+error replies, the key check and the body-size limit."""
 
 from __future__ import annotations
 
+import hmac
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -90,3 +92,21 @@ class BodyLimit:
             return message
 
         await self.app(scope, counted, send)
+
+
+class KeyCheck:
+    """401 for a request without the key its route needs (`key_of(path)`; None: none needed).
+    Plain ASGI, as `BodyLimit`: Starlette's function middleware (`@app.middleware`) runs each
+    request's route in a task of its own behind memory streams, which cost the engine's event
+    loop, and so its scheduler thread, CPU on every /generate."""
+
+    def __init__(self, app: ASGIApp, key_of: Callable[[str], str | None]) -> None:
+        self.app, self.key_of = app, key_of
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (key := self.key_of(scope["path"])):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {key}".encode()):
+                response = error_message("Unauthorized: send `Authorization: Bearer <key>`", 401)
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)

@@ -9,6 +9,11 @@ to `max_lora_rank`, so one batched matmul serves rows of different adapters in o
 0 is all zeros: base rows get no delta. A row whose adapter finds no slot (every slot holds an
 adapter a running row uses) waits.
 
+An adapter directory may instead be a colocated trainer's shared weight store (slimish/colocate.py:
+`layout.json` beside `adapter_config.json`): its tensors are then views of the trainer's memory,
+copied into the slot by `/update_weight_version` with `lora_name` once the trainer wrote them, and
+never written here.
+
 The linears are hooked, not replaced, so parameter names stay the HF ones that full weight
 pushes and `/get_weights_by_name` use. A MoE model's fused experts take adapters per expert,
 under SGLang's names (`...mlp.experts.{e}.{gate,up,down}_proj.lora_A.weight`, sglang 0.5.23:
@@ -31,6 +36,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from slimish.colocate import LAYOUT, WeightStore
 from slimish.engine.config import EngineConfig
 from slimish.moe import EXPERT_PROJECTIONS, fused_experts, router_paths
 from slimish.protocol import DEFAULT_WEIGHT_VERSION
@@ -88,6 +94,7 @@ class Adapter:
     scaling: float
     tensors: dict[str, torch.Tensor]
     pinned: bool = False
+    mapped: bool = False  # its tensors are a colocated trainer's (a shared store): never written here
     version: str = DEFAULT_WEIGHT_VERSION
     torn: dict[str, str] = field(default_factory=dict)
     uid: int = field(
@@ -125,14 +132,22 @@ def read_adapter(ref: AdapterRef, dtype: torch.dtype, device: torch.device) -> A
     """An adapter from its PEFT directory; what PEFT features this engine does not serve are refused."""
     where = f"lora adapter {ref.name!r} ({ref.path})"
     root = Path(ref.path)
-    if not (root / CONFIG_FILE).is_file() or not (root / WEIGHTS_FILE).is_file():
-        raise AdapterError(f"{where}: expected a PEFT adapter directory with {CONFIG_FILE} and {WEIGHTS_FILE}")
+    shared = (root / LAYOUT).is_file()  # a colocated trainer's adapter store: mapped, not copied
+    if not (root / CONFIG_FILE).is_file() or not (shared or (root / WEIGHTS_FILE).is_file()):
+        raise AdapterError(
+            f"{where}: expected a PEFT adapter directory with {CONFIG_FILE} and {WEIGHTS_FILE} "
+            f"(or a shared weight store's {LAYOUT})"
+        )
     try:
         cfg = json.loads((root / CONFIG_FILE).read_text())
         rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
-        tensors = {
-            name: t.to(dtype=dtype, device=device).contiguous() for name, t in load_file(root / WEIGHTS_FILE).items()
-        }
+        if shared:
+            tensors = mapped_tensors(WeightStore(root), dtype, device)
+        else:
+            tensors = {
+                name: t.to(dtype=dtype, device=device).contiguous()
+                for name, t in load_file(root / WEIGHTS_FILE).items()
+            }
     except Exception as exc:  # unreadable JSON, no `r`, a broken safetensors file: name the adapter and the cause
         raise AdapterError(f"{where}: cannot read it ({type(exc).__name__}: {exc})") from None
     if cfg.get("peft_type", "LORA") != "LORA":
@@ -150,7 +165,7 @@ def read_adapter(ref: AdapterRef, dtype: torch.dtype, device: torch.device) -> A
         if cfg.get(key) not in (None, plain):
             raise AdapterError(f"{where}: {key}={cfg[key]!r} is not served by this engine (expected {plain!r})")
     scaling = alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
-    adapter = Adapter(ref.name, ref.path, rank, scaling, tensors, ref.pinned)
+    adapter = Adapter(ref.name, ref.path, rank, scaling, tensors, ref.pinned, mapped=shared)
     try:
         pairs = adapter.modules()
     except AdapterError as exc:
@@ -165,6 +180,15 @@ def read_adapter(ref: AdapterRef, dtype: torch.dtype, device: torch.device) -> A
     if not pairs:
         raise AdapterError(f"{where}: {WEIGHTS_FILE} holds no LoRA tensors")
     return adapter
+
+
+def mapped_tensors(store: WeightStore, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """A shared store's tensors as an adapter's, views (the trainer's memory: its writes are what a
+    slot refresh copies in); only where they need no conversion, or they would be a copy."""
+    tensors = {name: store.view(name) for name in store.names()}
+    if odd := sorted(name for name, t in tensors.items() if (t.dtype, t.device) != (dtype, device)):
+        raise ValueError(f"{odd[0]} is {tensors[odd[0]].dtype}, the engine's dtype is {dtype} on {device}")
+    return tensors
 
 
 def check_targets(model: nn.Module, targets: set[str], kinds: list[str]) -> None:

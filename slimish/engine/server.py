@@ -8,7 +8,6 @@ cannot tell this server from SGLang on the paths RL uses.
 from __future__ import annotations
 
 import argparse
-import hmac
 import logging
 from contextlib import asynccontextmanager
 
@@ -24,7 +23,7 @@ from slimish.engine.api_lora import build_lora_router
 from slimish.engine.api_weights import build_weights_router
 from slimish.engine.config import EngineConfig
 from slimish.engine.engine import Engine, Overloaded, Unavailable
-from slimish.engine.http import BadRequest, BodyLimit, BodyTooLarge, error_message
+from slimish.engine.http import BadRequest, BodyLimit, BodyTooLarge, KeyCheck, error_message
 from slimish.engine.items import RequestError
 from slimish.engine.openai_api import build_openai_router
 from slimish.flags import add_config_arguments, config_from_args
@@ -83,15 +82,12 @@ def create_app(cfg: EngineConfig, engine: Engine | None = None) -> FastAPI:
     app.state.engine = engine
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        path = request.url.path
-        key = (cfg.admin_api_key or cfg.api_key) if path in ADMIN_ROUTES else cfg.api_key
-        if key and path not in OPEN_ROUTES:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return error_message("Unauthorized: send `Authorization: Bearer <key>`", 401)
-        return await call_next(request)
+    def key_of(path: str) -> str | None:
+        if path in OPEN_ROUTES:
+            return None
+        return (cfg.admin_api_key or cfg.api_key) if path in ADMIN_ROUTES else cfg.api_key
+
+    app.add_middleware(KeyCheck, key_of=key_of)  # added last: runs first
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:

@@ -17,7 +17,6 @@ import inspect
 import json
 from typing import Any
 
-from transformers import GenerationConfig
 
 # The probe conversation that tells which form of tool-call arguments a template renders as JSON.
 _PROBE_TOOL = {
@@ -163,6 +162,8 @@ def end_token_ids(tokenizer: Any, model_path: str | None = None) -> list[int]:
     list: Llama 3 stops on `<|eot_id|>`, `<|eom_id|>` and `<|end_of_text|>`; GLM on the next turn's
     `<|user|>` / `<|observation|>`), then the tokenizer's EOS. One source for the engine's stop set,
     `ctx.chat` and the gateway, so every path agrees on where a turn ended."""
+    from transformers import GenerationConfig  # here: the router imports this module, and transformers is 1 s
+
     path = model_path or getattr(tokenizer, "name_or_path", None)
     eos: Any = None
     if path:

@@ -116,8 +116,8 @@ class LaunchConfig:
         "parameters live in a shared-memory store the engines map, the optimiser step writes what they serve, and a "
         "push is a version flip (no bytes copied). Sync: the engines' KV cache is freed while the trainer trains; "
         "async: generation pauses for each optimiser step and continues on the new version at the push. Built-in CPU "
-        "engines started by the run, the torch trainer on one rank; with trainer.lora the base is shared and the "
-        "adapter pushed as usual. With engine_kind=sglang (GPU, sync, no LoRA): the engines go on the trainer's GPU "
+        "engines started by the run, the torch trainer on one rank; with trainer.lora the adapter is shared too (a "
+        "push refreshes the engines' adapter slots from it). With engine_kind=sglang (GPU, sync, no LoRA): the engines go on the trainer's GPU "
         "with --enable-memory-saver, release their memory while it trains and take the weights as CUDA IPC handles.",
     )
     teacher: TeacherConfig = field(default_factory=TeacherConfig)  # on-policy distillation's teacher

@@ -27,6 +27,7 @@ from slimish.trainer.batch import micro_batches
 from slimish.types import Sample
 
 if TYPE_CHECKING:
+    from slimish.colocate import WeightStore
     from slimish.config import RunConfig
 
 # (sample indices, response logprobs [B, R], entropies [B, R] or None) -> (loss share, stats)
@@ -41,6 +42,7 @@ class WeightExport:
 
     tensors: Iterable[tuple[str, Tensor]]
     adapter_config: dict[str, Any] | None = None
+    shared: WeightStore | None = None  # launch.colocate: the store the adapter's tensors are views of
 
 
 def lr_factor(schedule: str, warmup: int, total: int, step: int) -> float:
@@ -77,6 +79,7 @@ class Backend(ABC):
     ref: Any  # the frozen reference model, None until needed
     critic: Any = None  # the value model (algorithm.advantage=gae), None without
     routes: Any = None  # a mixture-of-experts model's routing (routing.py RouteState), None for a dense one
+    adapter_store: WeightStore | None = None  # launch.colocate with trainer.lora: the adapter, shared (colocate.py)
     optimizer: Any
     sft_optimizer: Any
 
@@ -140,7 +143,7 @@ class Backend(ABC):
                 for p in self.cfg.policies
             }
         if self.cfg.trainer.lora.enabled:
-            return WeightExport(self.adapter_tensors().items(), self.adapter_config())
+            return WeightExport(self.adapter_tensors().items(), self.adapter_config(), self.adapter_store)
         return WeightExport(self.hf_tensors())
 
     def join_export(self) -> None:

@@ -23,20 +23,29 @@ for the requests in flight); the version flip keeps KV made by the old weights o
 prefix cache's matches (its namespace is the weight version), so nothing is flushed either.
 
 With `trainer.lora` the base weights are shared the same way (the trainer maps them before its
-adapter is added; they never change), and the adapter is pushed as in any run (`WeightSync`, a
-broadcast of a few MB): the built-in engine keeps each adapter in its batch slots as padded,
-scaled copies (slimish/engine/lora.py), not as tensors a trainer could map.
+adapter is added; they never change), and so is the adapter: the trainer's adapter parameters are
+views of a second store (`Backend.adapter_store`), which the first push loads on every engine as
+the adapter's directory (`/load_lora_adapter`: the engine maps its tensors). The engine serves an
+adapter from its batch slots, padded and scaled copies (slimish/engine/lora.py), so a later push
+is `/update_weight_version` with `lora_name`: every engine copies the adapter's tensors into its
+slot and versions it; no byte crosses a socket. In async mode generation is held for each step's
+optimiser writes as for the whole policy (a slot taken meanwhile would copy half-written tensors).
+An adapter whose exported tensors are not whole parameters (a MoE model's per-expert form) has no
+store and is broadcast as in any run (`WeightSync`).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
+from typing import Any
 
 from slimish.colocate import WeightStore
 from slimish.protocol import wire_version
 from slimish.trainer.backend import WeightExport
 from slimish.trainer.engine_control import WeightSyncError
+from slimish.trainer.lora import ADAPTER_CONFIG
 from slimish.trainer.weight_sync import WeightSync, timings
 
 
@@ -50,10 +59,11 @@ class ColocatedSync:
         self.released = False
         self.held: float | None = None  # since when generation is paused for the optimiser (async mode)
         self.pushed = False
+        self.adapter_store: WeightStore | None = None  # the trainer's shared adapter, once a push loaded it
 
     def connect(self) -> None:
-        """Checks that every engine maps this store (`--shared-weights`); forms the adapter's
-        group with `trainer.lora` (the base needs none)."""
+        """Checks that every engine maps this store (`--shared-weights`). A broadcast adapter's
+        group is formed by its first push (a shared one needs none)."""
         infos = self.engines.all(lambda c: c.server_info())
         wrong = {
             url: info.get("shared_weights")
@@ -65,8 +75,6 @@ class ColocatedSync:
                 f"launch.colocate: engines {wrong} do not map the run's weight store {self.store.path} "
                 "(their --shared-weights); a colocated push reaches only engines that do"
             )
-        if self.sync.adapter is not None:
-            self.sync.connect()
 
     def close(self) -> None:
         self.sync.close()
@@ -78,9 +86,9 @@ class ColocatedSync:
 
     def hold(self) -> None:
         """Async mode, before an optimiser step writes the store: generation paused on every
-        engine (once per RL step) until the push continues it. With `trainer.lora` the store is
-        never written (the adapter's own push pauses), so nothing is held."""
-        if self.held is not None or self.sync.adapter is not None:
+        engine (once per RL step) until the push continues it. A broadcast adapter's store is never
+        written (its own push pauses), so nothing is held."""
+        if self.held is not None or (self.sync.adapter is not None and self.adapter_store is None):
             return
         mode = self.sync.cfg.pause_mode
         self.engines.pause(mode, begin=mode == "drain")  # drain: the session's wait is the drain
@@ -95,17 +103,22 @@ class ColocatedSync:
         if released:
             self._memory("/resume_memory_occupation")
             self.released = False
-        if export.adapter_config is not None:  # the base is never written: nothing was held
+        if export.adapter_config is not None and export.shared is None:  # broadcast: nothing was held
+            self.sync.connect()
             return {**self.sync.push(export, version), "paused": 0.0}
-        copies = [name for name, t in export.tensors if not self.store.holds(t)]
+        store = self.store if export.shared is None else export.shared
+        copies = [name for name, t in export.tensors if not store.holds(t)]
         if copies:
             raise WeightSyncError(
                 f"push: {len(copies)} exported tensors (e.g. {copies[0]!r}) are not in the weight store "
-                f"{self.store.path}: the trainer's parameters must be views of it (WeightStore.attach)"
+                f"{store.path}: the trainer's parameters must be views of it (WeightStore.attach)"
             )
         held, self.held = self.held, None
         try:
-            self.engines.set_version(version)
+            if export.adapter_config is None:
+                self.engines.set_version(version)
+            else:
+                self._flip_adapter(export.shared, export.adapter_config, version)
         finally:
             if held is not None:  # the optimiser step is done: generation goes on, on the new version
                 self.engines.resume(end=self.sync.cfg.pause_mode == "drain", resume=True)
@@ -114,6 +127,18 @@ class ColocatedSync:
             self.engines.all(lambda c: c.flush_cache())
         ended = time.perf_counter()
         return {**timings(ended - started, 0.0, 0, 0), "paused": 0.0 if held is None else ended - held}
+
+    def _flip_adapter(self, store: WeightStore, config: dict[str, Any], version: int) -> None:
+        """The run's adapter is `store`'s tensors as `version` on every engine: loaded from the
+        store's directory the first time, its slots refreshed afterwards."""
+        name = self.sync.adapter
+        assert name is not None
+        if self.adapter_store is None:
+            (store.path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+            self.engines.load_adapter(name, store.path, version)
+            self.adapter_store = store
+        else:
+            self.engines.set_version(version, adapter=name)
 
     def _memory(self, route: str) -> None:
         """`route` for the KV cache on every engine; SGLang replies null (a refusal is an error)."""

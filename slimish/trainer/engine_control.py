@@ -195,10 +195,14 @@ class EngineControl:
 
     # -- versions and adapters -----------------------------------------------------------------
 
-    def set_version(self, version: int) -> None:
-        """Every engine reports `version` (for its base and every adapter) from now on."""
+    def set_version(self, version: int, adapter: str | None = None) -> None:
+        """Every engine reports `version` (for its base and every adapter, or for `adapter` alone,
+        its slots refreshed from its tensors) from now on."""
         new = wire_version(version)
-        self.check(self.all(lambda c: c.update_weight_version(new, abort_all_requests=False)), "/update_weight_version")
+        self.check(
+            self.all(lambda c: c.update_weight_version(new, abort_all_requests=False, lora_name=adapter)),
+            "/update_weight_version",
+        )
 
     def versions_each_adapter(self) -> bool:
         """Whether the engines version each adapter (slimish's `/get_weight_version` and

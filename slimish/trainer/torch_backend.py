@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from slimish.batch_invariant import make_batch_invariant
+from slimish.colocate import WeightStore, share_parameters
 from slimish.moe import checkpoint_tensors, routers
 from slimish.trainer.backend import LossFn, lr_factor
 from slimish.trainer.base import Trainer
@@ -49,7 +50,6 @@ from slimish.trainer.routing import replaying, route_state
 from slimish.types import Sample
 
 if TYPE_CHECKING:
-    from slimish.colocate import WeightStore
     from slimish.config import RunConfig
 
 
@@ -79,6 +79,8 @@ class TorchTrainer(Trainer):
         self.policies = [p.name for p in cfg.policies]  # several: one adapter each (policies.py)
         if self.lora:
             self.model = add_adapter(self.model, tc.lora, tuple(self.policies) or ("default",))
+            if store is not None:  # the adapter shared too, where its tensors are whole parameters (not MoE's)
+                self.adapter_store = share_parameters(self.adapter_tensors(), self.model.parameters())
         # forward_sync_buffers=False: DDP's forward then runs no collective, so ranks may run
         # different numbers of forwards (micro-batches, no-grad passes).
         self.ddp = DDP(self.model, forward_sync_buffers=False) if self.world > 1 else None
