@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,11 +13,15 @@ from pathlib import Path
 
 import httpx
 
+from slimish.net import listening_socket
 from slimish.protocol import auth_headers
 
 
 class ServerProcess:
-    """A `python -m <module> <argv>` child (`slimish.cli` unless told) serving HTTP on `host:port`."""
+    """A `python -m <module> <argv>` child (`slimish.cli` unless told) serving HTTP on `host:port`.
+    With `sock` (`listening_socket`), the child serves on that socket (`--fd N` added to `argv`),
+    so the port is this child's from the start; it is passed at each spawn and bound again on the
+    same port for a respawn. Without it (SGLang, which takes no socket), the child binds `port`."""
 
     def __init__(
         self,
@@ -29,6 +34,7 @@ class ServerProcess:
         module: str = "slimish.cli",
         cpus: tuple[int, ...] = (),
         api_key: str | None = None,
+        sock: socket.socket | None = None,
     ) -> None:
         self.argv, self.host, self.port, self.health_path, self.module = argv, host, port, health_path, module
         self.cpus = cpus  # pinned to these CPUs (launch.cpu_placement); (): this process's
@@ -37,6 +43,8 @@ class ServerProcess:
         self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen | None = None
+        self.sock = sock  # held until the next spawn, which takes it
+        self.bind_address = sock.getsockname()[:2] if sock else None  # where a respawn binds its socket again
 
     @property
     def url(self) -> str:
@@ -53,13 +61,20 @@ class ServerProcess:
         the thread that lives as long as the child should: the signal follows the spawning thread.
         With `cpus`, the child is pinned to them before it runs (every thread it makes inherits them)."""
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        if self.bind_address and self.sock is None:
+            self.sock = listening_socket(*self.bind_address)
+        fds = (self.sock.fileno(),) if self.sock else ()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", self.module, *self.argv],
+            [sys.executable, "-m", self.module, *self.argv, *(["--fd", str(fds[0])] if fds else [])],
             env=self.env,
             stdout=out,
             stderr=subprocess.STDOUT,
+            pass_fds=fds,
             preexec_fn=self._in_child if sys.platform == "linux" else None,
         )
+        if self.sock:  # the child's copy alone: the port refuses connections once the child is gone
+            self.sock.close()
+            self.sock = None
 
     def _in_child(self) -> None:
         die_with_parent()
@@ -99,6 +114,9 @@ class ServerProcess:
             self.proc.wait(timeout=10)
 
     def stop(self, timeout: float = 10.0) -> None:
+        if self.sock:  # never spawned
+            self.sock.close()
+            self.sock = None
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGTERM)

@@ -1,5 +1,5 @@
-"""What the engine's and the router's HTTP servers share: OpenAPI request bodies, and a warning
-when one listens beyond loopback with no key.
+"""What the engine's, the router's and the Tinker API's HTTP servers share: OpenAPI request
+bodies, a warning when one listens beyond loopback with no key, and serving on a launcher's socket.
 
 Their routes read raw bodies (to answer in SGLang's error shapes, with strict types), so FastAPI
 cannot see the request models; `document_bodies` puts them into `/openapi.json`, for clients and
@@ -11,8 +11,10 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import socket
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
@@ -79,3 +81,11 @@ def warn_if_exposed(server: str, host: str, api_key: str | None) -> None:
             server,
             host,
         )
+
+
+def run_uvicorn(app: Any, host: str, port: int, fd: int | None, log_level: str) -> int:
+    """Serve `app` on host:port, or on the inherited listening socket `fd` (a launcher's:
+    slimish/processes.py), until SIGTERM or Ctrl-C. 1 where it could not start, as `uvicorn.run`."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False))
+    server.run(sockets=None if fd is None else [socket.socket(fileno=fd)])
+    return 0 if server.started else 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,10 +129,11 @@ def serving(app, what: str) -> Iterator[str]:
     its URL, for as long as the block runs."""
     import uvicorn
 
-    from slimish.net import free_port
+    from slimish.net import listening_socket
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    sock = listening_socket()
+    server = uvicorn.Server(uvicorn.Config(app, port=sock.getsockname()[1], log_level="warning"))
+    thread = threading.Thread(target=server.run, args=([sock],), daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -380,15 +382,16 @@ def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path
     """`build(path)` run once per test session, its result a directory `path` that session
     fixtures hand out. `make test` runs the suite on several pytest-xdist workers, each with its
     own session fixtures; they share the parent of their base temp directories, so the first
-    worker to ask builds there under a lock and the others wait and read it (a run that raised
-    leaves nothing: the next asker builds again)."""
+    worker to ask builds there under a lock and the others wait and read it (a build that raised
+    is not marked built: the next asker builds again, from an empty directory)."""
     root = factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent
     path, done = root / name, root / f"{name}.built"
     with FileLock(root / f"{name}.lock"):
         if not done.exists():
-            path.mkdir(exist_ok=True)
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
             build(path)
             done.touch()
     return path
@@ -419,18 +422,13 @@ def run_quickstart(
 def torchrun_ranks(worker: Path, args: list[str], out: Path, timeout: float = 300) -> dict[int, dict]:
     """`worker args...` on 2 torchrun ranks; each writes `out/rank{r}.json` (an `error` key when
     it failed). Own session, so a hung run is killed with all its ranks."""
-    from slimish.net import free_port
-
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",  # its rendezvous on a port it binds itself: none picked free for it to lose
         "--nproc-per-node",
         "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
         str(worker),
         *args,
     ]

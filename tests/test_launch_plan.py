@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import socket
 
 import httpx
 import pytest
@@ -22,12 +23,12 @@ from slimish.engine.config import EngineConfig
 from slimish.flags import add_config_arguments
 from slimish.launch.commands import rollout_batch_launch
 from slimish.launch.config import LaunchConfig, TeacherConfig
-from slimish.launch.local import engine_server, local_engines
+from slimish.launch.local import engine_process, engine_server, local_engines, router_process
 from slimish.launch.plan import model_params, next_gpu, teacher_launch
 from slimish.processes import ServerProcess
 from slimish.rollout.config import RolloutConfig
 from slimish.launch.sglang import sglang_argv
-from slimish.net import free_port
+from slimish.net import free_port, listening_socket
 
 RECIPES = ROOT / "configs"
 
@@ -154,7 +155,8 @@ def test_engine_flags_from_yaml_become_bare_flags():
 
 
 def test_the_builtin_engine_starts_from_an_sglang_launch_line(tiny_model_dir, tmp_path):
-    port = free_port()
+    sock = listening_socket()
+    port = sock.getsockname()[1]
     argv = [
         "engine",
         "--model-path",
@@ -170,7 +172,7 @@ def test_the_builtin_engine_starts_from_an_sglang_launch_line(tiny_model_dir, tm
         "--tp-size",
         "1",
     ]
-    with ServerProcess(argv, port=port, log_path=tmp_path / "engine.log").start(120) as engine:
+    with ServerProcess(argv, port=port, log_path=tmp_path / "engine.log", sock=sock).start(120) as engine:
         state = httpx.get(engine.url + "/server_info", timeout=10).json()["internal_states"][0]
     assert (state["model"], state["enable_lora"], state["max_lora_rank"], state["disable_radix_cache"]) == (
         str(tiny_model_dir),
@@ -219,6 +221,30 @@ def test_sglang_engines_get_a_longer_start_timeout():
     assert LaunchConfig().start_timeout == 300 and LaunchConfig(engine_kind="sglang").start_timeout == 1800
     assert LaunchConfig(teacher=TeacherConfig(engine_kind="sglang")).start_timeout == 1800
     assert LaunchConfig(engine_kind="sglang", start_timeout=60).start_timeout == 60
+
+
+def test_a_launched_servers_port_is_its_own_before_it_binds(tiny_model_dir, tmp_path):
+    """Found on two test workers: a port only picked free was bound by another test's engine in
+    the seconds the run's router took to start, and that engine answered the router's health
+    checks. The launcher holds each port from the moment it picks it and the child serves on the
+    socket it inherits; a respawn binds the same port again."""
+    engine = engine_process(tiny_model_dir, log_path=tmp_path / "engine.log")
+    router = router_process(LaunchConfig(), [engine.url], tmp_path)
+    for port in (engine.port, router.port):
+        with pytest.raises(OSError):
+            socket.create_server(("127.0.0.1", port))
+    with engine.start(120), router.start(60):
+        assert httpx.get(router.url + "/workers", timeout=10).json()["workers"][0]["url"] == engine.url
+        router.kill()
+        router.start(60)
+        assert (
+            httpx.post(
+                router.url + "/generate",
+                json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
+                timeout=30,
+            ).status_code
+            == 200
+        )
 
 
 def test_a_server_not_healthy_in_time_names_its_log(tmp_path):

@@ -65,6 +65,23 @@ def engine_pid(url: str) -> int:
     raise AssertionError(f"no engine process for {url}")
 
 
+def wait_exited(pid: int, timeout: float = 60.0) -> None:
+    """Until `pid` has exited: a zombie its parent can reap, or gone. Its port closes a moment
+    before that (the kernel closes a dying process's files before it tells the parent), so an
+    unreachable port alone let `restart_dead` find the engine's child still running (seen once
+    in a rehearsal of the suite on two workers: one of the two engines was not restarted)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still runs {timeout:.0f}s after SIGKILL")
+
+
 def wait_unreachable(url: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -100,7 +117,9 @@ def test_engine_actors_serve_and_a_killed_one_rejoins_at_the_current_weights(
 
         old, actor_ids = list(servers.engine_urls), [a._actor_id for a in servers.actors]
         ray.kill(servers.actors[0])  # actor 0 dies; actor 1 lives but loses its engine
-        os.kill(engine_pid(old[1]), signal.SIGKILL)
+        pid = engine_pid(old[1])
+        os.kill(pid, signal.SIGKILL)
+        wait_exited(pid)
         for url in old:
             wait_unreachable(url)  # actor 0's engine child died with it
         assert servers.restart_dead(WAIT_S) == servers.engine_urls

@@ -15,7 +15,7 @@ import torch
 from tinker import types
 from tinker.proto import request_conv, response_conv
 
-from slimish.net import free_port
+from slimish.net import listening_socket
 from slimish.processes import ServerProcess
 
 KEY = "tml-test-key"
@@ -24,10 +24,11 @@ ADAM = types.AdamParams(learning_rate=1e-2, eps=1e-8)
 
 @pytest.fixture(scope="module")
 def url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    root, port = tmp_path_factory.mktemp("tinker-root"), free_port()
+    root, sock = tmp_path_factory.mktemp("tinker-root"), listening_socket()
+    port = sock.getsockname()[1]
     argv = ["tinker", "--model", str(tiny_model_dir), "--port", str(port), "--root", str(root)]
     argv += ["--api-key", KEY, "--poll-s", "0.5", "--seq-gap-s", "30"]
-    server = ServerProcess(argv, port=port, health_path="/api/v1/healthz", log_path=root / "server.log")
+    server = ServerProcess(argv, port=port, health_path="/api/v1/healthz", log_path=root / "server.log", sock=sock)
     with server.start(300) as s:
         yield s.url
 

@@ -42,13 +42,13 @@ ASYNC_MODES = {  # name -> overrides; bound 1 retracts requests at a push, bound
 
 @pytest.fixture(scope="module")
 def runs(
-    tmp_path_factory: pytest.TempPathFactory, quickstart_sft: Path, quickstart_grpo: tuple[list[dict], Path]
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, quickstart_sft: Path
 ) -> dict[str, tuple[list[dict], Path]]:
     """Each mode's metrics rows and run directory, all from one SFT warm start. Sync is the
     session's quickstart run (conftest.py), read up to step 30: it is this config, evaluated on
-    the same prompts, and longer."""
-    rows, run_dir = quickstart_grpo
-    out = {"sync": ([r for r in rows if r["step"] <= STEPS], run_dir)}
+    the same prompts, and longer. It is asked for after the async runs, which need nothing of it:
+    another test worker may be building it meanwhile, and this one does not wait idle for it."""
+    out = {}
     for name, overrides in ASYNC_MODES.items():
         tmp = tmp_path_factory.mktemp(name)
         rows = run_quickstart(
@@ -61,6 +61,8 @@ def runs(
             model=quickstart_sft,
         )
         out[name] = rows, tmp / "run"
+    rows, run_dir = request.getfixturevalue("quickstart_grpo")
+    out["sync"] = [r for r in rows if r["step"] <= STEPS], run_dir
     return out
 
 

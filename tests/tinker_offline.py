@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from slimish.net import free_port
+from slimish.net import listening_socket
 from slimish.processes import ServerProcess
 
 MODEL_NAME = "Qwen/Qwen3-8B"  # the cookbook's renderer for it is `qwen3`, the tiny model's template
@@ -46,9 +46,10 @@ def conversations() -> list[dict]:
 
 def tinker_server(model_dir: Path, root: Path, log_path: Path) -> ServerProcess:
     """`slimish tinker` serving `model_dir` as MODEL_NAME on a free loopback port, not started."""
-    port = free_port()
+    sock = listening_socket()
+    port = sock.getsockname()[1]
     argv = ["tinker", "--model", str(model_dir), "--port", str(port), "--root", str(root), "--model-name", MODEL_NAME]
-    return ServerProcess(argv, port=port, health_path="/api/v1/healthz", log_path=log_path)
+    return ServerProcess(argv, port=port, health_path="/api/v1/healthz", log_path=log_path, sock=sock)
 
 
 @contextmanager

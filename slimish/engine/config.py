@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from omegaconf import MISSING
 
+from slimish.net import FD_DOC
 from slimish.schema import at_least, doc, doc_factory, one_of
 
 DECODE_ATTENTION_BACKENDS = ("sdpa", "matmul")  # slimish/engine/attention.py
@@ -23,6 +24,7 @@ class EngineConfig:
     model: str = doc(MISSING, "HF model directory (config, weights, tokenizer)")
     host: str = doc("127.0.0.1", "loopback unless told otherwise")
     port: int = doc(30000, "SGLang's default; always pass one explicitly when several servers run")
+    fd: int | None = doc(None, FD_DOC)
     max_running_requests: int = doc(32, "rows in the running batch")
     max_prefill_tokens: int = doc(4096, "prompt tokens prefilled per scheduler step (decode is never starved)")
     context_length: int | None = doc(None, "default: the model's max_position_embeddings")

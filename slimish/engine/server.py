@@ -11,7 +11,6 @@ import argparse
 import logging
 from contextlib import asynccontextmanager
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
@@ -49,7 +48,7 @@ from slimish.protocol import (
     UpdateWeightsFromDistributedReq,
     UpdateWeightVersionReq,
 )
-from slimish.serving import document_bodies, warn_if_exposed
+from slimish.serving import document_bodies, run_uvicorn, warn_if_exposed
 
 log = logging.getLogger(__name__)
 
@@ -158,5 +157,4 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=cfg.log_level.upper())
     warn_if_exposed("engine", cfg.host, cfg.api_key)
     app = create_app(cfg)  # loads the model before listening: /health is 200 only when ready
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False)
-    return 0
+    return run_uvicorn(app, cfg.host, cfg.port, cfg.fd, cfg.log_level)

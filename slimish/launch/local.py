@@ -20,7 +20,7 @@ from slimish.launch.commands import colocate_launch, engine_argv, engine_command
 from slimish.launch.cpus import Place
 from slimish.launch.plan import engine_gpus
 from slimish.launch.workers import existing_engine_urls, key_client
-from slimish.net import connect_host, free_port
+from slimish.net import connect_host, free_port, listening_socket
 from slimish.processes import ServerProcess, start_all
 
 if TYPE_CHECKING:
@@ -36,9 +36,12 @@ def engine_process(
     host: str = "127.0.0.1",
     **flags: object,
 ) -> ServerProcess:
-    """A built-in engine child bound to `host`; `flags` as `engine_argv` writes them."""
-    port = port or free_port(host)
-    return ServerProcess(engine_argv(model, host, port, flags), port=port, host=connect_host(host), log_path=log_path)
+    """A built-in engine child on `host`:`port` (default: a free port, held from here on);
+    `flags` as `engine_argv` writes them."""
+    sock = listening_socket(host, port or 0)
+    port = sock.getsockname()[1]
+    argv = engine_argv(model, host, port, flags)
+    return ServerProcess(argv, port=port, host=connect_host(host), log_path=log_path, sock=sock)
 
 
 def engine_server(
@@ -49,9 +52,11 @@ def engine_server(
     gpus: tuple[int, ...] = (),
     place: Place = Place(),
 ) -> ServerProcess:
-    """`engine_command`'s engine on a free port of `host`, not started; on `place`'s CPUs and
-    threads (slimish/launch/cpus.py), where it places the engine."""
-    port = free_port(host)
+    """`engine_command`'s engine on a free port of `host` (held from here on for a built-in
+    engine; SGLang binds its own), not started; on `place`'s CPUs and threads
+    (slimish/launch/cpus.py), where it places the engine."""
+    sock = listening_socket(host) if launch.engine_kind == "builtin" else None
+    port = sock.getsockname()[1] if sock else free_port(host)
     module, argv = engine_command(launch, model, host, port, gpus, place.threads)
     return ServerProcess(
         argv,
@@ -61,6 +66,7 @@ def engine_server(
         module=module,
         cpus=place.cpus,
         api_key=launch.api_key,
+        sock=sock,
     )
 
 
@@ -77,8 +83,10 @@ def await_weights_on_relaunch(engine: ServerProcess) -> None:
 
 
 def router_process(launch: "LaunchConfig", worker_urls: list[str], log_dir: Path) -> ServerProcess:
-    """The run's router, in front of `worker_urls`, not started."""
-    port = free_port()
+    """The run's router, in front of `worker_urls`, not started; on a port held from here on
+    where it is one process (N processes bind theirs: `slimish router --processes`)."""
+    sock = listening_socket() if launch.router_processes == 1 else None
+    port = sock.getsockname()[1] if sock else free_port()
     argv = [
         "router",
         "--port",
@@ -92,7 +100,7 @@ def router_process(launch: "LaunchConfig", worker_urls: list[str], log_dir: Path
     ]
     if launch.api_key:
         argv += ["--api-key", launch.api_key]
-    return ServerProcess(argv, port=port, log_path=log_dir / "router.log")
+    return ServerProcess(argv, port=port, log_path=log_dir / "router.log", sock=sock)
 
 
 class RouterWatch:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 from typing import Callable
 
 from slimish.flags import add_config_arguments, config_from_args
@@ -38,6 +39,6 @@ def run(args: argparse.Namespace) -> int:
 def serve_forever(cfg: RouterConfig, announce: Callable[[str], None]) -> None:
     """One router process on --host/--port until SIGTERM or Ctrl-C, when requests in flight finish
     first; `announce(url)` once it takes requests (after the startup health checks)."""
-    sock = wire.bind(cfg.host, cfg.port, reuse_port=False)
+    sock = wire.bind(cfg.host, cfg.port, reuse_port=False) if cfg.fd is None else socket.socket(fileno=cfg.fd)
     url = f"http://{cfg.host}:{sock.getsockname()[1]}"
     wire.run(create_app(cfg).serve([sock], signals=True, ready=lambda: announce(url)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slimish.net import FD_DOC
 from slimish.schema import at_least, doc, doc_factory, one_of
 
 POLICIES = ("least_inflight", "round_robin", "cache_aware", "session")
@@ -39,6 +40,7 @@ class RouterConfig:
     worker_urls: list[str] = doc_factory(list, "engines to route to (more via POST /workers)")
     host: str = doc("127.0.0.1", "loopback unless told otherwise")
     port: int = 30000
+    fd: int | None = doc(None, FD_DOC)
     policy: str = doc("least_inflight", "least_inflight | round_robin | cache_aware | session")
     log_level: str = "warning"
     processes: int = doc(
@@ -104,3 +106,5 @@ class RouterConfig:
             "health_failure_threshold",
             "processes",
         )
+        if self.fd is not None and self.processes > 1:
+            raise ValueError(f"fd: one router process serves an inherited socket; processes={self.processes} bind port")

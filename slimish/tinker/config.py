@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from omegaconf import MISSING
 
+from slimish.net import FD_DOC
 from slimish.schema import at_least, doc
 
 
@@ -22,6 +23,7 @@ class TinkerConfig:
     )
     host: str = doc("127.0.0.1", "bind address; the API has no TLS, so loopback unless you trust the network")
     port: int = doc(8000, "the port TINKER_BASE_URL points at")
+    fd: int | None = doc(None, FD_DOC)
     api_key: str | None = doc(None, "required X-API-Key on every request; None: any key (the SDK always sends one)")
     device: str = doc("cpu", "where the base model trains and the engine samples: cpu, cuda or cuda:K (both on it)")
     max_lora_rank: int = doc(64, "the largest LoRA rank a client may create: the engine reserves it per adapter")

@@ -9,6 +9,7 @@ adapters loaded into a built-in engine child (sampling.py); `tinker://` paths ar
 from __future__ import annotations
 
 import argparse
+import hmac
 import logging
 import signal
 import sys
@@ -17,11 +18,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from slimish.flags import add_config_arguments, config_from_args
+from slimish.serving import run_uvicorn
 from slimish.tinker.config import TinkerConfig
 from slimish.tinker.futures import Futures, Ordered, UserError
 from slimish.tinker.routes import HEALTH, ROUTERS, Api
@@ -52,7 +53,8 @@ def build_app(cfg: TinkerConfig, models: TinkerModels, engine_url: str) -> FastA
 
     @app.middleware("http")
     async def api_key(request: Request, call_next: Any) -> Response:
-        if cfg.api_key and request.url.path != HEALTH and request.headers.get("x-api-key") != cfg.api_key:
+        given = request.headers.get("x-api-key", "").encode()
+        if cfg.api_key and request.url.path != HEALTH and not hmac.compare_digest(given, cfg.api_key.encode()):
             return JSONResponse({"detail": "X-API-Key: missing or wrong"}, status_code=401)
         return await call_next(request)
 
@@ -99,7 +101,6 @@ def run(args: argparse.Namespace) -> int:
         )
         engine.wait_healthy(cfg.start_timeout)
         print(f"slimish tinker: serving {cfg.model_name or cfg.model} at http://{cfg.host}:{cfg.port}", flush=True)
-        uvicorn.run(build_app(cfg, models, engine.url), host=cfg.host, port=cfg.port, log_level="warning")
+        return run_uvicorn(build_app(cfg, models, engine.url), cfg.host, cfg.port, cfg.fd, "warning")
     finally:
         engine.stop()
-    return 0
