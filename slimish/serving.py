@@ -14,7 +14,6 @@ import logging
 import socket
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
@@ -85,7 +84,11 @@ def warn_if_exposed(server: str, host: str, api_key: str | None) -> None:
 
 def run_uvicorn(app: Any, host: str, port: int, fd: int | None, log_level: str) -> int:
     """Serve `app` on host:port, or on the inherited listening socket `fd` (a launcher's:
-    slimish/processes.py), until SIGTERM or Ctrl-C. 1 where it could not start, as `uvicorn.run`."""
+    slimish/processes.py), until SIGTERM or Ctrl-C. 1 where it could not start, as `uvicorn.run`.
+    uvicorn is imported here: the router, the gateway and the rollout import this module too, and
+    serve without it."""
+    import uvicorn
+
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False))
     server.run(sockets=None if fd is None else [socket.socket(fileno=fd)])
     return 0 if server.started else 1
