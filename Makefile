@@ -24,8 +24,9 @@ demo: $(STAMP)
 	$(BIN)/slimish plot runs/quickstart/run
 
 # Two pytest-xdist workers, a test file each at a time: the end-to-end runs leave a core idle for
-# much of their time (process start-up, one-thread engines, waits on each other). TEST_WORKERS=0
-# runs the suite in one process.
+# much of their time (process start-up, one-thread engines, waits on each other). Files sharing a
+# session build go to one worker, the longest first (tests/conftest.py). TEST_WORKERS=0 runs the
+# suite in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile

@@ -159,6 +159,65 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
+# `make test` hands each pytest-xdist worker a file at a time (`--dist loadfile`). Files that share
+# a session build or engine run on one worker, in turn: the build is made once with nobody waiting
+# on it idle, and the engines start once, not once per worker (each start is ~7 s of CPU).
+SCOPES = {
+    "families": (
+        "test_family_formats",
+        "test_tool_choice",
+        "test_model_families",
+        "test_gateway_responses",
+        "test_gateway_anthropic",
+    ),  # family_dirs and family_engine (family_cases.py)
+    "quickstart-grpo": ("test_quickstart", "test_train_async", "test_opd"),  # quickstart_grpo
+    "moe-routes": ("test_engine_routes", "test_sample_routes"),  # moe_routes_engine
+}
+SCOPE_OF = {f"tests/{name}.py": scope for scope, names in SCOPES.items() for name in names}
+# Handed out first, longest first (measured 2026-12-06, two workers): the last unit a worker takes
+# is what the other may sit idle for at the end. The rest follow most tests first (xdist's order).
+LONGEST = (
+    "quickstart-grpo",
+    "families",
+    "tests/test_lora_train.py",
+    "tests/test_gateway_train.py",
+    "tests/test_ppo_critic.py",
+    "tests/test_fuzz.py",
+    "tests/test_moe_train.py",
+    "tests/test_train_faults2.py",
+    "tests/test_true_on_policy.py",
+    "tests/test_megatron_backend.py",
+    "tests/test_tutorial.py",
+    "tests/test_train_resume.py",
+    "tests/test_policies.py",
+    "tests/test_docs.py",
+    "tests/test_gpu_smoke.py",
+    "tests/test_colocate.py",
+    "tests/test_tinker_cookbook.py",
+    "tests/test_launch_ray.py",
+)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile` with the scopes and the order above."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return SCOPE_OF.get(file, file)
+
+        def _assign_work_unit(self, node) -> None:
+            rank = {scope: i for i, scope in enumerate(LONGEST)}
+            first = min(self.workqueue, key=lambda scope: rank.get(scope, len(LONGEST)))
+            self.workqueue.move_to_end(first, last=False)
+            super()._assign_work_unit(node)
+
+    return Scheduling(config, log)
+
+
 DOCS: Counter[str] = Counter()  # what tests/test_docs.py ran and checked, from every worker's reports
 
 

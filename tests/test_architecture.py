@@ -216,3 +216,13 @@ def test_no_two_classes_share_a_name() -> None:
             if isinstance(node, ast.ClassDef):
                 where[node.name].append(module)
     assert {name: modules for name, modules in where.items() if len(modules) > 1} == {}
+
+
+def test_the_schedulers_scopes_and_order_name_test_files_that_exist() -> None:
+    """conftest.py's SCOPES and LONGEST steer `make test`'s workers by file name: a renamed file
+    would silently fall out of its scope (its engines started twice again) or of the order."""
+    from conftest import LONGEST, SCOPE_OF, SCOPES
+
+    tests = Path(__file__).parent
+    named = [*SCOPE_OF, *(name for name in LONGEST if name not in SCOPES)]
+    assert [name for name in named if not (tests.parent / name).is_file()] == []

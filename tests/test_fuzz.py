@@ -21,13 +21,13 @@ from slimish.launch.local import engine_process
 from fuzzing import BOTH, fuzz
 from helpers import running_router
 
-pytestmark = pytest.mark.slow  # ~1-2 min: 2,400+ requests
+pytestmark = pytest.mark.slow  # ~1 min: 1,500+ requests
 
 LIMITS = {"max_new_tokens_cap": 8, "max_running_requests": 8, "max_queued_requests": 56}
 SERVING = {
-    ("POST", "/generate"): (200, BOTH),
-    ("POST", "/v1/completions"): (200, BOTH),
-    ("POST", "/v1/chat/completions"): (200, BOTH),
+    ("POST", "/generate"): (100, BOTH),
+    ("POST", "/v1/completions"): (100, BOTH),
+    ("POST", "/v1/chat/completions"): (100, BOTH),
 }
 # Control routes whose effects cannot stall what follows (pause, a memory release and joining a process group can).
 ENGINE_OPS = {
@@ -79,7 +79,7 @@ def fuzz_engine(tiny_model_dir, tmp_path_factory):
 def test_engine_survives_fuzzing(fuzz_engine):
     proc, log = fuzz_engine
     before = probe(proc.url)
-    assert fuzz(proc.url, ENGINE_OPS) >= 1000
+    assert fuzz(proc.url, ENGINE_OPS) >= 900
     assert proc.proc.poll() is None and httpx.get(proc.url + "/health").status_code == 200
     assert probe(proc.url) == before
     assert "Traceback" not in log.read_text(errors="replace")
@@ -89,7 +89,7 @@ def test_router_survives_fuzzing(fuzz_engine):
     proc, log = fuzz_engine
     with running_router(worker_urls=[proc.url], max_new_tokens_cap=8) as router:
         before = probe(router)
-        assert fuzz(router, ROUTER_OPS) >= 1000
+        assert fuzz(router, ROUTER_OPS) >= 600
         assert httpx.get(router + "/health").status_code == 200 and httpx.get(router + "/readiness").status_code == 200
         assert probe(router) == before
     assert "Traceback" not in log.read_text(errors="replace")
