@@ -9,6 +9,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -618,3 +619,19 @@ def test_rollout_cli_writes_every_sample(servers: Servers, tiny_model_dir: Path,
     ]  # in finish order
     assert all(s.response_length and s.reward == 0.0 and s.weight_versions == [0] for s in samples)
     assert "step 2: 2 groups kept" in proc.stderr
+
+
+def test_the_engine_idle_fraction_is_read_at_the_instant_given() -> None:
+    """The async test above once read `rollout/engine_idle_fraction` 1.27 in CI: the batch was
+    ready at once, so the interval since the last read was short, and the idle clock counted up
+    to the moment it was called rather than to the read's instant. Here a read comes 50 ms after
+    its instant, 1 ms after the previous one, nothing in flight: exactly idle, not 50x."""
+    from slimish.rollout.pipeline import IdleClock
+
+    clock = IdleClock()
+    first = time.perf_counter()
+    clock.fraction_since_last(first)
+    now = first + 0.001
+    while time.perf_counter() < now + 0.05:  # the read is late, as on a loaded machine
+        pass
+    assert clock.fraction_since_last(now) == pytest.approx(1.0)
