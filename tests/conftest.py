@@ -196,6 +196,7 @@ LONGEST = (
     "tests/test_tinker_cookbook.py",
     "tests/test_launch_ray.py",
 )
+RANK = {scope: i for i, scope in enumerate(LONGEST)}
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
@@ -210,8 +211,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             return SCOPE_OF.get(file, file)
 
         def _assign_work_unit(self, node) -> None:
-            rank = {scope: i for i, scope in enumerate(LONGEST)}
-            first = min(self.workqueue, key=lambda scope: rank.get(scope, len(LONGEST)))
+            first = min(self.workqueue, key=lambda scope: RANK.get(scope, len(RANK)))
             self.workqueue.move_to_end(first, last=False)
             super()._assign_work_unit(node)
 

@@ -223,6 +223,6 @@ def test_the_schedulers_scopes_and_order_name_test_files_that_exist() -> None:
     would silently fall out of its scope (its engines started twice again) or of the order."""
     from conftest import LONGEST, SCOPE_OF, SCOPES
 
-    tests = Path(__file__).parent
+    root = Path(__file__).parents[1]
     named = [*SCOPE_OF, *(name for name in LONGEST if name not in SCOPES)]
-    assert [name for name in named if not (tests.parent / name).is_file()] == []
+    assert [name for name in named if not (root / name).is_file()] == []
