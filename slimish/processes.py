@@ -107,6 +107,19 @@ class ServerProcess:
             )
         return ""
 
+    def exited(self) -> bool:
+        """Whether the child has exited (False before it is spawned). A child killed while its
+        threads were busy shows its main thread as a zombie, its port closed already, before the
+        kernel lets it be reaped (once its last thread is gone: up to seconds on a loaded
+        machine); `poll` reads it as running until then. Such a child is finished off and reaped
+        here: it counts as exited, and its port is free for a respawn."""
+        if self.proc is None:
+            return False
+        if self.proc.poll() is None and not main_thread_exited(self.proc.pid):
+            return False
+        self.kill()
+        return True
+
     def kill(self) -> None:
         """SIGKILL, as a crash would (fault-injection tests)."""
         if self.proc and self.proc.poll() is None:
@@ -145,6 +158,16 @@ def usable_cpus() -> tuple[int, ...]:
     if hasattr(os, "sched_getaffinity"):
         return tuple(sorted(os.sched_getaffinity(0)))
     return tuple(range(os.cpu_count() or 1))
+
+
+def main_thread_exited(pid: int) -> bool:
+    """Whether `pid`'s main thread is a zombie (Linux, /proc): the process has exited or is
+    exiting, whether or not its other threads are gone yet. False where /proc cannot tell."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def die_with_parent() -> None:

@@ -12,14 +12,15 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import assert_run_survives_an_engine_kill, generate
+from helpers import assert_run_survives_an_engine_kill, generate, wait_for
 
 ray = pytest.importorskip("ray")
 
 from slimish.launch.config import LaunchConfig  # noqa: E402
-from slimish.trainer.config import WeightSyncConfig  # noqa: E402
 from slimish.launch.ray_engines import ray_servers  # noqa: E402
+from slimish.processes import main_thread_exited  # noqa: E402
 from slimish.trainer.backend import WeightExport  # noqa: E402
+from slimish.trainer.config import WeightSyncConfig  # noqa: E402
 from slimish.trainer.weight_sync import WeightSync  # noqa: E402
 
 WAIT_S = 180.0
@@ -66,20 +67,12 @@ def engine_pid(url: str) -> int:
 
 
 def wait_exited(pid: int, timeout: float = 60.0) -> None:
-    """Until `pid` has exited: a zombie its parent can reap, or gone. Its port closes a moment
-    before that (the kernel closes a dying process's files before it tells the parent), so an
-    unreachable port alone let `restart_dead` find the engine's child still running (seen once
-    in a rehearsal of the suite on two workers: one of the two engines was not restarted)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return
-        if state in ("Z", "X"):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"process {pid} still runs {timeout:.0f}s after SIGKILL")
+    """Until `pid`'s main thread has exited (a zombie), or it is gone. Its port closes a moment
+    before that (the kernel closes a dying process's files first), and the kernel reaps it only
+    once its last thread is gone, later still on a loaded machine: `restart_dead` counts it
+    dead from the zombie on (`ServerProcess.exited`)."""
+    exited = lambda: main_thread_exited(pid) or not Path(f"/proc/{pid}").exists()  # noqa: E731
+    wait_for(exited, f"process {pid} to exit after SIGKILL", timeout)
 
 
 def wait_unreachable(url: str, timeout: float = 60.0) -> None:

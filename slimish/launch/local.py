@@ -185,7 +185,7 @@ class Servers:
         (`await_weights=False`): its base is never pushed, the engine's checkpoint is right, and
         the router sends adapter requests only to engines that hold the adapter (the next push
         loads it)."""
-        dead = [e for e in self.engines if e.proc is not None and e.proc.poll() is not None]
+        dead = [e for e in self.engines if e.exited()]
         for engine in dead:
             if await_weights:
                 await_weights_on_relaunch(engine)

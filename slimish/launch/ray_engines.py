@@ -49,7 +49,7 @@ class EngineActor:
         return self.proc.url
 
     def running(self) -> bool:
-        return self.proc is not None and self.proc.proc is not None and self.proc.proc.poll() is None
+        return self.proc is not None and self.proc.proc is not None and not self.proc.exited()
 
     def stop(self) -> None:
         if self.proc is not None:
