@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from fuzzing import BOTH, fuzz
+from helpers import running_router
 from schemathesis import GenerationMode
 
 from slimish.launch.local import engine_process
-
-from fuzzing import BOTH, fuzz
-from helpers import running_router
 
 pytestmark = pytest.mark.slow  # ~1 min: 1,500+ requests
 
