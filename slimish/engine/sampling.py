@@ -29,7 +29,7 @@ class RowState:
     """What sampling needs to know about one running request."""
 
     params: SamplingParams
-    seen_ids: list[int]  # prompt + output so far (repetition penalty)
+    prompt_ids: list[int]  # with output_ids, what the repetition penalty counts as seen
     output_ids: list[int]  # output so far (frequency / presence penalty, min_new_tokens)
     stop_ids: set[int]
     generator: torch.Generator | None
@@ -40,7 +40,7 @@ def _adjusts(r: RowState) -> bool:
     """Whether `_adjust_logits` changes this row's logits: its conditions, or-ed (keep them in step)."""
     p = r.params
     return bool(
-        (p.repetition_penalty != 1.0 and r.seen_ids)
+        (p.repetition_penalty != 1.0 and (r.prompt_ids or r.output_ids))
         or ((p.frequency_penalty or p.presence_penalty) and r.output_ids)
         or p.logit_bias
         or (len(r.output_ids) < p.min_new_tokens and r.stop_ids)
@@ -61,8 +61,8 @@ def _adjust_logits(logits: torch.Tensor, rows: list[RowState]) -> None:
     masked_ids: list[int] = []
     for i, r in enumerate(rows):
         p = r.params
-        if p.repetition_penalty != 1.0 and r.seen_ids:
-            ids = torch.tensor(sorted(set(r.seen_ids)), device=device)
+        if p.repetition_penalty != 1.0 and (r.prompt_ids or r.output_ids):
+            ids = torch.tensor(sorted({*r.prompt_ids, *r.output_ids}), device=device)
             vals = logits[i, ids]
             logits[i, ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.frequency_penalty or p.presence_penalty) and r.output_ids:

@@ -89,9 +89,7 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(self.params.sampling_seed)
 
     def row_state(self) -> RowState:
-        return RowState(
-            self.params, self.input_ids + self.output_ids, self.output_ids, self.stop_ids, self.generator, self.grammar
-        )
+        return RowState(self.params, self.input_ids, self.output_ids, self.stop_ids, self.generator, self.grammar)
 
 
 @dataclass
@@ -310,9 +308,7 @@ class Scheduler:
         firsts = [(req, outputs[index]) for req, index, shared in admitted if self._start(req, outputs[index], shared)]
         if firsts:  # every admitted request's first token in one sampling call
             logits = torch.cat([out.logits[-1:] for _, out in firsts])
-            tokens, logprobs = sample(logits, [req.row_state() for req, _ in firsts])
-            for k, (req, _) in enumerate(firsts):
-                self._append(req, tokens[k], logprobs[k])
+            self._append_all([req for req, _ in firsts], logits)
         joined = [(req, outputs[index].slab) for req, index, _ in admitted if req.finish_reason is None]
         if joined:
             slabs = [slab for _, slab in joined]
@@ -393,9 +389,7 @@ class Scheduler:
         for i, r in enumerate(self.running):
             if r.wish.return_routed_experts:
                 r.routes.append(self.runner.decode_routes[i : i + 1])
-        tokens, logprobs = sample(logits, [r.row_state() for r in self.running])
-        for i, r in enumerate(self.running):
-            self._append(r, tokens[i], logprobs[i])
+        self._append_all(self.running, logits)
         self.last_gen_throughput = len(self.running) / max(time.monotonic() - t0, 1e-9)
         self._drop_finished()
 
@@ -408,18 +402,28 @@ class Scheduler:
 
     # ---- per-token bookkeeping ----------------------------------------------------------------
 
-    def _append(self, req: Sequence, token: int, logprobs: torch.Tensor) -> None:
+    def _append_all(self, reqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Samples the next token of each request (row k of `logits` is `reqs[k]`'s) and appends
+        it. The chosen tokens' logprobs are read in one gather: a row read per request cost
+        ~2.5 us each, 0.15 ms a step at 64 rows."""
+        tokens, logprobs = sample(logits, [r.row_state() for r in reqs])
+        chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+        for k, req in enumerate(reqs):
+            self._append(req, tokens[k], chosen[k], logprobs, k)
+
+    def _append(self, req: Sequence, token: int, logprob: float, logprobs: torch.Tensor, row: int) -> None:
+        """`token` and its `logprob`; row `row` of `logprobs` is its distribution (top logprobs)."""
         req.output_ids.append(token)
         req.versions.append(self.version_of(req.lora))
         if req.grammar is not None:
             req.grammar.accept_token(token)  # the mask allowed it, so the matcher takes it
         w = req.wish
         if w.return_logprob:
-            req.output_logprobs.append(float(logprobs[token]))
+            req.output_logprobs.append(logprob)
             if w.top_logprobs_num > 0:
-                req.output_top_logprobs.append(_top(logprobs, w.top_logprobs_num))
+                req.output_top_logprobs.append(_top(logprobs[row], w.top_logprobs_num))
             if w.token_ids_logprob:
-                req.output_ids_logprobs.append(_pick(logprobs, w.token_ids_logprob))
+                req.output_ids_logprobs.append(_pick(logprobs[row], w.token_ids_logprob))
         reason = self._finish_reason(req, token)
         if reason is not None:
             self._finish(req, reason)
