@@ -115,6 +115,14 @@ def metric_total(url: str, sample: str, **labels: str) -> float:
     )
 
 
+def process_exited(pid: int) -> bool:
+    """`pid` has exited: gone, or its main thread a zombie (its other threads may still be exiting;
+    `ServerProcess.exited` counts it as exited from there)."""
+    from slimish.processes import main_thread_exited
+
+    return main_thread_exited(pid) or not Path(f"/proc/{pid}").exists()
+
+
 def wait_for(predicate: Callable[[], bool], what: str = "the condition", timeout: float = 30.0) -> None:
     """Poll `predicate` with a bound (never a sleep standing in for synchronisation)."""
     deadline = time.monotonic() + timeout

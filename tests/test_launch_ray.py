@@ -12,13 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import assert_run_survives_an_engine_kill, generate, wait_for
+from helpers import assert_run_survives_an_engine_kill, generate, process_exited, wait_for
 
 ray = pytest.importorskip("ray")
 
 from slimish.launch.config import LaunchConfig  # noqa: E402
 from slimish.launch.ray_engines import ray_servers  # noqa: E402
-from slimish.processes import main_thread_exited  # noqa: E402
 from slimish.trainer.backend import WeightExport  # noqa: E402
 from slimish.trainer.config import WeightSyncConfig  # noqa: E402
 from slimish.trainer.weight_sync import WeightSync  # noqa: E402
@@ -71,8 +70,7 @@ def wait_exited(pid: int, timeout: float = 60.0) -> None:
     before that (the kernel closes a dying process's files first), and the kernel reaps it only
     once its last thread is gone, later still on a loaded machine: `restart_dead` counts it
     dead from the zombie on (`ServerProcess.exited`)."""
-    exited = lambda: main_thread_exited(pid) or not Path(f"/proc/{pid}").exists()  # noqa: E731
-    wait_for(exited, f"process {pid} to exit after SIGKILL", timeout)
+    wait_for(lambda: process_exited(pid), f"process {pid} to exit after SIGKILL", timeout)
 
 
 def wait_unreachable(url: str, timeout: float = 60.0) -> None:

@@ -8,14 +8,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_run_survives_an_engine_kill
+from helpers import assert_run_survives_an_engine_kill, process_exited, wait_for
 from test_lora_train import LORA
 from test_train_resume import GROUPS, _argv, _prompts, _trained
 
@@ -121,11 +120,6 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _gone(pid: int) -> bool:
-    status = Path(f"/proc/{pid}/status")
-    return not status.exists() or "\nState:\tZ" in status.read_text()
-
-
 @pytest.mark.slow
 def test_killed_during_a_lora_push_resumes_training_every_prompt_once(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Killed mid-push of step 2's adapter, the run's engine (blocked in the broadcast) and router
@@ -144,10 +138,8 @@ def test_killed_during_a_lora_push_resumes_training_every_prompt_once(tiny_model
     assert first.returncode == -9, first.stderr[-3000:]
     pids = [int(p) for p in children.read_text().split()]
     assert len(pids) == 2  # the engine and the router
-    deadline = time.monotonic() + 30
-    while not all(_gone(p) for p in pids):  # bounded: the parent-death signal reaches them at once
-        assert time.monotonic() < deadline, [p for p in pids if not _gone(p)]
-        time.sleep(0.1)
+    # The parent-death signal reaches them at once.
+    wait_for(lambda: all(process_exited(p) for p in pids), f"the run's engine and router {pids} to die with it", 30)
     assert sorted(p.name for p in checkpoint_dir(run_dir).iterdir()) == ["step_00000001"]
     second = subprocess.run([*argv, "--resume", "auto"], env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
