@@ -144,10 +144,11 @@ class Driver:
         """The push into the policy's engines, and only theirs (never the teacher's); with
         `policies`, one per policy (each its adapter); with `launch.colocate`, a version flip."""
         check_push_targets(engine_urls, self.teacher.engine_urls if self.teacher else [])
+        scratch = Path(self.cfg.run_dir) / "weights"  # pushes written to disk, when weight_sync.disk_dir is unset
         if self.cfg.policies:
             names = [p.name for p in self.cfg.policies]
             return PolicySyncs(
-                self.cfg.weight_sync, engine_urls, self.cfg.launch.api_key, names, self.servers.router_url
+                self.cfg.weight_sync, engine_urls, self.cfg.launch.api_key, names, self.servers.router_url, scratch
             )
         sync = WeightSync(
             self.cfg.weight_sync,
@@ -155,6 +156,7 @@ class Driver:
             self.cfg.launch.api_key,
             self.cfg.trainer.lora.adapter,
             self.servers.router_url,
+            scratch,
         )
         if self.cfg.launch.colocate and self.cfg.launch.engine_kind == "sglang":
             return SGLangColocatedSync(sync)

@@ -124,7 +124,9 @@ sys.exit(main(sys.argv[1:]))
 def test_killed_during_a_lora_push_resumes_training_every_prompt_once(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Killed mid-push of step 2's adapter, the run's engine (blocked in the broadcast) and router
     die with it; `--resume auto` starts new ones from step 1's checkpoint, whose first push loads
-    the adapter again, and trains step 2 again, every prompt once."""
+    the adapter again, and trains step 2 again, every prompt once. The adapter directory the
+    killed run wrote for its first load is in the run's own directory, which the resumed run
+    empties, then removes at its end (it was a temporary directory nothing removed)."""
     steps, data, run_dir, children = 3, _prompts(tmp_path / "prompts.jsonl", 50), tmp_path / "run", tmp_path / "pids"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     argv = _argv(tiny_model_dir, run_dir, data, f"steps={steps}", *LORA[:4])
@@ -141,7 +143,9 @@ def test_killed_during_a_lora_push_resumes_training_every_prompt_once(tiny_model
     # The parent-death signal reaches them at once.
     wait_for(lambda: all(process_exited(p) for p in pids), f"the run's engine and router {pids} to die with it", 30)
     assert sorted(p.name for p in checkpoint_dir(run_dir).iterdir()) == ["step_00000001"]
+    assert [p.name for p in (run_dir / "weights").iterdir()] == ["policy-0"]  # the killed run's
     second = subprocess.run([*argv, "--resume", "auto"], env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stderr
     _assert_every_prompt_once(run_dir, steps)
+    assert not (run_dir / "weights").exists()

@@ -202,6 +202,18 @@ def test_disk_transport(engines, tiny_model_dir, tiny_model_dir_other_seed, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weights-12"]  # the previous push is removed
 
 
+def test_a_runs_scratch_directory_is_emptied_at_its_first_push_and_removed_at_close(engines, tiny_model_dir, tmp_path):
+    """Unlike a temporary directory, a run's own (RUN_DIR/weights, train.py) is found again by
+    the next run there, which removes what a killed run left (a push it never cleaned up)."""
+    scratch = tmp_path / "run" / "weights"
+    (scratch / "weights-7").mkdir(parents=True)
+    (scratch / "weights-7" / "model.safetensors").write_bytes(b"a killed run's push")
+    with WeightSync(sync_config(transport="disk"), engines, scratch=scratch) as disk:
+        disk.push(WeightExport(hf_model(tiny_model_dir).named_parameters()), 8)
+        assert sorted(p.name for p in scratch.iterdir()) == ["weights-8"]
+    assert not scratch.exists() and (tmp_path / "run").is_dir()
+
+
 def test_a_push_takes_an_int_version_and_an_export_of_its_kind():
     """The version is an int inside slimish (a string only on SGLang's wire); an adapter export
     needs a WeightSync made for that adapter, an HF one a WeightSync made without: each refused

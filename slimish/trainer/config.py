@@ -406,7 +406,11 @@ class WeightSyncConfig:
         "(ray.util.get_node_ip_address, as slime).",
     )
     timeout_s: float = doc(600.0, "a broadcast or HTTP call that takes longer fails the push")
-    disk_dir: str | None = doc(None, "transport disk: where pushes are written (engines must see it); None: a temp dir")
+    disk_dir: str | None = doc(
+        None,
+        "transport disk (and a LoRA adapter's first load): where pushes are written (engines must see it); None: "
+        "RUN_DIR/weights, emptied when a run starts there and removed at its end",
+    )
 
     def __post_init__(self) -> None:
         one_of("weight_sync.transport", self.transport, TRANSPORTS)

@@ -140,9 +140,13 @@ class WeightSync:
         api_key: str | None = None,
         adapter: str | None = None,
         router_url: str | None = None,
+        scratch: Path | None = None,
     ) -> None:
         """`adapter`: the name the engines serve the run's adapter under (`trainer.lora`), which
-        its pushes need (an adapter `WeightExport`), created through `router_url`."""
+        its pushes need (an adapter `WeightExport`), created through `router_url`. `scratch`:
+        where pushes are written when `weight_sync.disk_dir` is unset (a run's own directory,
+        so that a killed run's files are found and removed by the next run there: emptied before
+        the first write); None: a temporary directory. Either is removed at close."""
         if not engine_urls:
             raise ValueError("engine_urls: weight sync needs at least one engine")
         if adapter is not None and router_url is None:
@@ -154,6 +158,7 @@ class WeightSync:
         self.wire_dtype = parse_dtype(cfg.dtype) if cfg.dtype else None
         self.backend = cfg.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.engines = EngineControl(self.urls, api_key, cfg.timeout_s, router_url)
+        self.scratch = scratch
         self.group: ProcessGroup | None = None  # the weight-update group, once connected
         self._buffers: dict[str, torch.Tensor] = {}  # per-name wire-dtype copies, reused across pushes
         self._flat: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2  # double buffer
@@ -374,9 +379,16 @@ class WeightSync:
         return payload
 
     def _disk_dir(self) -> Path:
-        """Where pushes are written (`weight_sync.disk_dir`, else a temporary directory)."""
+        """Where pushes are written: `weight_sync.disk_dir`, else `scratch` (emptied first), else
+        a temporary directory."""
         if self._disk_root is None:
-            self._disk_root = Path(self.cfg.disk_dir or tempfile.mkdtemp(prefix="slimish-weights-"))
+            if self.cfg.disk_dir:
+                self._disk_root = Path(self.cfg.disk_dir)
+            elif self.scratch is not None:
+                shutil.rmtree(self.scratch, ignore_errors=True)  # a killed run's pushes
+                self._disk_root = self.scratch
+            else:
+                self._disk_root = Path(tempfile.mkdtemp(prefix="slimish-weights-"))
             self._disk_root.mkdir(parents=True, exist_ok=True)
         return self._disk_root
 
@@ -425,9 +437,19 @@ class PolicySyncs:
     trainer's export, one `WeightExport` per policy, and pushes them one after the other."""
 
     def __init__(
-        self, cfg: WeightSyncConfig, engine_urls: list[str], api_key: str | None, policies: list[str], router_url: str
+        self,
+        cfg: WeightSyncConfig,
+        engine_urls: list[str],
+        api_key: str | None,
+        policies: list[str],
+        router_url: str,
+        scratch: Path | None = None,
     ) -> None:
-        self.syncs = {name: WeightSync(cfg, engine_urls, api_key, name, router_url) for name in policies}
+        """`scratch`: each policy writes in its own subdirectory of it (`WeightSync`)."""
+        self.syncs = {
+            name: WeightSync(cfg, engine_urls, api_key, name, router_url, scratch and scratch / name)
+            for name in policies
+        }
         self.urls = next(iter(self.syncs.values())).urls
 
     def connect(self) -> None:
