@@ -212,6 +212,8 @@ def test_a_runs_scratch_directory_is_emptied_at_its_first_push_and_removed_at_cl
         disk.push(WeightExport(hf_model(tiny_model_dir).named_parameters()), 8)
         assert sorted(p.name for p in scratch.iterdir()) == ["weights-8"]
     assert not scratch.exists() and (tmp_path / "run").is_dir()
+    with pytest.raises(ValueError, match=r"weight_sync.disk_dir: an empty path; leave it unset"):
+        WeightSyncConfig(disk_dir="")  # read as "unset" it was kept by close(), as a directory given
 
 
 def test_a_push_takes_an_int_version_and_an_export_of_its_kind():

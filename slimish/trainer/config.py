@@ -417,6 +417,8 @@ class WeightSyncConfig:
         one_of("weight_sync.pause_mode", self.pause_mode, PAUSE_MODES)
         if self.bucket_mb <= 0 or self.timeout_s <= 0:
             raise ValueError(f"weight_sync.bucket_mb and timeout_s must be > 0, got {self.bucket_mb}, {self.timeout_s}")
+        if self.disk_dir == "":
+            raise ValueError("weight_sync.disk_dir: an empty path; leave it unset (null) for RUN_DIR/weights")
 
 
 @dataclass

@@ -382,7 +382,7 @@ class WeightSync:
         """Where pushes are written: `weight_sync.disk_dir`, else `scratch` (emptied first), else
         a temporary directory."""
         if self._disk_root is None:
-            if self.cfg.disk_dir:
+            if self.cfg.disk_dir is not None:
                 self._disk_root = Path(self.cfg.disk_dir)
             elif self.scratch is not None:
                 shutil.rmtree(self.scratch, ignore_errors=True)  # a killed run's pushes
