@@ -32,14 +32,16 @@ Workloads (`--workloads`), both on the `max_digit` task from the same warm start
   A sync step waits for its longest response (TRL's `generate` pads every row to it), which is
   what async training and continuous batching are for.
 
-Printed per workload: mean seconds per step after `--warmup` steps (and each step's), the
-training reward per step of each (equal learning: the curves should look alike; a speed-up is
-worth nothing otherwise), mean response length and truncated share, slimish's speed-ups over
-TRL, and the best side against the workload's target (`TARGETS`). TRL's step time is taken from `on_step_begin` to `on_step_end` (generation, scoring, loss,
-backward, optimiser step; not its logging), slimish's from its `time/step` minus any checkpoint
-write, which TRL does not do here: both err in TRL's favour.
+Printed per workload: mean seconds per step after `--warmup` steps (and each step's), the training
+reward per step of each and its mean over the first and the last `TREND` steps (equal learning: the
+curves should look alike; a speed-up is worth nothing otherwise; ten steps of the tiny model are too
+few to tell a rise from noise on any side), mean response length and truncated share, slimish's
+speed-ups over TRL, and the best side against the workload's target (`TARGETS`). TRL's step time is
+taken from `on_step_begin` to `on_step_end` (generation, scoring, loss, backward, optimiser step;
+not its logging), slimish's from its `time/step` minus any checkpoint write, which TRL does not do
+here: both err in TRL's favour.
 
-    .venv/bin/python benchmarks/vs_trl.py                              # tiny llama, both workloads (~2 min on 2 cores)
+    .venv/bin/python benchmarks/vs_trl.py                              # tiny llama, both workloads (~5 min on 2 cores)
     .venv/bin/python benchmarks/vs_trl.py --steps 3 --warmup 1 --workloads fixed --sides trl sync
     .venv/bin/python benchmarks/vs_trl.py --model-size small --sft-steps 30 --steps 2 --warmup 1  # ~30M llama (~10 min)
 """
@@ -65,6 +67,7 @@ from slimish.types import Sample
 
 HERE = Path(__file__).resolve()
 TARGETS = {"fixed": 1.2, "long_tail": 2.0}  # slimish's best side at least this much faster than TRL
+TREND = 5  # steps averaged at each end of a reward curve: one step's 64 rewards are noise
 SIDES = ("sync", "colocated", "async", "trl")  # the order they run in; printed TRL first
 LABELS = {"trl": "TRL", "sync": "slimish sync", "colocated": "slimish colocated", "async": "slimish async"}
 # What each slimish side adds to the shared config. Async leaves its threads to the launch's CPU
@@ -302,6 +305,9 @@ def report(results: dict[str, Result], target: float) -> None:
     for side, r in results.items():
         print(f"  {LABELS[side]:14s} reward per step: {fmt(r.rewards, '.3f')}")
     for side, r in results.items():
+        first, last = statistics.mean(r.rewards[:TREND]), statistics.mean(r.rewards[-TREND:])
+        print(f"  {LABELS[side]:14s} reward, mean of the first and last {TREND} steps: {first:.3f} -> {last:.3f}")
+    for side, r in results.items():
         print(
             f"  {LABELS[side]:14s} response length {statistics.mean(r.lengths):5.1f}, "
             f"truncated {statistics.mean(r.truncated):.1%}  (per step: {fmt(r.lengths, '.0f')})"
@@ -319,7 +325,7 @@ def report(results: dict[str, Result], target: float) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=8, help="measured RL steps, after --warmup")
+    p.add_argument("--steps", type=int, default=28, help="measured RL steps, after --warmup")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument(
         "--threads",
