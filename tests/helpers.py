@@ -345,8 +345,17 @@ SHORT_QUICKSTART = (
 )
 
 
+# A sync run's trainer takes every usable core by default (trainer.cpu_threads), whatever
+# OMP_NUM_THREADS says: right for one run on a machine, not for `make test`'s two workers, each
+# running one. Two 2-thread trainers on 2 cores spin on each other's cores: two 40-step quickstart
+# runs at once took 170 s each with the default and 70 s with one thread (50 s for one run alone;
+# 2026-12-07).
+TRAINER_THREADS = "trainer.cpu_threads=1"
+
+
 def quickstart_argv(tmp_path: Path, *overrides: str, model: Path, config: str = "configs/quickstart.yaml") -> list[str]:
-    """The command line of a quickstart run in `tmp_path/run`, shortened by `overrides`."""
+    """The command line of a quickstart run in `tmp_path/run`, shortened by `overrides`. Its trainer
+    trains on one thread (`TRAINER_THREADS`) unless an override says otherwise."""
     return [
         sys.executable,
         "-m",
@@ -356,6 +365,7 @@ def quickstart_argv(tmp_path: Path, *overrides: str, model: Path, config: str = 
         f"model={model}",
         f"run_dir={tmp_path / 'run'}",
         "checkpoint.every=0",
+        TRAINER_THREADS,
         *overrides,
     ]
 

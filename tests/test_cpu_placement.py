@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, quickstart_argv
+from helpers import ROOT, TRAINER_THREADS, quickstart_argv
 
 from slimish.config import load_run_config
 from slimish.launch.cpus import CpuPlacement, Place, cpu_placement
@@ -163,7 +163,7 @@ def test_an_async_run_pins_its_engine_router_and_trainer_as_the_rule_says(tmp_pa
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(probe.read_text())
-    p = placement(usable_cpus(), *ASYNC)
+    p = placement(usable_cpus(), *ASYNC, TRAINER_THREADS)  # as quickstart_argv runs it
 
     def listed(place: Place) -> str:  # as /proc's Cpus_allowed_list writes it (contiguous here)
         return f"{place.cpus[0]}-{place.cpus[-1]}" if len(place.cpus) > 1 else str(place.cpus[0])

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, TRAINER_THREADS
 from transformers import AutoTokenizer
 
 from slimish.metrics import read_metrics
@@ -91,6 +91,7 @@ def test_pydantic_ai_agent_learns_a_toy_task_with_structured_output(tmp_path: Pa
         "steps=12",
         "eval.every=12",  # the assertions read the first and the last eval
         "checkpoint.every=0",
+        TRAINER_THREADS,
     ]
     done = subprocess.run(
         argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1400
