@@ -123,6 +123,27 @@ class SamplingParams(BaseModel):
         return [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex or [])
 
 
+# Fields that reshape the distribution a token is drawn from: penalties, bias, a grammar's mask,
+# the end token masked until `min_new_tokens`. SGLang's log-probs are those of the reshaped
+# distribution, so they are not the policy's, and the trainer takes pi_old from its own forward
+# for a sample drawn with any of them (`reshapes`; docs/training.md).
+RESHAPING_FIELDS = (
+    "min_new_tokens",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    *GRAMMAR_FIELDS,
+)
+
+
+def reshapes(sampling_params: dict[str, Any]) -> bool:
+    """Whether a request's sampling parameters move any of `RESHAPING_FIELDS` off its neutral
+    value (its default; an empty `logit_bias` too)."""
+    fields = SamplingParams.model_fields
+    return any(sampling_params.get(k) not in (None, {}, fields[k].default) for k in RESHAPING_FIELDS)
+
+
 class GenerateReqInput(_Strict):
     """Body of `POST /generate` (docs/protocol.md 1.1)."""
 

@@ -59,6 +59,9 @@ class GenerateResult:
     routed_experts: np.ndarray | None = field(default=None, repr=False)
     routes_start: int = 0
     policy: str | None = None  # the run's policy that sampled it (`policies`, docs/policies.md)
+    # Sampled with parameters that reshape the distribution (`protocol.reshapes`): `logprobs`
+    # are the reshaped distribution's, not the policy's.
+    reshaped: bool = False
 
 
 def reply_routes(meta: MetaInfo, shape: tuple[int, int]) -> np.ndarray | None:
@@ -86,6 +89,10 @@ class Sample:
     response_length: int = 0
     loss_mask: list[int] = field(default_factory=list)  # one per response token
     rollout_logprobs: list[float] = field(default_factory=list)  # one per response token (0.0 where mask 0)
+    # Some response tokens were drawn from a reshaped distribution (penalties, bias, a grammar,
+    # `min_new_tokens`: `protocol.reshapes`), so `rollout_logprobs` are not the policy's there:
+    # the trainer takes this sample's pi_old from its own forward instead.
+    reshaped: bool = False
     # On-policy distillation (algorithm.opd): the teacher's log-probs of the response tokens, one
     # per token as `rollout_logprobs` and at the same temperature; None until the teacher scored it.
     teacher_logprobs: list[float] | None = None
@@ -144,12 +151,14 @@ class Sample:
         routes: np.ndarray | None = None,
         routes_start: int = 0,
         policy: str | None = None,
+        reshaped: bool = False,
     ) -> None:
         """Tokens the policy generated: trained on (mask 1), with the engine's logprobs and the
         weight version that made them (one per token when they span a weight update); `policy`: the
         name of the run's policy that made them (`token_policies`). `routes`:
         the reply's routed experts, rows from token `routes_start` to the last one fed forward
-        (the reply was for this sample's tokens); merged by `add_routes`."""
+        (the reply was for this sample's tokens); merged by `add_routes`. `reshaped`: drawn
+        with reshaping sampling parameters (`GenerateResult.reshaped`), marks the sample."""
         where = f"sample {self.group_id}/{self.index}"
         if len(ids) != len(logprobs):
             raise ValueError(f"{where}: {len(ids)} ids but {len(logprobs)} logprobs")
@@ -166,6 +175,7 @@ class Sample:
                 )
             merged = self._merged_routes(routes, routes_start, end)
         self._append(ids, [1] * len(ids), list(logprobs), [-1 if v is None else v for v in versions], policy)
+        self.reshaped = self.reshaped or (reshaped and bool(ids))
         if merged is not None:
             self.routed_experts = merged
 

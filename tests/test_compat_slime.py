@@ -191,6 +191,19 @@ def test_replies_align_only_with_trained_tokens() -> None:
         )
 
 
+def test_a_reply_to_reshaping_sampling_is_marked() -> None:
+    """A slime function's request with reshaping sampling (here `min_new_tokens`) gets log-probs
+    that are not pi_old: its reply is marked, and so is the sample copied back from it."""
+    reply = {
+        "output_ids": [7],
+        "meta_info": {"output_token_logprobs": [[-0.5, 7, None]], "finish_reason": {"type": "stop"}},
+    }
+    call = calls.Call(ctx=None, record=True)
+    call.observe({"input_ids": [1, 2], "sampling_params": {"temperature": 1.0}}, reply)
+    call.observe({"input_ids": [1, 2, 7], "sampling_params": [{"min_new_tokens": 1}]}, reply)
+    assert [r.reshaped for r in call.replies] == [False, True]
+
+
 # ---- through `slimish rollout` ------------------------------------------------------------------
 
 

@@ -15,6 +15,8 @@ import torch
 from helpers import post
 from transformers import AutoModelForCausalLM
 
+from slimish.protocol import RESHAPING_FIELDS, reshapes
+
 GENERATE_ONLY = True  # the `engine` fixture is the session's shared one (conftest.py): these tests only generate
 PROMPT = [5, 17, 42, 99, 7]
 REGEX = r"(yes|no|maybe)-[0-9]{2,3}"
@@ -225,3 +227,29 @@ def test_model_card_profiling_and_501s(engine, tmp_path):
         "/update_weights_from_distributed"
         in httpx.post(engine + "/update_weights_from_tensor", json={}).json()["error"]["message"]
     )
+
+
+def test_reshapes_names_the_sampling_that_moves_the_distribution() -> None:
+    """`protocol.reshapes`: the requests whose log-probs are not the policy's (`Sample.reshaped`)."""
+    neutral = {
+        "min_new_tokens": 0,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "logit_bias": {},
+        "regex": None,
+    }
+    assert not reshapes({"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.1, "stop": ["x"], **neutral})
+    moved = {
+        "min_new_tokens": 4,
+        "frequency_penalty": 0.5,
+        "presence_penalty": -0.1,
+        "repetition_penalty": 1.1,
+        "logit_bias": {"7": 2.0},
+        "json_schema": "{}",
+        "regex": "a",
+        "ebnf": 'root ::= "a"',
+        "structural_tag": "{}",
+    }
+    assert set(moved) == set(RESHAPING_FIELDS)
+    for field, value in moved.items():
+        assert reshapes({**neutral, field: value}), field

@@ -63,10 +63,12 @@ def hf_prompt(tok: Any, messages: list[dict[str, Any]], tools: list[dict[str, An
 
 
 def captured(gateway: Gateway, session: str, tok: Any, tools: list[dict[str, Any]] | None) -> Sample:
-    """The session's one sample: HF's rendering of what was sent, then model ids only (mask 1)."""
+    """The session's one sample: HF's rendering of what was sent, then model ids only (mask 1),
+    marked as drawn under a grammar (its log-probs are not pi_old: `Sample.reshaped`)."""
     (s,) = gateway.pop_samples(session, TEMPLATE)
     assert s.tokens[: s.prompt_length] == hf_prompt(tok, MESSAGES, tools)
     assert s.loss_mask == [1] * (len(s.tokens) - s.prompt_length) and s.loss_mask
+    assert s.reshaped
     return s
 
 

@@ -141,6 +141,7 @@ def test_tool_agent_sample_is_engine_ids_interleaved_with_tool_ids(
         assert s.loss_mask == [1] * len(call_ids) + [0] * len(tool_ids) + [1] * len(answer_ids)
         assert s.rollout_logprobs == pytest.approx(call_lps + [0.0] * len(tool_ids) + answer_lps, abs=1e-4)
         assert s.status == SampleStatus.COMPLETED and s.reward == 1.0 and s.weight_versions == [0]
+        assert not s.reshaped  # plain sampling: the engine's log-probs are pi_old
     assert "51" in tok.decode(tool_ids)
 
 
@@ -174,6 +175,7 @@ def test_chat_closes_a_cut_off_turn_and_records_a_user_turn_with_mask_0(
         assert s.tokens == prompt + first + env + second
         assert s.loss_mask == [1] * 5 + [0] * len(env) + [1] * len(second)
         assert s.rollout_logprobs == pytest.approx(first_lps + [0.0] * len(env) + second_lps, abs=1e-4)
+        assert s.reshaped  # the first turn masked the end token (min_new_tokens): pi_old is the trainer's
 
 
 async def edits_history(ctx: RolloutContext, sample: Sample) -> Sample:

@@ -256,6 +256,63 @@ def test_recomputed_old_logprobs_and_kl_in_reward(tiny_model_dir):
     assert metrics["train/kl"] == pytest.approx(0.0, abs=1e-7)
 
 
+def separate_passes(trainer: TorchTrainer) -> list[int]:
+    """Records the size of every `logprobs` pass the trainer makes outside its updates."""
+    calls: list[int] = []
+    forward = trainer.logprobs
+
+    def counted(samples, model=None):
+        calls.append(len(samples))
+        return forward(samples, model)
+
+    trainer.logprobs = counted
+    return calls
+
+
+def test_pi_old_from_the_first_update_is_the_separate_pass_without_it(tiny_model_dir):
+    """With one update per step, recomputed pi_old is the update's own forward, detached: no
+    separate pass, and the same gradient as with the pass (forced here for the comparison)."""
+    grads, passes = [], []
+    for separate in (False, True):
+        trainer = TorchTrainer(config(tiny_model_dir, "algorithm.recompute_old_logprobs=true"))
+        groups = with_rollout_logprobs(trainer, make_groups(5), noise=0.2, seed=5)
+        if separate:
+            trainer._old_from_first_update = lambda updates: False
+        optimizer_step = trainer._optimizer_step
+
+        def recorded(optimizer, trainer=trainer, optimizer_step=optimizer_step):
+            grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+            return optimizer_step(optimizer)
+
+        trainer._optimizer_step = recorded
+        calls = separate_passes(trainer)
+        metrics = trainer.train_step(groups, 1)
+        passes.append(len(calls))
+        assert metrics["train/ratio"] == pytest.approx(1.0, abs=1e-6) and metrics["train/clip_frac"] == 0.0
+        assert 0.1 < metrics["train/mismatch"] < 0.25  # measured by the pass, or by the update's forward
+    assert passes == [0, 1]
+    assert_close(grads[0], grads[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("updates", [1, 2])
+def test_reshaped_samples_take_pi_old_from_the_trainer(tiny_model_dir, updates):
+    """A sample drawn from a reshaped distribution (`Sample.reshaped`: min_new_tokens, penalties,
+    a grammar) has log-probs that are not the policy's: its pi_old is the trainer's, with
+    recompute_old_logprobs off. One update: the update's own forward (ratio exactly 1 where the
+    engine's noise otherwise clips); two: a separate pass, made only when a sample is reshaped."""
+    for reshaped in (False, True):
+        trainer = TorchTrainer(config(tiny_model_dir, f"trainer.updates_per_step={updates}"))
+        groups = with_rollout_logprobs(trainer, make_groups(5), noise=0.2, seed=5)
+        for s in (s for g in groups for s in g):
+            s.reshaped = reshaped
+        calls = separate_passes(trainer)
+        metrics = trainer.train_step(groups, 1)
+        assert len(calls) == (updates > 1 and reshaped)
+        if updates == 1:
+            assert (metrics["train/clip_frac"] == 0.0) == reshaped, metrics["train/clip_frac"]
+            assert (metrics["train/ratio"] == pytest.approx(1.0, abs=1e-6)) == reshaped
+
+
 def test_ragged_groups_and_bad_input(tiny_model_dir):
     trainer = TorchTrainer(config(tiny_model_dir))
     groups = with_rollout_logprobs(trainer, make_groups(6), 0.0, 6)

@@ -54,7 +54,7 @@ from slimish.gateway.config import GatewayConfig
 from slimish.gateway.protocols import anthropic, openai_chat, openai_responses
 from slimish.gateway.trajectory import TrajectoryTree
 from slimish.gateway.turns import SessionLimit, TurnRequest, TurnResult
-from slimish.protocol import GenerateResponse
+from slimish.protocol import GenerateResponse, reshapes
 from slimish.serving import document_bodies
 from slimish.types import Sample, reply_routes
 
@@ -273,6 +273,7 @@ class Gateway:
             reason,
             rows,
             start,
+            reshapes(params),
         )
         if self.sessions.get(session_id) is tree:  # not collected or expired while it generated
             self.held += len(turn.ids)

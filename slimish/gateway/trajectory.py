@@ -56,6 +56,7 @@ class Turn:
     # The engine's routes (algorithm.routing_replay=r3): rows of `ids` from token `routes_start`.
     routes: np.ndarray | None = field(default=None, repr=False)
     routes_start: int = 0
+    reshaped: bool = False  # sampled with reshaping parameters (`protocol.reshapes`): not the policy's logprobs
 
     @property
     def ids(self) -> list[int]:
@@ -138,6 +139,7 @@ class TrajectoryTree:
         finish_reason: str,
         routes: np.ndarray | None = None,
         routes_start: int = 0,
+        reshaped: bool = False,
     ) -> Turn:
         turn = Turn(
             at.parent,
@@ -154,6 +156,7 @@ class TrajectoryTree:
             finish_reason,
             routes=routes,
             routes_start=routes_start,
+            reshaped=reshaped,
         )
         if at.parent is not None:
             at.parent.children.append(turn)
@@ -210,6 +213,7 @@ class TrajectoryTree:
                     turn.logprobs[done:keep],
                     turn.versions[done:keep] or None,
                     policy=policy,
+                    reshaped=turn.reshaped,
                 )
                 trained[i] = max(trained.get(i, 0), keep)
                 if turn.routes is not None:  # up to the last kept id fed forward: a realigned reply's rest is not ours

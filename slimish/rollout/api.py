@@ -29,7 +29,7 @@ from slimish.formats.model import ModelFormat
 from slimish.formats.tokens import ChatTokens, same_message
 from slimish.gateway.server import Gateway
 from slimish.moe import replay_shape
-from slimish.protocol import GenerateResponse, version_number
+from slimish.protocol import GenerateResponse, reshapes, version_number
 from slimish.rollout.teacher import Teacher
 from slimish.types import GenerateResult, Sample, SampleStatus, reply_routes, status_of
 
@@ -313,7 +313,7 @@ class RolloutContext:
             **routes,
         )
         assert isinstance(out, GenerateResponse)
-        return replace(to_result(out, shape, start), policy=policy)
+        return replace(to_result(out, shape, start), policy=policy, reshaped=reshapes(params))
 
     def _routes_held(self, input_ids: list[int]) -> int:
         """Where the routes a request asks for start: after the rows `ctx.sample` holds already
@@ -439,6 +439,7 @@ class RolloutContext:
             result.routed_experts,
             result.routes_start,
             result.policy,
+            result.reshaped,
         )
         sample.status = status_of(result.finish_reason)
 

@@ -167,22 +167,7 @@ class Trainer(Backend):
         # mismatch is the engine's numerics alone, the rest's includes the policy's drift.
         fresh = [float(group_version([s]) >= step - 1) for s in samples]
 
-        old = {i: self._rollout_logprobs(samples[i]) for i in mine}
-        if algo.recompute_old_logprobs:
-            with self._route_pass(measure=True, record=algo.routing_replay == "r2"):
-                recomputed = dict(zip(mine, self.logprobs([samples[i] for i in mine])))
-            rows = [samples[i] for i in mine]
-            ours, theirs, mask = (
-                self._pad([recomputed[i] for i in mine]),
-                self._pad([self._rollout_logprobs(s) for s in rows]),
-                self._pad([self._mask(s) for s in rows]),
-            )
-            measured = mismatch(ours, theirs, mask, [fresh[i] for i in mine])
-            if algo.true_on_policy:
-                check_exact(ours, theirs, mask)
-            for key, value in measured.items():
-                stats[key] += float(value)
-            old = recomputed
+        old, apart = self._old_logprobs(samples, mine, len(minis), fresh, stats)
         ref = None
         if algo.kl_coef > 0:
             if self.ref is None:  # the initial policy: the one this first RL step starts from
@@ -215,8 +200,53 @@ class Trainer(Backend):
             teacher = {i: self._teacher_logprobs(samples[i]) for i in mine}
             if not algo.opd.task_reward:  # pure distillation: the teacher's signal alone
                 advantages = torch.zeros_like(advantages)
-        return Batch(
-            samples, minis, shares, trajectory, fresh, old, ref, teacher, advantages, raw_rewards, stats, **critic
+        parts = (samples, minis, shares, trajectory, fresh, old, ref, teacher, advantages, raw_rewards, stats, apart)
+        return Batch(*parts, **critic)
+
+    def _old_logprobs(
+        self, samples: list[Sample], mine: list[int], updates: int, fresh: list[float], stats: dict[str, float]
+    ) -> tuple[dict[int, Tensor | None], bool]:
+        """pi_old of this rank's samples: the engine's log-probs, or the trainer's own for every
+        sample with recompute_old_logprobs and for those drawn from a reshaped distribution
+        (`Sample.reshaped`). The trainer's are the first update's forward where
+        `_old_from_first_update` allows (None here), else a pass of their own, which measures the
+        mismatch into `stats`; and whether that pass ran."""
+        algo = self.cfg.algorithm
+        old: dict[int, Tensor | None] = {i: self._rollout_logprobs(samples[i]) for i in mine}
+        own = [i for i in mine if algo.recompute_old_logprobs or samples[i].reshaped]
+        if self._old_from_first_update(updates):
+            return {**old, **dict.fromkeys(own)}, False
+        if not algo.recompute_old_logprobs and not self._all_reduce(
+            torch.tensor([float(len(own))], device=self.device)
+        ):
+            return old, False
+        # every rank runs the pass (expert parallelism's all-to-all needs them all in a forward)
+        with self._route_pass(measure=True, record=algo.routing_replay == "r2"):
+            recomputed = dict(zip(mine, self.logprobs([samples[i] for i in mine])))
+        rows = [samples[i] for i in mine]
+        ours, theirs, mask = (
+            self._pad([recomputed[i] for i in mine]),
+            self._pad([self._rollout_logprobs(s) for s in rows]),
+            self._pad([self._mask(s) for s in rows]),
+        )
+        measured = mismatch(ours, theirs, mask, [fresh[i] for i in mine])
+        if algo.true_on_policy:
+            check_exact(ours, theirs, mask)
+        for key, value in measured.items():
+            stats[key] += float(value)
+        return {**old, **{i: recomputed[i] for i in own}}, True
+
+    def _old_from_first_update(self, updates: int) -> bool:
+        """Whether pi_old, where the trainer's, can be the first update's own log-probs (detached):
+        the same weights and tokens as a separate pass, so the same values, one forward fewer
+        (TRL's GRPO with one iteration does the same). Only with one update per step, and where
+        nothing reads pi_old before the loss: the KL in the reward, GAE's, R2's recorded routes."""
+        algo = self.cfg.algorithm
+        return (
+            updates == 1
+            and algo.advantage != "gae"
+            and not (algo.kl_in_reward and algo.kl_coef > 0)
+            and algo.routing_replay != "r2"
         )
 
     def _gae(
@@ -293,7 +323,7 @@ class Trainer(Backend):
             pooled: dict[int, int] = {}  # a trajectory's trained tokens in this update, for the trajectory reduction
             for i in mini:
                 pooled[trajectory[i]] = pooled.get(trajectory[i], 0) + sum(samples[i].train_mask)
-            measure = u == 0 and not algo.recompute_old_logprobs  # weights still the rollout's
+            measure = u == 0 and not b.old_apart  # weights still the rollout's
 
             def loss_fn(idx: list[int], logprobs: Tensor, entropy: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
                 batch = [samples[i] for i in idx]
@@ -303,7 +333,10 @@ class Trainer(Backend):
                 advantages = advantages.to(self.device)
                 rollout = self._pad([self._rollout_logprobs(s) for s in batch])
                 mask = self._pad([self._mask(s) for s in batch])
-                old = self._pad([b.old[i] for i in idx])
+                old = self._pad([rollout_row if b.old[i] is None else b.old[i] for i, rollout_row in zip(idx, rollout)])
+                own = torch.tensor([b.old[i] is None for i in idx], device=self.device)
+                if own.any():  # pi_old is this forward's (`_old_from_first_update`): ratio 1, in value
+                    old = torch.where(own[:, None], logprobs.detach().to(old.dtype), old)
                 if b.teacher is not None:  # on-policy distillation: per-token advantages
                     log_ratio = teacher_log_ratio(old, self._pad([b.teacher[i] for i in idx]), mask)
                     advantages = opd_advantages(advantages, log_ratio, algo.opd.coef)

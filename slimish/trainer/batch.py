@@ -53,12 +53,15 @@ class Batch:
     shares: list[list[int]]  # this rank's part of each update
     trajectory: list[int]  # each sample's trajectory
     fresh: list[float]  # 1 where made by the weights this step starts from
-    old: dict[int, Tensor]  # this rank's samples: the log-probs the ratio is taken against
+    # This rank's samples: the log-probs the ratio is taken against; None: the first update's own
+    # forward's (`Trainer._old_from_first_update`).
+    old: dict[int, Tensor | None]
     ref: dict[int, Tensor] | None  # and the reference policy's, with KL on
     teacher: dict[int, Tensor] | None  # and the teacher's, with on-policy distillation on
     advantages: Tensor  # the task advantage: [B], or [B, R] per token (gae)
     raw_rewards: Tensor  # before KL in the reward, for the metrics
     stats: dict[str, float]  # summed loss statistics, this rank's
+    old_apart: bool = False  # pi_old taken by a pass of its own, which measured the mismatch
     values: Tensor | None = None  # gae: the critic's values [B, R] before the updates
     returns: Tensor | None = None  # gae: what the critic is trained towards [B, R]
     critic_only: bool = False  # critic.warmup_steps: this step trains the critic alone

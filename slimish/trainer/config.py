@@ -122,7 +122,11 @@ class AlgorithmConfig:
     )
     tis_cap: float | None = doc(None, "truncated importance sampling against rollout logprobs")
     mis_cap: float | None = doc(None, "masked importance sampling: tokens whose weight exceeds it are dropped")
-    recompute_old_logprobs: bool = doc(False, "else the rollout's logprobs are the old policy")
+    recompute_old_logprobs: bool = doc(
+        False,
+        "pi_old from the trainer for every sample; else the rollout's logprobs, except for samples drawn from a "
+        "reshaped distribution (Sample.reshaped). Free with one update per step: the update's own forward",
+    )
     true_on_policy: bool = doc(
         False,
         "Rollout and trainer log-probs equal bit for bit (docs/true-on-policy.md): the engines run "

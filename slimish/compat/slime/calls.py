@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from slimish.protocol import ROUTING_KEY_HEADER, version_number
+from slimish.protocol import ROUTING_KEY_HEADER, reshapes, version_number
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class Reply:
     logprobs: list[float] | None  # one per output id; None when the reply had none
     versions: list[int]  # per output id
     finish_reason: str
+    reshaped: bool = False  # its request's sampling reshaped the distribution (`protocol.reshapes`)
 
 
 @dataclass
@@ -57,6 +58,8 @@ class Call:
             inputs = body["text"] if isinstance(body["text"], list) else [body["text"]]
         else:
             inputs = []
+        params = body.get("sampling_params") or {}
+        reshaped = any(reshapes(p) for p in (params if isinstance(params, list) else [params]) if isinstance(p, dict))
         for i, item in enumerate(items):
             if not isinstance(item, dict) or not isinstance(item.get("meta_info"), dict):
                 continue
@@ -67,7 +70,7 @@ class Call:
                 if isinstance(given, str)
                 else (list(given) if given is not None else None)
             )
-            self.replies.append(_parse_reply(item, engine_ids))
+            self.replies.append(_parse_reply(item, engine_ids, reshaped))
 
     def _engine_ids(self, text: str, meta: dict[str, Any]) -> list[int]:
         """The ids the engine made of re-sent text (its tokenizer, as the engine calls it), and
@@ -89,7 +92,7 @@ class Call:
         return ids
 
 
-def _parse_reply(item: dict[str, Any], input_ids: list[int] | None) -> Reply:
+def _parse_reply(item: dict[str, Any], input_ids: list[int] | None, reshaped: bool) -> Reply:
     meta = item["meta_info"]
     pairs = meta.get("output_token_logprobs") or []
     output_ids = (
@@ -103,7 +106,7 @@ def _parse_reply(item: dict[str, Any], input_ids: list[int] | None) -> Reply:
         versions = per_token
     finish = meta.get("finish_reason")
     finish_type = finish.get("type", "abort") if isinstance(finish, dict) else "abort"
-    return Reply(input_ids, output_ids, logprobs, versions, finish_type)
+    return Reply(input_ids, output_ids, logprobs, versions, finish_type, reshaped)
 
 
 _CALL: contextvars.ContextVar[Call | None] = contextvars.ContextVar("slimish_slime_call", default=None)

@@ -120,6 +120,7 @@ def copy_back(ctx: Any, done: Any, target: Sample, replies: list[Reply], name: s
         ordered = ordered or [version_number(v) for v in getattr(done, "weight_versions", None) or []]
         versions = spread_versions(mask, ordered)
     target.token_versions = versions
+    target.reshaped = any(r.reshaped for r in replies)  # pi_old from the trainer (docs/training.md)
     target.status, target.error = _status(where, done, replies), None
     if target.status == SampleStatus.FAILED:
         target.error = str(done.metadata.get("error") or f"{where} set Sample.Status.FAILED")
