@@ -50,6 +50,7 @@ GROUPS = {
     "linear": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
     "attention": (
         "aten::bmm",
+        "aten::baddbmm",  # the scores, with the mask added (slimish/engine/attention.py)
         "aten::_softmax",
         "aten::masked_fill_",
         "aten::logical_not",
