@@ -88,8 +88,8 @@ SHARED = [
     "rollout.n_samples_per_prompt=8",
     "rollout.rollout_batch_size=8",  # prompts per step
     "rollout.temperature=1.0",
-    # lr 3e-4: the reward rose on every side of both 30-step runs tried (2026-12-07, two seeds,
-    # both workloads: 16 of 16 side-runs, by 0.06-0.16 from the first 5 steps to the last 5). At
+    # lr 3e-4: the reward rose on every side of the three 30-step runs tried (2026-12-07, two seeds,
+    # both workloads: 24 of 24 side-runs, by 0.06-0.18 from the first 5 steps to the last 5). At
     # the quickstart's 1e-3 it stayed flat or fell on 3 of 16, and a sync run at 16 prompts
     # collapsed (entropy 0.45 -> 2.3 in six steps, then no \boxed{} at all, reward 0 for good);
     # benchmarks/README.md.

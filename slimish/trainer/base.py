@@ -223,11 +223,10 @@ class Trainer(Backend):
         # every rank runs the pass (expert parallelism's all-to-all needs them all in a forward)
         with self._route_pass(measure=True, record=algo.routing_replay == "r2"):
             recomputed = dict(zip(mine, self.logprobs([samples[i] for i in mine])))
-        rows = [samples[i] for i in mine]
         ours, theirs, mask = (
             self._pad([recomputed[i] for i in mine]),
-            self._pad([self._rollout_logprobs(s) for s in rows]),
-            self._pad([self._mask(s) for s in rows]),
+            self._pad([old[i] for i in mine]),  # the engine's, as yet
+            self._pad([self._mask(samples[i]) for i in mine]),
         )
         measured = mismatch(ours, theirs, mask, [fresh[i] for i in mine])
         if algo.true_on_policy:
@@ -333,10 +332,10 @@ class Trainer(Backend):
                 advantages = advantages.to(self.device)
                 rollout = self._pad([self._rollout_logprobs(s) for s in batch])
                 mask = self._pad([self._mask(s) for s in batch])
-                old = self._pad([rollout_row if b.old[i] is None else b.old[i] for i, rollout_row in zip(idx, rollout)])
-                own = torch.tensor([b.old[i] is None for i in idx], device=self.device)
-                if own.any():  # pi_old is this forward's (`_old_from_first_update`): ratio 1, in value
-                    old = torch.where(own[:, None], logprobs.detach().to(old.dtype), old)
+                # None: pi_old is this forward's (`_old_from_first_update`), ratio 1 in value
+                old = self._pad(
+                    [logprobs[row].detach().float() if b.old[i] is None else b.old[i] for row, i in enumerate(idx)]
+                )
                 if b.teacher is not None:  # on-policy distillation: per-token advantages
                     log_ratio = teacher_log_ratio(old, self._pad([b.teacher[i] for i in idx]), mask)
                     advantages = opd_advantages(advantages, log_ratio, algo.opd.coef)
