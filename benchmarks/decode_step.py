@@ -11,7 +11,9 @@ interleaved with the steps (`--rounds`), so that drifting load hits both alike:
                 step runs them: the weights cycle out of cache; the faster of `F.linear` (MKL)
                 and the packed oneDNN kernel the engine uses (slimish/engine/packed.py);
   KV          - each layer's K and V streamed once at the steps' mean context by two batched
-                matmuls over contiguous [B x kv_heads, context, head_dim] buffers.
+                matmuls over contiguous buffers: the scores q K^T over [B x kv_heads, context,
+                head_dim], then the faster of P V over V in that layout and V^T P^T over V
+                stored transposed (the engine's, slimish/engine/attention.py).
 The step over their sum is the ratio the engine is judged by (benchmarks/README.md). The decode
 FLOP rate (2 x parameters x rows per step) is printed against the fp32 GEMM rate of the same
 process at [B, hidden] x [hidden, intermediate]. `--profile` adds the split of the profiled time
@@ -118,20 +120,26 @@ def projection_seconds(model: PreTrainedModel, rows: int, kernel: str, calls: in
 
 def kv_seconds(model: PreTrainedModel, rows: int, context: int, calls: int = 3) -> float:
     """CPU seconds to stream every layer's K and V once at `context`: the two batched matmuls of a
-    one-token query, over contiguous [rows x kv_heads, context, head_dim] buffers (no mask, no softmax)."""
+    one-token query over contiguous buffers (no mask, no softmax), V in whichever of its two
+    layouts streams faster."""
     cfg = model.config
     heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    keys = [torch.randn(rows * kv, context, d) for _ in range(cfg.num_hidden_layers)]
-    values = [torch.randn(rows * kv, context, d) for _ in range(cfg.num_hidden_layers)]
-    query = torch.randn(rows * kv, heads // kv, d)
+    d, n = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, rows * kv
+    keys = [torch.randn(n, context, d) for _ in range(cfg.num_hidden_layers)]
+    values = [torch.randn(n, context, d) for _ in range(cfg.num_hidden_layers)]  # [n, context, d]: P V
+    transposed = [torch.randn(n, d, context) for _ in range(cfg.num_hidden_layers)]  # V^T: V^T P^T
+    query = torch.randn(n, heads // kv, d)
 
-    def once() -> None:
+    def plain() -> None:
         for k, v in zip(keys, values):
             torch.bmm(torch.bmm(query, k.transpose(1, 2)), v)
 
-    once()
-    return cpu_time(once, calls)
+    def stored_transposed() -> None:
+        for k, v in zip(keys, transposed):
+            torch.bmm(v, torch.bmm(query, k.transpose(1, 2)).transpose(1, 2))
+
+    plain(), stored_transposed()
+    return min(cpu_time(plain, calls), cpu_time(stored_transposed, calls))
 
 
 @dataclass

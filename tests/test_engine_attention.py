@@ -2,7 +2,9 @@
 
 A left-padded batch (rows of different lengths, so the mask matters) decodes a few steps under
 each backend; every step's logits must match a full forward of each row's whole sequence
-without a cache, and the two backends must agree with each other.
+without a cache, and the two backends must agree with each other. The running batch's slab,
+whose views span its whole capacity (runner.KVSlab), keeps that as rows join and leave, and
+gives a request the same bits whatever capacity earlier batches left.
 """
 
 from __future__ import annotations
@@ -54,3 +56,60 @@ def test_matmul_decode_matches_hf_and_sdpa(fixture: str, request: pytest.Fixture
 def test_config_refuses_unknown_backend() -> None:
     with pytest.raises(ValueError, match=r"engine\.decode_attention_backend must be one of sdpa, matmul"):
         EngineConfig(model="unused", decode_attention_backend="flashinfer")
+
+
+def test_rows_that_join_and_leave_decode_as_alone(tiny_model_dir: Path) -> None:
+    """The running batch's views span every column of its capacity (`KVSlab.decoding`): columns
+    that a row which left, or a cut of common padding, leaves behind must stay masked for the rows
+    that stay or take its place. Each step's logits are checked against the row's full forward."""
+    model = load_model(str(tiny_model_dir), "float32", torch.device("cpu"))
+    reference = load_model(str(tiny_model_dir), "float32", torch.device("cpu"))
+    runner, batch, seqs = Runner(model, 4, None), KVBatch(model), []
+
+    def join(prompts: list[list[int]]) -> None:
+        pre = [runner.prefill(p, None, ()) for p in prompts]
+        batch.add([o.slab for o in pre], [len(p) for p in prompts])
+        seqs.extend([*p, int(o.logits[-1].argmax())] for p, o in zip(prompts, pre))
+
+    def decode(steps: int) -> None:
+        for _ in range(steps):
+            logits = runner.decode(batch, [s[-1] for s in seqs])
+            with torch.inference_mode():
+                for seq, row in zip(seqs, logits):
+                    assert torch.allclose(row, reference(input_ids=torch.tensor([seq])).logits[0, -1], atol=1e-4)
+                    seq.append(int(row.argmax()))
+
+    join([list(range(5, 25)), [30, 31, 32], [60, 61, 62, 63]])
+    decode(3)
+    batch.keep([1])  # the long row leaves, and 17 columns of padding with it; rows 1 and 2 stay behind
+    seqs[:] = [seqs[1]]
+    decode(2)
+    join([[40, 41], [50, 51, 52, 53, 54, 55, 56, 57]])  # into rows 1 and 2, as many as the slab has
+    decode(20)  # past the column capacity the batch started with: it grows
+    batch.keep([2, 0])
+    seqs[:] = [seqs[2], seqs[0]]
+    decode(2)
+
+
+def test_logits_do_not_depend_on_the_capacity_earlier_batches_left(tiny_model_dir: Path) -> None:
+    """The same rows decode to the same bits in a fresh batch and in one whose columns an earlier,
+    longer batch grew (its views span them all, masked): a request's logprobs are reproducible."""
+    model = load_model(str(tiny_model_dir), "float32", torch.device("cpu"))
+    runner = Runner(model, 4, None)
+
+    def decode(batch: KVBatch, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+        pre = [runner.prefill(p, None, ()) for p in prompts]
+        batch.add([o.slab for o in pre], [len(p) for p in prompts])
+        tokens, out = [int(o.logits[-1].argmax()) for o in pre], []
+        for _ in range(steps):
+            out.append(runner.decode(batch, tokens))
+            tokens = [int(t) for t in out[-1].argmax(-1)]
+        batch.keep([])
+        return out
+
+    fresh = decode(KVBatch(model), PROMPTS, 6)
+    used = KVBatch(model)
+    decode(used, [list(range(5, 105))], 50)
+    assert used.slab.mask.shape[1] >= 150
+    again = decode(used, PROMPTS, 6)
+    assert all(torch.equal(a, b) for a, b in zip(fresh, again))

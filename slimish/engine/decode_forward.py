@@ -40,8 +40,8 @@ def decode_forward(
     model: PreTrainedModel, layers: list, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """Next-token logits [rows, vocab] of `tokens` [rows, 1] at `positions` [rows, 1]; `layers` are
-    the KV cache's (their `update` writes the new column and returns the live K and V), `mask` the
-    boolean [rows, 1, 1, columns] attention mask."""
+    the KV cache's (their `update` writes the new column and returns K and V as the slab views
+    them), `mask` the boolean [rows, 1, 1, columns] attention mask over those columns."""
     inner, rows = model.model, tokens.shape[0]
     h = inner.embed_tokens.forward(tokens)
     cos, sin = (t.unsqueeze(1) for t in inner.rotary_emb(h, positions))

@@ -1,7 +1,8 @@
 """Model forward for the built-in engine: prefill one request, decode the whole running batch.
 
 KV lives in preallocated buffers (`KVSlab`) that forwards write in place; they grow
-geometrically, so a decode step writes one column instead of copying the whole cache.
+geometrically, so a decode step writes one column instead of copying the whole cache. The running
+batch's buffers are laid out for its decode steps (`KVSlab.decoding`).
 
 The running batch is left-padded: row i's real tokens are the last `lens[i]` columns, earlier
 columns are hidden by the attention mask. A request that joins is prefilled alone (no padding,
@@ -66,9 +67,18 @@ def load_model(path: str, dtype: str, device: torch.device) -> PreTrainedModel:
     return model
 
 
-def _grown(need: int, have: int) -> int:
-    """Capacity for `need` given `have`: unchanged if it fits, else at least doubled."""
-    return have if need <= have else max(need, 2 * have)
+# A decoding slab's columns grow by 1/8 of their capacity, in whole multiples of 16 columns. 1/8:
+# the masked columns a step streams past `width` stay under ~1/8 of its work, and a growth (a copy
+# of the slab) comes every ~width/8 steps. Multiples of 16: the attention's products (`attend`)
+# give the same bits over any multiple of 16 columns, masked ones included (measured), so a row's
+# logits do not depend on the capacity that earlier batches left (tests/test_engine_attention.py).
+DECODE_GROWTH, DECODE_COLUMNS = 1 / 8, 16
+
+
+def _grown(need: int, have: int, share: float = 1.0, least: int = 0) -> int:
+    """Capacity for `need` given `have`: unchanged if it fits, else grown by at least `share` of
+    `have` and by `least`."""
+    return have if need <= have else max(need, have + max(int(have * share), least))
 
 
 class _SlabLayer(DynamicLayer):
@@ -97,9 +107,17 @@ class KVSlab:
     """K and V of every layer as [rows, kv_heads, columns, head_dim] buffers, plus a 0/1 column
     mask: the live region is `rows` x `width`. A forward writes its new columns at `width` in place
     (through `cache`, an HF cache whose layers are views of the slab); `advance` then moves
-    `width` on. Capacity grows geometrically, so decode copies nothing per step."""
+    `width` on. Capacity grows geometrically, so decode copies nothing per step.
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    A `decoding` slab (the running batch's, which only decode steps read) is laid out for them, as
+    measured in benchmarks/README.md ("decode near its roofline"): its views span every column of
+    its capacity, masked past `width` (0 in `mask`), so that the [columns, head_dim] matrices a
+    step streams lie back to back in memory (views that end at `width` leave a gap after each,
+    and stream ~25% slower); its columns grow by DECODE_GROWTH rather than doubling; and V is
+    stored transposed, [rows, kv_heads, head_dim, columns] (the views are the same shape), which
+    the attention's second product reads ~1.5x faster (`attend`)."""
+
+    def __init__(self, model: PreTrainedModel, decoding: bool = False) -> None:
         cfg = model.config
         probe = DynamicCache(config=cfg)
         if any(type(layer) is not DynamicLayer for layer in probe.layers):
@@ -109,34 +127,47 @@ class KVSlab:
             )
         self.heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.dtype, self.device = model.dtype, model.device
+        self.dtype, self.device, self.decoding = model.dtype, model.device, decoding
         self.rows = self.width = 0
         self.keys: list[torch.Tensor] = [self._empty(0, 0) for _ in probe.layers]
-        self.values: list[torch.Tensor] = [self._empty(0, 0) for _ in probe.layers]
+        self.values: list[torch.Tensor] = [self._empty(0, 0, values=True) for _ in probe.layers]
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         self.cache = probe
         self.cache.layers = [_SlabLayer(self, i) for i in range(len(probe.layers))]
 
-    def _empty(self, rows: int, cols: int) -> torch.Tensor:
+    def _empty(self, rows: int, cols: int, values: bool = False) -> torch.Tensor:
         # zeros, not empty: padding columns are masked, but 0 * NaN garbage would still be NaN
+        if values and self.decoding:
+            buf = torch.zeros(rows, self.heads, self.head_dim, cols, dtype=self.dtype, device=self.device)
+            return buf.transpose(2, 3)
         return torch.zeros(rows, self.heads, cols, self.head_dim, dtype=self.dtype, device=self.device)
 
+    def columns(self, width: int) -> int:
+        """The columns a view spans when `width` are live: all of them when `decoding`."""
+        return self.mask.shape[1] if self.decoding else width
+
     def live(self, layer: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        w = self.width if width is None else width
+        w = self.columns(self.width if width is None else width)
         return self.keys[layer][: self.rows, :, :w], self.values[layer][: self.rows, :, :w]
 
     def reserve(self, rows: int, cols: int, exact: bool = False) -> None:
         """Room for `rows` x `cols`, keeping the live region; `exact` allocates no more than asked
         (a prefill knows its length, and its strides then depend on nothing else)."""
         have_rows, have_cols = self.mask.shape
-        new_rows, new_cols = (rows, cols) if exact else (_grown(rows, have_rows), _grown(cols, have_cols))
+        if exact:
+            new_rows, new_cols = rows, cols
+        elif self.decoding:
+            grown = _grown(cols, have_cols, DECODE_GROWTH, DECODE_COLUMNS)
+            new_rows, new_cols = _grown(rows, have_rows), -(-grown // DECODE_COLUMNS) * DECODE_COLUMNS
+        else:
+            new_rows, new_cols = _grown(rows, have_rows), _grown(cols, have_cols)
         if new_rows <= have_rows and new_cols <= have_cols:
             return
         new_rows, new_cols = max(new_rows, have_rows), max(new_cols, have_cols)
         r, w = self.rows, self.width
         for bufs in (self.keys, self.values):
             for i, old in enumerate(bufs):
-                bufs[i] = self._empty(new_rows, new_cols)
+                bufs[i] = self._empty(new_rows, new_cols, values=bufs is self.values)
                 bufs[i][:r, :, :w] = old[:r, :, :w]
         mask = torch.zeros(new_rows, new_cols, dtype=torch.long, device=self.device)
         mask[:r, :w] = self.mask[:r, :w]
@@ -159,7 +190,7 @@ class KVBatch:
     """The left-padded KV cache and attention mask of the running batch."""
 
     def __init__(self, model: PreTrainedModel) -> None:
-        self.slab = KVSlab(model)
+        self.slab = KVSlab(model, decoding=True)
         self.lens: list[int] = []
 
     def __len__(self) -> int:
@@ -186,7 +217,7 @@ class KVBatch:
             for dst, part in ((s.keys, src.keys), (s.values, src.values)):
                 for buf, src_buf in zip(dst, part):
                     buf[row, :, pad:new_width] = src_buf[0, :, :length]
-            s.mask[row, :pad] = 0
+            s.mask[row] = 0  # a dropped row's columns past new_width too: a decoding slab's views span them
             s.mask[row, pad:new_width] = 1
         s.rows, s.width = n + len(lens), new_width
         self.lens += lens
@@ -202,6 +233,7 @@ class KVBatch:
             for buf in (*s.keys, *s.values):
                 buf[: len(rows), :, :width] = buf[index, :, start : s.width]
             s.mask[: len(rows), :width] = s.mask[index, start : s.width]
+            s.mask[: len(rows), width:] = 0  # masked again: the slab's views span them
         s.rows, s.width = len(rows), s.width - start
 
 
@@ -418,7 +450,7 @@ class Runner:
         ids = torch.tensor(tokens, device=device).unsqueeze(1)
         positions = torch.tensor(batch.lens, device=device).unsqueeze(1)
         # 4D, so HF passes it through instead of building one per step (attention.py)
-        mask = s.mask[: s.rows, None, None, : s.width + 1].bool()
+        mask = s.mask[: s.rows, None, None, : s.columns(s.width + 1)].bool()
         if self.own_decode and not any(adapters or ()):  # no adapter row: LoRA's hooks would add nothing
             logits = decode_forward(self.model, s.cache.layers, ids, positions, mask)
         else:
