@@ -1,4 +1,5 @@
-"""The engine's fast paths compute what the general ones do (benchmarks/README.md, "decode near its roofline").
+"""The engine's fast paths compute what the general ones do (benchmarks/README.md, "Decode
+against its roofline, and batched prefill").
 
 - `decode_forward` (the llama family's own decode loop) gives HF's forward's logits bit for bit,
   step after step on a left-padded batch, and writes the same KV;
