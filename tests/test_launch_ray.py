@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -53,14 +54,18 @@ def hf_params(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
 
 
 def engine_pid(url: str) -> int:
-    """The engine process serving `url` (on this machine: the cluster is local)."""
-    port = url.rsplit(":", 1)[1]
+    """The engine process serving `url` (on this machine: the cluster is local), by its `--host`
+    and `--port` both: another test's engine may listen on the same port of another address
+    (127.0.0.1), and a match on the port alone once killed that one and left this one serving."""
+    where = urlsplit(url)
+    want = {b"--host": where.hostname.encode(), b"--port": str(where.port).encode()}
     for proc in Path("/proc").iterdir():
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"slimish.cli" in argv and b"engine" in argv and port.encode() in argv:
+        flags = dict(zip(argv, argv[1:]))
+        if b"slimish.cli" in argv and b"engine" in argv and all(flags.get(k) == v for k, v in want.items()):
             return int(proc.name)
     raise AssertionError(f"no engine process for {url}")
 
