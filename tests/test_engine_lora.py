@@ -370,8 +370,9 @@ def test_pushed_adapter_tensors_are_served_exactly_and_versioned_alone(
     assert_matches(replies[3], PROMPTS[3], reference(tiny_model_dir, adapter_dirs["a1"]))
 
 
-def test_refused_adapter_pushes_name_the_problem(lora_engine):
-    """Refused before any receive (the trainer has not broadcast): nothing changes."""
+def test_refused_adapter_pushes_name_the_problem(lora_engine, group):
+    """Refused before any receive (the trainer has not broadcast): nothing changes. The group
+    exists (else the engine refuses for that first, whatever the adapter)."""
     name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     cases = [
         ({"lora_name": "nope", "names": [name], "shapes": [[4, 64]]}, "lora_name: lora adapter 'nope' is not loaded"),

@@ -55,20 +55,32 @@ def peft_config(model: torch.nn.Module, lora: LoraConfig) -> Any:
     from peft import LoraConfig as PeftLoraConfig
 
     targets, experts = list(lora.target_modules), expert_targets(model, lora)
-    # a linear that an earlier adapter already wraps (a PEFT layer over its `base_layer`) still counts
-    linear = {
-        name.rsplit(".", 1)[-1]
-        for name, m in model.named_modules()
-        if isinstance(getattr(m, "base_layer", m), torch.nn.Linear)
-    }
+    if experts:  # an expert projection stays a module target only where a linear bears its name (a shared expert)
+        targets = [t for t in targets if t not in EXPERT_PROJECTIONS] + shared_expert_linears(model, targets)
     return PeftLoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        # an expert projection stays a module target only where a linear bears its name (a shared expert)
-        target_modules=[t for t in targets if t not in EXPERT_PROJECTIONS or t in linear],
+        target_modules=targets,
         target_parameters=experts or None,
         task_type="CAUSAL_LM",
+    )
+
+
+def shared_expert_linears(model: torch.nn.Module, targets: list[str]) -> list[str]:
+    """The linears bearing an expert projection's name in `targets`, named with their parent
+    (`shared_expert.gate_proj`). Named bare, gate_proj and up_proj on a MoE whose experts
+    transformers 5 fused (qwen2_moe, mixtral) are taken by PEFT (0.22 on) for a transformers 4
+    adapter's and rewritten into the fused experts at rank 2r: a different adapter from the one
+    this trainer exports and the engines serve."""
+    wanted = set(targets) & set(EXPERT_PROJECTIONS)
+    return sorted(
+        {
+            ".".join(name.split(".")[-2:])
+            for name, m in model.named_modules()
+            # a linear that an earlier adapter already wraps (a PEFT layer over its `base_layer`) still counts
+            if isinstance(getattr(m, "base_layer", m), torch.nn.Linear) and name.rsplit(".", 1)[-1] in wanted
+        }
     )
 
 
