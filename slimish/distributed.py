@@ -19,9 +19,16 @@ from torch.distributed import distributed_c10d as c10d
 ProcessGroup = dist.ProcessGroup
 
 
+def master_store(host: str, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """Rank 0's TCP store, listening from now on a port the OS picks (`.port`), for the other
+    ranks to be told: a port only picked free and bound later can be taken meanwhile by another
+    process, whose server the other ranks would then meet."""
+    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+
+
 def init_custom_process_group(
     backend: str,
-    init_method: str,
+    init_method: str | dist.TCPStore,
     world_size: int,
     rank: int,
     group_name: str,
@@ -31,19 +38,25 @@ def init_custom_process_group(
 
     It needs no default process group. The store keys are `group_name`-prefixed exactly as in
     SGLang, which is what makes the two sides' rendezvous meet: a plain `init_process_group`
-    prefixes them differently and waits forever. Rank 0 hosts the TCP store.
+    prefixes them differently and waits forever. Rank 0 hosts the TCP store: it passes the one
+    `master_store` made, or `tcp://HOST:PORT` for a store hosted there.
     """
     if not dist.is_backend_available(backend):
         raise ValueError(f"backend {backend!r} is not available in this torch build (on CPU use 'gloo')")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     timeout = timeout or c10d.default_pg_timeout
-    url = urlparse(init_method)
-    if url.scheme != "tcp" or url.hostname is None or url.port is None:
-        raise ValueError(f"init_method must be tcp://HOST:PORT, got {init_method!r}")
-    # The store built here, not by `dist.rendezvous`: under torchrun (TORCHELASTIC_USE_AGENT_STORE)
-    # that would make rank 0 a client of a store nobody hosts, and the group would never form.
-    store = dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    if isinstance(init_method, dist.TCPStore):
+        store = init_method
+    else:
+        url = urlparse(init_method)
+        if url.scheme != "tcp" or url.hostname is None or url.port is None:
+            raise ValueError(f"init_method must be tcp://HOST:PORT, got {init_method!r}")
+        # The store built here, not by `dist.rendezvous`: under torchrun (TORCHELASTIC_USE_AGENT_STORE)
+        # that would make rank 0 a client of a store nobody hosts, and the group would never form.
+        store = dist.TCPStore(
+            url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True
+        )
     store = dist.PrefixStore(group_name, store)
     # An empty rank list makes torch build it like a default group: this process is a member
     # with the given rank, whether or not a default group exists.

@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM
 from helpers import running_engines, running_router
 from slimish.client import Client, ServerError
 from slimish.engine.config import EngineConfig
-from slimish.distributed import init_custom_process_group
+from slimish.distributed import init_custom_process_group, master_store
 from slimish.engine.lora import AdapterError, AdapterRef, LoraManager, read_adapter
 from slimish.moe import PER_EXPERT, fused_experts
 from slimish.net import free_port
@@ -286,10 +286,10 @@ def test_slots_are_reused_least_recently_used_never_from_a_running_row(tiny_mode
 
 def join_group(url: str, name: str) -> torch.distributed.ProcessGroup:
     """This process as rank 0 of a 2-rank gloo group with the engine."""
-    port = free_port()
+    store = master_store("127.0.0.1", 2, timedelta(seconds=60))
     body = {
         "master_address": "127.0.0.1",
-        "master_port": port,
+        "master_port": store.port,
         "rank_offset": 1,
         "world_size": 2,
         "group_name": name,
@@ -298,7 +298,7 @@ def join_group(url: str, name: str) -> torch.distributed.ProcessGroup:
     reply: dict = {}
     joiner = threading.Thread(target=lambda: reply.update(post(url, "/init_weights_update_group", body).json()))
     joiner.start()
-    group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, name, timedelta(seconds=60))
+    group = init_custom_process_group("gloo", store, 2, 0, name, timedelta(seconds=60))
     joiner.join(WAIT_S)
     assert reply.get("success"), reply
     return group

@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from slimish.client import Client, ServerError
-from slimish.distributed import ProcessGroup, init_custom_process_group
+from slimish.distributed import ProcessGroup, init_custom_process_group, master_store
 from slimish.loop_thread import LoopThread
-from slimish.net import free_port
 from slimish.protocol import InitWeightsUpdateGroupReq, wire_version
 
 T = TypeVar("T")
@@ -107,11 +106,11 @@ class EngineControl:
                 )
         tp = [int(info.get("tp_size", 1)) for info in infos]
         world = 1 + sum(tp)
-        port = free_port(master_address)
+        store = master_store(master_address, world, timedelta(seconds=self.timeout))
         reqs = [
             InitWeightsUpdateGroupReq(
                 master_address=master_address,
-                master_port=port,
+                master_port=store.port,
                 rank_offset=1 + sum(tp[:e]),
                 world_size=world,
                 group_name=group_name,
@@ -122,8 +121,8 @@ class EngineControl:
         # The engines block in their init until rank 0 joins, so join while their calls are in
         # flight; on a thread, so that an engine refusing at once fails this at once.
         joined = self.start(lambda c, r: c.init_weights_update_group(r), reqs)
-        address, timeout = f"tcp://{master_address}:{port}", timedelta(seconds=self.timeout)
-        group = in_thread(init_custom_process_group, backend, address, world, 0, group_name, timeout)
+        timeout = timedelta(seconds=self.timeout)
+        group = in_thread(init_custom_process_group, backend, store, world, 0, group_name, timeout)
         self.check(self.wait(joined), "/init_weights_update_group")
         return group.result(timeout=self.timeout)
 

@@ -45,7 +45,6 @@ from megatron_bridge.hf_io import save_hf
 from megatron_bridge.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_bridge.model import build_model, load_hf_weights
 from megatron_bridge.weights import export_hf
-from slimish.net import free_port
 from slimish.trainer.backend import LossFn, lr_factor
 from slimish.trainer.base import Trainer
 from slimish.trainer.batch import micro_batches, response_index
@@ -76,7 +75,7 @@ def _init_world() -> None:
     """Megatron needs a process group: a plain `python -m slimish.train` is a world of one."""
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # no port to race for
 
 
 def _init_model_parallel(tp: int, pp: int, ep: int, world: int) -> None:
