@@ -7,12 +7,14 @@ STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast bench lock clean
 
-$(STAMP): pyproject.toml
+# constraints.txt pins every package the suite last passed with (`make lock` writes it), so a
+# release made since does not change what `make test` tests.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
 	$(BIN)/pip install -q --no-deps "tinker-cookbook==0.6.1"  # its tml-renderers pin is not on PyPI (pyproject.toml)
 	touch $(STAMP)
 
@@ -40,6 +42,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/rollout_throughput.py
 	$(BIN)/python benchmarks/weight_sync.py
 	$(BIN)/python benchmarks/vs_trl.py
+
+# After upgrading a package in .venv and a green `make test`: pin what is installed now.
+lock:
+	echo "# make lock: the versions make test last passed with (torch: the Makefile's pin)" > constraints.txt
+	$(BIN)/pip freeze --exclude-editable | grep -v '^torch==' >> constraints.txt
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
