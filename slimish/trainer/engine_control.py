@@ -106,7 +106,8 @@ class EngineControl:
                 )
         tp = [int(info.get("tp_size", 1)) for info in infos]
         world = 1 + sum(tp)
-        store = master_store(master_address, world, timedelta(seconds=self.timeout))
+        timeout = timedelta(seconds=self.timeout)
+        store = master_store(master_address, world, timeout)
         reqs = [
             InitWeightsUpdateGroupReq(
                 master_address=master_address,
@@ -121,7 +122,6 @@ class EngineControl:
         # The engines block in their init until rank 0 joins, so join while their calls are in
         # flight; on a thread, so that an engine refusing at once fails this at once.
         joined = self.start(lambda c, r: c.init_weights_update_group(r), reqs)
-        timeout = timedelta(seconds=self.timeout)
         group = in_thread(init_custom_process_group, backend, store, world, 0, group_name, timeout)
         self.check(self.wait(joined), "/init_weights_update_group")
         return group.result(timeout=self.timeout)
