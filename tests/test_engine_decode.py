@@ -5,8 +5,9 @@ against its roofline, and batched prefill").
   step after step on a left-padded batch, and writes the same KV;
 - `Runner.prefill_many` (requests of one page schedule in one forward per page) gives every request the KV and logits it gets alone, bit for bit, with cache hits,
   a request that waits for an earlier one's page, and prompt logprobs among them;
-- packed linear weights (packed.py) follow a weight load: `flush_cache`, which every load calls,
-  drops them, and the next forward computes with the new weights.
+- packed linear weights (packed.py), the decode loop's fused ones too, follow a weight load:
+  `flush_cache`, which every load calls, drops them, and the next forward computes with the new
+  weights.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ def test_prefill_many_gives_each_request_its_own_prefill(tiny_model_dir: Path) -
 def test_packed_weights_follow_a_weight_load(tiny_model_dir: Path, tiny_model_dir_other_seed: Path) -> None:
     model = load_model(str(tiny_model_dir), "float32", torch.device("cpu"))
     runner = Runner(model, PAGE, None)
-    assert runner.packed is not None
+    assert runner.packed is not None and runner.own_decode
     before = runner.prefill(PROMPTS[0], None, ()).logits
+    decoded_before = _decode_once(runner)  # packs the fused q/k/v and gate/up weights too
     other = load_model(str(tiny_model_dir_other_seed), "float32", torch.device("cpu"))
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -90,3 +92,13 @@ def test_packed_weights_follow_a_weight_load(tiny_model_dir: Path, tiny_model_di
     expected = Runner(other, PAGE, None, cpu_packed_linear=False).prefill(PROMPTS[0], None, ()).logits
     assert not torch.allclose(after, before)
     torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-5)
+    decoded = _decode_once(runner)
+    assert not torch.allclose(decoded, decoded_before)
+    assert torch.equal(decoded, _decode_once(Runner(other, PAGE, None)))  # both packed: the same kernels
+
+
+def _decode_once(runner: Runner) -> torch.Tensor:
+    """The logits of one decode step after `PROMPTS[0]` (the llama family's own decode loop)."""
+    batch, pre = KVBatch(runner.model), runner.prefill(PROMPTS[0], None, ())
+    batch.add([pre.slab], [len(PROMPTS[0])])
+    return runner.decode(batch, [int(pre.logits[-1].argmax())])

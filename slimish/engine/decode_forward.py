@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from slimish.engine.attention import attend, decode_bias
+from slimish.engine.packed import PackedLinears
 
 FAMILIES = ("llama", "qwen2", "qwen3")  # decoder layers alike: RMSNorm, rotary, GQA, SiLU-gated MLP
 
@@ -36,12 +37,26 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
 
+def _project(packed: PackedLinears | None, modules: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> tuple:
+    """`modules`' outputs on `x`: one GEMM for all on packed weights, else one each (fusing
+    unpacked weights would take a concatenated copy of them, which a colocated engine must not)."""
+    if packed is not None:
+        return packed.fused(modules, x)
+    return tuple(m.forward(x) for m in modules)
+
+
 def decode_forward(
-    model: PreTrainedModel, layers: list, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    model: PreTrainedModel,
+    layers: list,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    packed: PackedLinears | None = None,
 ) -> torch.Tensor:
     """Next-token logits [rows, vocab] of `tokens` [rows, 1] at `positions` [rows, 1]; `layers` are
     the KV cache's (their `update` writes the new column and returns K and V as the slab views
-    them), `mask` the boolean [rows, 1, 1, columns] attention mask over those columns."""
+    them), `mask` the boolean [rows, 1, 1, columns] attention mask over those columns; `packed`:
+    the model's packed linears, whose `fused` then runs q, k, v and gate, up as one GEMM each."""
     inner, rows = model.model, tokens.shape[0]
     h = inner.embed_tokens.forward(tokens)
     cos, sin = (t.unsqueeze(1) for t in inner.rotary_emb(h, positions))
@@ -52,13 +67,15 @@ def decode_forward(
         attn, mlp = layer.self_attn, layer.mlp
         x = _rms_norm(layer.input_layernorm, h)
         shape = (rows, 1, -1, attn.head_dim)
-        q, k = attn.q_proj.forward(x).view(shape), attn.k_proj.forward(x).view(shape)
+        q, k, v = (t.view(shape) for t in _project(packed, (attn.q_proj, attn.k_proj, attn.v_proj), x))
         if hasattr(attn, "q_norm"):  # qwen3
             q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
-        v = attn.v_proj.forward(x).view(shape).transpose(1, 2)
-        keys, values = cache.update(_rotate(k.transpose(1, 2), cos, sin), v)
-        out = attend(_rotate(q.transpose(1, 2), cos, sin), keys, values, bias, attn.scaling)
+        heads = q.shape[2]
+        qk = _rotate(torch.cat((q, k), dim=2).transpose(1, 2), cos, sin)  # all heads at once: element-wise
+        keys, values = cache.update(qk[:, heads:], v.transpose(1, 2))
+        out = attend(qk[:, :heads], keys, values, bias, attn.scaling)
         h.add_(attn.o_proj.forward(out.view(rows, 1, -1)))  # in place: the residual's own tensor
         x = _rms_norm(layer.post_attention_layernorm, h)
-        h.add_(mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(x)).mul_(mlp.up_proj.forward(x))))
+        gate, up = _project(packed, (mlp.gate_proj, mlp.up_proj), x)
+        h.add_(mlp.down_proj.forward(mlp.act_fn(gate).mul_(up)))
     return model.lm_head.forward(_rms_norm(inner.norm, h)[:, -1, :])

@@ -452,7 +452,7 @@ class Runner:
         # 4D, so HF passes it through instead of building one per step (attention.py)
         mask = s.mask[: s.rows, None, None, : s.columns(s.width + 1)].bool()
         if self.own_decode and not any(adapters or ()):  # no adapter row: LoRA's hooks would add nothing
-            logits = decode_forward(self.model, s.cache.layers, ids, positions, mask)
+            logits = decode_forward(self.model, s.cache.layers, ids, positions, mask, self.packed)
         else:
             with self._adapters(adapters):
                 out = self.model(
