@@ -106,7 +106,7 @@ class DecodeBench:
         return self.scheduler.batch.width
 
     def growth_summary(self) -> str:
-        capacity = self.scheduler.batch.slab.mask.shape[1]
+        capacity = self.scheduler.batch.slab.capacity[1]
         return (
             f"a fresh engine's growth of the slab to {capacity} columns: {self.growth * 1e3:.1f} ms, once per "
             f"~{capacity // 8} steps at this width (runner.DECODE_GROWTH): {self.growth / (capacity / 8) * 1e3:.1f} "

@@ -104,16 +104,16 @@ class _SlabLayer(DynamicLayer):
 
 
 class KVSlab:
-    """K and V of every layer as [rows, kv_heads, columns, head_dim] buffers, plus a 0/1 column
-    mask: the live region is `rows` x `width`. A forward writes its new columns at `width` in place
-    (through `cache`, an HF cache whose layers are views of the slab); `advance` then moves
-    `width` on. Capacity grows geometrically, so decode copies nothing per step.
+    """K and V of every layer as [rows, kv_heads, columns, head_dim] buffers: the live region is
+    `rows` x `width`. A forward writes its new columns at `width` in place (through `cache`, an HF
+    cache whose layers are views of the slab); `advance` then moves `width` on. Capacity grows
+    geometrically, so decode copies nothing per step.
 
     A `decoding` slab (the running batch's, which only decode steps read) is laid out for them, as
     measured in benchmarks/README.md ("The running batch's slab laid out for decode"): its views
-    span every column of its capacity, masked past `width` (0 in `mask`), so that the [columns,
-    head_dim] matrices a step streams lie back to back in memory (views that end at `width` leave
-    a gap after each, and stream 25-37% slower); its columns grow by DECODE_GROWTH rather than
+    span every column of its capacity, masked past `width` (`KVBatch.attention_mask`), so that the
+    [columns, head_dim] matrices a step streams lie back to back in memory (views that end at
+    `width` leave a gap after each, and stream 25-37% slower); its columns grow by DECODE_GROWTH rather than
     doubling; and V is stored transposed, [rows, kv_heads, head_dim, columns] (the views are the
     same shape), which the attention's second product reads 1.6-2x faster (`attend`)."""
 
@@ -131,7 +131,6 @@ class KVSlab:
         self.rows = self.width = 0
         self.keys: list[torch.Tensor] = [self._empty(0, 0) for _ in probe.layers]
         self.values: list[torch.Tensor] = [self._empty(0, 0, values=True) for _ in probe.layers]
-        self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         self.cache = probe
         self.cache.layers = [_SlabLayer(self, i) for i in range(len(probe.layers))]
 
@@ -142,9 +141,14 @@ class KVSlab:
             return buf.transpose(2, 3)
         return torch.zeros(rows, self.heads, cols, self.head_dim, dtype=self.dtype, device=self.device)
 
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """The rows and columns the buffers hold."""
+        return self.keys[0].shape[0], self.keys[0].shape[2]
+
     def columns(self, width: int) -> int:
         """The columns a view spans when `width` are live: all of them when `decoding`."""
-        return self.mask.shape[1] if self.decoding else width
+        return self.capacity[1] if self.decoding else width
 
     def live(self, layer: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.columns(self.width if width is None else width)
@@ -153,7 +157,7 @@ class KVSlab:
     def reserve(self, rows: int, cols: int, exact: bool = False) -> None:
         """Room for `rows` x `cols`, keeping the live region; `exact` allocates no more than asked
         (a prefill knows its length, and its strides then depend on nothing else)."""
-        have_rows, have_cols = self.mask.shape
+        have_rows, have_cols = self.capacity
         if exact:
             new_rows, new_cols = rows, cols
         elif self.decoding:
@@ -169,25 +173,21 @@ class KVSlab:
             for i, old in enumerate(bufs):
                 bufs[i] = self._empty(new_rows, new_cols, values=bufs is self.values)
                 bufs[i][:r, :, :w] = old[:r, :, :w]
-        mask = torch.zeros(new_rows, new_cols, dtype=torch.long, device=self.device)
-        mask[:r, :w] = self.mask[:r, :w]
-        self.mask = mask
 
     def row(self, i: int) -> KVSlab:
         """Row `i` as a one-row slab sharing this one's memory, to be read (a batched prefill's
         requests each take theirs); its `cache` still writes to the whole slab."""
         view = copy.copy(self)
         view.keys, view.values = [k[i : i + 1] for k in self.keys], [v[i : i + 1] for v in self.values]
-        view.mask, view.rows = self.mask[i : i + 1], 1
+        view.rows = 1
         return view
 
     def advance(self, columns: int) -> None:
-        self.mask[: self.rows, self.width : self.width + columns] = 1
         self.width += columns
 
 
 class KVBatch:
-    """The left-padded KV cache and attention mask of the running batch."""
+    """The left-padded KV cache of the running batch: row i's `lens[i]` columns end at `width`."""
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.slab = KVSlab(model, decoding=True)
@@ -200,6 +200,14 @@ class KVBatch:
     def width(self) -> int:
         return self.slab.width
 
+    def attention_mask(self, lens: torch.Tensor) -> torch.Tensor:
+        """The next decode step's mask [rows, 1, 1, columns] (True: attend; 4D, so HF passes it
+        through instead of building one per step, attention.py): each row's `lens` columns, which
+        end at `width`, and the new one at `width`, over every column the slab's views span."""
+        s = self.slab
+        cols = torch.arange(s.columns(s.width + 1), device=s.device)
+        return ((cols >= s.width - lens[:, None]) & (cols <= s.width))[:, None, None, :]
+
     @torch.inference_mode()
     def add(self, sources: list["KVSlab"], lens: list[int]) -> None:
         """Append prefilled single-row slabs (their first `lens[i]` columns) as new rows."""
@@ -210,15 +218,11 @@ class KVBatch:
             shift = new_width - width
             for buf in (*s.keys, *s.values):
                 buf[:n, :, shift:new_width] = buf[:n, :, :width].clone()
-            s.mask[:n, shift:new_width] = s.mask[:n, :width].clone()
-            s.mask[:n, :shift] = 0
         for j, (src, length) in enumerate(zip(sources, lens)):
             row, pad = n + j, new_width - length
             for dst, part in ((s.keys, src.keys), (s.values, src.values)):
                 for buf, src_buf in zip(dst, part):
                     buf[row, :, pad:new_width] = src_buf[0, :, :length]
-            s.mask[row] = 0  # a dropped row's columns past new_width too: a decoding slab's views span them
-            s.mask[row, pad:new_width] = 1
         s.rows, s.width = n + len(lens), new_width
         self.lens += lens
 
@@ -232,8 +236,6 @@ class KVBatch:
             index, width = torch.tensor(rows, dtype=torch.long, device=s.device), s.width - start
             for buf in (*s.keys, *s.values):
                 buf[: len(rows), :, :width] = buf[index, :, start : s.width]
-            s.mask[: len(rows), :width] = s.mask[index, start : s.width]
-            s.mask[: len(rows), width:] = 0  # masked again: the slab's views span them
         s.rows, s.width = len(rows), s.width - start
 
 
@@ -446,11 +448,10 @@ class Runner:
         """Feed one token per row (row i with `adapters[i]`, all base when None); returns next-token logits [rows, vocab] in fp32."""
         s, device = batch.slab, self.device
         s.reserve(len(batch), s.width + 1)
-        s.mask[: s.rows, s.width] = 1
         ids = torch.tensor(tokens, device=device).unsqueeze(1)
-        positions = torch.tensor(batch.lens, device=device).unsqueeze(1)
-        # 4D, so HF passes it through instead of building one per step (attention.py)
-        mask = s.mask[: s.rows, None, None, : s.columns(s.width + 1)].bool()
+        lens = torch.tensor(batch.lens, device=device)
+        mask = batch.attention_mask(lens)
+        positions = lens.unsqueeze(1)
         if self.own_decode and not any(adapters or ()):  # no adapter row: LoRA's hooks would add nothing
             logits = decode_forward(self.model, s.cache.layers, ids, positions, mask, self.packed)
         else:
