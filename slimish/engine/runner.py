@@ -113,9 +113,10 @@ class KVSlab:
     measured in benchmarks/README.md ("The running batch's slab laid out for decode"): its views
     span every column of its capacity, masked past `width` (`KVBatch.attention_mask`), so that the
     [columns, head_dim] matrices a step streams lie back to back in memory (views that end at
-    `width` leave a gap after each, and stream 25-37% slower); its columns grow by DECODE_GROWTH rather than
-    doubling; and V is stored transposed, [rows, kv_heads, head_dim, columns] (the views are the
-    same shape), which the attention's second product reads 1.6-2x faster (`attend`)."""
+    `width` leave a gap after each, and stream 25-37% slower); its columns grow by DECODE_GROWTH
+    rather than doubling; and V is stored transposed, [rows, kv_heads, head_dim, columns] (the
+    views are the same shape), which the attention's second product reads 1.6-2x faster
+    (`attend`)."""
 
     def __init__(self, model: PreTrainedModel, decoding: bool = False) -> None:
         cfg = model.config
