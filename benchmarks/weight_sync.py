@@ -46,10 +46,13 @@ import torch.distributed as dist  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from slimish.trainer.config import WeightSyncConfig  # noqa: E402
-from slimish.distributed import destroy_custom_process_group, init_custom_process_group  # noqa: E402
+from slimish.distributed import (  # noqa: E402
+    destroy_custom_process_group,
+    init_custom_process_group,
+    master_store,
+)
 from slimish.launch.local import engine_process  # noqa: E402
 from slimish.processes import start_all  # noqa: E402
-from slimish.net import free_port  # noqa: E402
 from slimish.tiny_model import make_tiny_model  # noqa: E402
 from slimish.trainer.backend import WeightExport  # noqa: E402
 from slimish.trainer.weight_sync import WeightSync, plan_buckets  # noqa: E402
@@ -119,14 +122,15 @@ class RawBroadcast:
     def __init__(self, payloads: list[list[torch.Tensor]], engines: int, rounds: int) -> None:
         self.payloads = payloads
         layout = [[(list(t.shape), t.dtype) for t in bucket] for bucket in payloads]
-        port, world = free_port(), 1 + engines
+        world = 1 + engines
+        store = master_store("127.0.0.1", world, TIMEOUT)  # listening already: the receivers are told its port
         self.procs = [
-            CTX.Process(target=raw_receiver, args=(r, world, port, layout, rounds), daemon=True)
+            CTX.Process(target=raw_receiver, args=(r, world, store.port, layout, rounds), daemon=True)
             for r in range(1, world)
         ]
         for p in self.procs:
             p.start()
-        self.group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", world, 0, "raw", TIMEOUT)
+        self.group = init_custom_process_group("gloo", store, world, 0, "raw", TIMEOUT)
 
     def push(self) -> float:
         started = time.perf_counter()

@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import functools
 import json
-import multiprocessing as mp
 import signal
 import threading
 from datetime import timedelta
@@ -22,23 +21,22 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from helpers import running_engines, running_router
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from safetensors.torch import load_file
+from test_trainer_torch import config
+from test_weight_sync import start_dying_trainer
 from transformers import AutoModelForCausalLM
 
-from helpers import running_engines, running_router
 from slimish.client import Client, ServerError
-from slimish.engine.config import EngineConfig
 from slimish.distributed import init_custom_process_group, master_store
+from slimish.engine.config import EngineConfig
 from slimish.engine.lora import AdapterError, AdapterRef, LoraManager, read_adapter
 from slimish.moe import PER_EXPERT, fused_experts
-from slimish.net import free_port
 from slimish.trainer.config import WeightSyncConfig
 from slimish.trainer.lora import write_adapter_dir
 from slimish.trainer.torch_backend import TorchTrainer
 from slimish.trainer.weight_sync import WeightSync
-from test_trainer_torch import config
-from test_weight_sync import dying_trainer
 
 WAIT_S = 120.0
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
@@ -394,11 +392,7 @@ def test_trainer_killed_mid_adapter_push_leaves_only_that_adapter_refusing(
     r = post(url, "/load_lora_adapter", {"lora_name": "torn", "lora_path": str(adapter_dirs["a3"])})
     assert r.json()["success"], r.text
     fresh = seeded_like(adapter_dirs["a3"], 11)
-    port = free_port()
-    child = mp.get_context("spawn").Process(
-        target=dying_trainer, args=(port, [list(t.shape) for t in fresh.values()]), daemon=True
-    )
-    child.start()
+    child, port = start_dying_trainer([list(t.shape) for t in fresh.values()])
     try:
         join = {
             "master_address": "127.0.0.1",

@@ -20,17 +20,16 @@ from datetime import timedelta
 import httpx
 import pytest
 import torch
-
 from helpers import generate, metric_total, running_engines, wait_for
+
 from slimish.config import load_run_config
-from slimish.trainer.config import WeightSyncConfig
-from slimish.distributed import init_custom_process_group
+from slimish.distributed import init_custom_process_group, master_store
 from slimish.launch.local import engine_process
-from slimish.net import free_port
+from slimish.rollout.api import sample_from_reply
 from slimish.trainer.backend import WeightExport
+from slimish.trainer.config import WeightSyncConfig
 from slimish.trainer.torch_backend import TorchTrainer
 from slimish.trainer.weight_sync import WeightSync, WeightSyncError
-from slimish.rollout.api import sample_from_reply
 from slimish.types import Sample
 
 WAIT_S = 120.0
@@ -316,12 +315,24 @@ def test_engine_refusing_the_group_fails_connect_at_once(engines):
 # -- a trainer that dies mid-broadcast ------------------------------------------------------------
 
 
-def dying_trainer(port: int, shapes: list[list[int]]) -> None:
-    """Rank 0 of a 2-rank group: broadcast the first of `shapes`, then die by SIGKILL."""
+def dying_trainer(ports: mp.Queue, shapes: list[list[int]]) -> None:
+    """Rank 0 of a 2-rank group: puts its store's port on `ports`, broadcasts the first of
+    `shapes`, then dies by SIGKILL."""
     torch.set_num_threads(1)
-    group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "dying", timedelta(seconds=60))
+    store = master_store("127.0.0.1", 2, timedelta(seconds=60))
+    ports.put(store.port)
+    group = init_custom_process_group("gloo", store, 2, 0, "dying", timedelta(seconds=60))
     torch.distributed.broadcast(torch.ones(shapes[0]), src=0, group=group)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def start_dying_trainer(shapes: list[list[int]]) -> tuple[mp.Process, int]:
+    """`dying_trainer` in a child, and the port its store listens on (picked by the OS there)."""
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    child = ctx.Process(target=dying_trainer, args=(ports, shapes), daemon=True)
+    child.start()
+    return child, ports.get(timeout=WAIT_S)
 
 
 def test_trainer_killed_mid_broadcast_leaves_torn_weights_that_the_engine_refuses(engines, sync, tiny_model_dir):
@@ -329,9 +340,7 @@ def test_trainer_killed_mid_broadcast_leaves_torn_weights_that_the_engine_refuse
     engine says so, refuses to generate and reports unhealthy until a full push arrives."""
     url, model = engines[0], hf_model(tiny_model_dir)
     names, shapes = zip(*[(n, list(p.shape)) for n, p in model.named_parameters()])
-    port = free_port()
-    child = mp.get_context("spawn").Process(target=dying_trainer, args=(port, shapes), daemon=True)
-    child.start()
+    child, port = start_dying_trainer(list(shapes))
     try:
         join = {
             "master_address": "127.0.0.1",

@@ -21,6 +21,7 @@ from slimish.distributed import (
     destroy_custom_process_group,
     flattened_layout,
     init_custom_process_group,
+    master_store,
 )
 from slimish.engine.weights import WeightUpdater
 from slimish.net import free_port
@@ -107,10 +108,13 @@ def unchanged(updater: WeightUpdater, before: dict[str, torch.Tensor]) -> bool:
 # -- peer processes (spawned; module-level so they can be imported there) -----------------------
 
 
-def trainer_main(port: int, world_size: int, group_name: str, commands, results) -> None:
-    """Rank 0: join, then broadcast `make_tensors(seed, specs)` for each (seed, specs, flattened)."""
+def trainer_main(world_size: int, group_name: str, commands, results) -> None:
+    """Rank 0: put its store's port on `results`, join, then broadcast `make_tensors(seed, specs)`
+    for each (seed, specs, flattened)."""
     torch.set_num_threads(1)
-    pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", world_size, 0, group_name, TIMEOUT)
+    store = master_store("127.0.0.1", world_size, TIMEOUT)
+    results.put(store.port)
+    pg = init_custom_process_group("gloo", store, world_size, 0, group_name, TIMEOUT)
     try:
         while (cmd := commands.get(timeout=IDLE_S)) is not None:
             seed, specs, flattened = cmd
@@ -154,9 +158,12 @@ class Procs:
 
 
 class Trainer:
-    def __init__(self, procs: Procs, port: int, world_size: int, group_name: str) -> None:
+    """Rank 0 in a child; `port`: its store's, picked by the OS there (never picked free, then bound)."""
+
+    def __init__(self, procs: Procs, world_size: int, group_name: str) -> None:
         self.commands, self.results = CTX.Queue(), CTX.Queue()
-        procs.start(trainer_main, port, world_size, group_name, self.commands, self.results)
+        procs.start(trainer_main, world_size, group_name, self.commands, self.results)
+        self.port: int = self.results.get(timeout=WAIT_S)
 
     def send(self, seed: int, specs: list[Spec], flattened: bool = False) -> None:
         self.commands.put((seed, specs, flattened))
@@ -186,12 +193,12 @@ class Engine:
 @pytest.fixture(scope="module")
 def engine():
     """This process as rank 1 of GROUP, with a trainer child as rank 0."""
-    procs, port = Procs(), free_port()
+    procs = Procs()
     model = tiny_model(0)
     updater = WeightUpdater(model, timeout=TIMEOUT)
-    trainer = Trainer(procs, port, 2, GROUP)
+    trainer = Trainer(procs, 2, GROUP)
     try:
-        updater.init_group(join_req(port, 2, GROUP, rank=1))
+        updater.init_group(join_req(trainer.port, 2, GROUP, rank=1))
         yield Engine(updater, trainer, all_specs(model))
         updater.destroy_group(GROUP)
     finally:
@@ -280,12 +287,12 @@ def test_unknown_and_duplicate_groups_fail_without_blocking(engine):
 def test_two_engines_receive_the_same_broadcast(engine):
     """World of 3: trainer, this process (rank 1) and another engine process (rank 2), in a
     second group that coexists with the module's group."""
-    procs, port, group = Procs(), free_port(), "three"
+    procs, group = Procs(), "three"
     results = CTX.Queue()
-    trainer = Trainer(procs, port, 3, group)
-    procs.start(engine_main, port, 2, 3, group, 5, results)
+    trainer = Trainer(procs, 3, group)
+    procs.start(engine_main, trainer.port, 2, 3, group, 5, results)
     try:
-        engine.updater.init_group(join_req(port, 3, group, rank=1))
+        engine.updater.init_group(join_req(trainer.port, 3, group, rank=1))
         trainer.send(5, engine.specs)
         engine.updater.update_from_distributed(request(engine.specs, group_name=group))
         trainer.sent()
