@@ -4,11 +4,12 @@
 it, so a change to the runner can be judged in seconds rather than minutes: `--batch` requests of
 `--context` random tokens are admitted by the engine's own scheduler (not started: no thread),
 then `--steps` calls of its decode step (forward, sampling at temperature 1, the per-token
-bookkeeping) are timed by process CPU time, in an engine's steady state: the running batch's slab
-already has the capacity the timed steps reach, as an earlier batch as long leaves it (a fresh
-engine's growth of the slab, a one-time cost per width reached, is printed apart), which contention on shared cores distorts far less
-than wall time. Beside it, the roofline bound, measured alone in the same process and
-interleaved with the steps (`--rounds`), so that drifting load hits both alike:
+bookkeeping) are timed by process CPU time, which contention on shared cores distorts far less
+than wall time. They are timed in an engine's steady state: the running batch's slab already has
+the capacity the timed steps reach, as an earlier batch as long leaves it (a fresh engine's growth
+of the slab, a one-time cost per width reached, is printed apart). Beside it, the roofline bound,
+measured alone in the same process and interleaved with the steps (`--rounds`), so that drifting
+load hits both alike:
   projections - every linear layer of the model in turn (LM head included) at [B, in] rows, as a
                 step runs them: the weights cycle out of cache; the faster of `F.linear` (MKL)
                 and the packed oneDNN kernel the engine uses (slimish/engine/packed.py);
@@ -77,13 +78,13 @@ class DecodeBench:
     """The engine's scheduler (its thread not started) holding `batch` requests prefilled to
     `context` tokens and warmed up, which `step` moves on by one decode step.
 
-    After the warm-up the running batch's slab grows to room for `columns`, as an engine that has
-    served a batch that long leaves it ("a later batch reuses the capacity"): the steps are then
+    After the warm-up the running batch's slab grows to room for the `steps` more that the caller
+    will take, as an engine that has served a batch that long leaves it ("a later batch reuses the capacity"): the steps are then
     timed in that steady state, not with a fresh engine's growths, a one-time cost per width
     reached (a copy of the slab into freshly faulted pages) that the bound's preallocated buffers
     do not pay either. `growth` holds that growth's CPU seconds."""
 
-    def __init__(self, model: PreTrainedModel, batch: int, context: int, backend: str, columns: int) -> None:
+    def __init__(self, model: PreTrainedModel, batch: int, context: int, backend: str, steps: int) -> None:
         self.runner = Runner(model, EngineConfig.page_size, None, decode_attention_backend=backend)
         self.scheduler = Scheduler(self.runner, batch, batch * context, share_prefills=False)
         g = torch.Generator().manual_seed(0)
@@ -98,7 +99,7 @@ class DecodeBench:
         for _ in range(WARMUP_STEPS):
             self.step()
         start = time.process_time()
-        self.scheduler.batch.slab.reserve(batch, columns)  # into fresh pages, as a fresh engine's growth
+        self.scheduler.batch.slab.reserve(batch, self.width + steps)  # a fresh engine's growth: fresh pages
         self.growth = time.process_time() - start
 
     @property
@@ -227,8 +228,8 @@ def main() -> None:
 
     model = load_model(str(bench_model(args.model_size, args.arch, args.model_cache)), "float32", torch.device("cpu"))
     n_params = sum(p.numel() for p in model.parameters())
-    columns = args.context + WARMUP_STEPS + args.steps * (2 if args.profile else 1)  # every step this run takes
-    bench = DecodeBench(model, args.batch, args.context, args.decode_attention_backend, columns)
+    timed = args.steps * (2 if args.profile else 1)  # the rounds', then the profile's
+    bench = DecodeBench(model, args.batch, args.context, args.decode_attention_backend, timed)
     line = roofline(bench, args.rounds, args.steps // args.rounds)
     rate = 2 * n_params * args.batch / line.step / 1e9
     gemm = gemm_rate(args.batch, model.config.hidden_size, model.config.intermediate_size)

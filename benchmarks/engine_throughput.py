@@ -19,8 +19,8 @@ tokens' prefill FLOPs too (the time holds them: a third of the FLOPs at the defa
 Then the engine's decode step at the largest B beside its roofline bound, both measured here in
 one process (`decode_step.py`: the step by the engine's own scheduler at the mean context of a
 request, prompt + new tokens / 2, in steady state, a fresh engine's growth of its KV slab printed
-apart; the bound as the projections of every layer cycling plus K and V
-streamed once, each measured alone), with the ratio against its target (<= 1.25x).
+apart; the bound as the projections of every layer cycling plus K and V streamed once, each
+measured alone), with the ratio against its target (<= 1.25x).
 
     .venv/bin/python benchmarks/engine_throughput.py                  # small (~30M), the real run
     .venv/bin/python benchmarks/engine_throughput.py --model-size tiny --sizes 1,4 --new-tokens 16
@@ -313,11 +313,10 @@ def flop_report(rows: list[Row], n_params: int, hidden: int, ffn: int, all_token
 
 def roofline_report(model_dir: Path, batch: int, context: int, rounds: int = 4, steps: int = 8) -> None:
     """The engine's decode step at `batch` rows and `context` tokens beside its roofline bound."""
-    from decode_step import WARMUP_STEPS, DecodeBench, roofline  # benchmarks/, this script's directory
+    from decode_step import DecodeBench, roofline  # benchmarks/, this script's directory
 
     model = load_model(str(model_dir), "float32", torch.device("cpu"))  # its own copy: the runner patches it
-    columns = context + WARMUP_STEPS + rounds * steps
-    bench = DecodeBench(model, batch, context, EngineConfig.decode_attention_backend, columns)
+    bench = DecodeBench(model, batch, context, EngineConfig.decode_attention_backend, rounds * steps)
     line = roofline(bench, rounds, steps)
     ratio = line.step / line.bound
     print()
