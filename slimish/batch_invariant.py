@@ -49,6 +49,17 @@ def log_softmax(x: Tensor) -> Tensor:
     return x - torch.logsumexp(x, dim=-1, keepdim=True)
 
 
+def log_softmax_and_exp(x: Tensor) -> tuple[Tensor, Tensor]:
+    """`log_softmax(x)` bit for bit, with the `exp(x - max)` its logsumexp sums on the way (torch
+    computes it as `max + log(sum(exp(x - max)))`, an infinite max taken as 0): the engine's
+    sampler draws from those unnormalised probabilities instead of a second `exp` over the
+    vocabulary (tests/test_batch_invariant.py holds the bits)."""
+    top = x.amax(dim=-1, keepdim=True)
+    top.masked_fill_(top.abs() == float("inf"), 0.0)
+    shifted = (x - top).exp_()
+    return x - shifted.sum(dim=-1, keepdim=True).log_().add_(top), shifted
+
+
 def _fixed_sum(terms: Tensor, dim: int) -> Tensor:
     """The sum of `terms` (float64, exact products of fp32 values) over `dim`, independent of order:
     each term is rounded to a multiple of 2**-40 of the largest |term| (a power of two, found by a

@@ -7,7 +7,8 @@ against its roofline, and batched prefill").
   a request that waits for an earlier one's page, and prompt logprobs among them;
 - packed linear weights (packed.py), the decode loop's fused ones too, follow a weight load:
   `flush_cache`, which every load calls, drops them, and the next forward computes with the new
-  weights.
+  weights;
+- the sampler's two-level inverse CDF draws the token one running sum over the row would.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from slimish.engine.prefix_cache import PrefixCache
 from slimish.engine.runner import KVBatch, PrefillRequest, Runner, load_model
+from slimish.engine.sampling import CDF_BLOCK, inverse_cdf
 from slimish.tiny_model import make_tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
@@ -102,3 +104,29 @@ def _decode_once(runner: Runner) -> torch.Tensor:
     batch, pre = KVBatch(runner.model), runner.prefill(PROMPTS[0], None, ())
     batch.add([pre.slab], [len(PROMPTS[0])])
     return runner.decode(batch, [int(pre.logits[-1].argmax())])
+
+
+def test_two_level_inverse_cdf_draws_what_one_running_sum_draws() -> None:
+    """`inverse_cdf` (block sums, then a block's own running sum) picks the token one running sum
+    over the whole row picks, for weights whose sums are exact (small integers) and uniforms off
+    every boundary; a zero weight is never drawn, even by the largest uniform below 1, in a
+    zero block, or in the last, shorter block; vocabularies of one block, several, and a tail."""
+    g = torch.Generator().manual_seed(0)
+    for vocab in (CDF_BLOCK, 3 * CDF_BLOCK, 2 * CDF_BLOCK + 37):
+        weights = torch.randint(0, 4, (16, vocab), generator=g).float()
+        weights[1, CDF_BLOCK:] = 0.0  # all of it in the first block
+        weights[2, : min(CDF_BLOCK, vocab - 1)] = 0.0  # none of it in the first block
+        weights[2, -1] = 2.0
+        weights[3] = 0.0
+        weights[3, -1] = 1.0  # one token, the last
+        weights[4] = 0.0
+        weights[4, :2] = 1.0  # a total of 2: just below 1 times it rounds to it
+        running = weights.cumsum(-1)
+        for u in torch.linspace(0.0, 1.0, 41)[:-1] + 0.5 / 40:
+            u = u.expand(16)
+            one = torch.searchsorted(running, (u * running[:, -1]).unsqueeze(1), right=True).squeeze(1)
+            assert torch.equal(inverse_cdf(weights, u), one), (vocab, float(u[0]))
+        top = torch.full((16,), 1.0).nextafter(torch.zeros(()))  # the largest float32 below 1
+        for u in (top, torch.zeros(16)):
+            picked = inverse_cdf(weights, u)
+            assert bool((weights.gather(1, picked.unsqueeze(1)) > 0).all()), (vocab, picked)

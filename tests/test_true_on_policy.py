@@ -105,6 +105,22 @@ def test_batch_invariant_attention_is_attention_and_trains() -> None:
         assert torch.equal(attention(module, q, k, v, None)[0], ours.detach())
 
 
+def test_the_samplers_log_softmax_is_the_trainers_bit_for_bit() -> None:
+    """The engine's sampler takes its log-probs with the exponentials it draws from; they are
+    `log_softmax`'s bits (the trainer's) at vocabularies of these models and others, with masked
+    (-inf) logits, and the exponentials are exp(x - max)."""
+    from slimish.batch_invariant import log_softmax, log_softmax_and_exp
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(32, 8192), (1, 151936), (5, 1000), (3, 17), (2, 128256)]:
+        for scale in (1.0, 30.0):
+            x = torch.randn(shape, generator=g) * scale
+            x[0, ::7] = float("-inf")
+            logprobs, weights = log_softmax_and_exp(x)
+            assert torch.equal(logprobs, log_softmax(x)), (shape, scale)
+            assert torch.equal(weights, (x - x.amax(-1, keepdim=True)).exp())
+
+
 def test_check_exact_names_the_tokens_that_differ() -> None:
     """The per-step check: equal log-probs pass; one token off by one ulp stops the run, masked
     positions do not count."""

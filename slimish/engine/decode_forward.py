@@ -31,18 +31,20 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return (h * h.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon).rsqrt_()).to(x.dtype).mul_(norm.weight)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's `apply_rotary_pos_emb` for one tensor."""
-    half = x.shape[-1] // 2
-    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's `apply_rotary_pos_emb` for one tensor, the same bits: `rotate_half(x) * sin` is
+    `[-x2 * s1, x1 * s2]`, which is x's halves swapped times `signed_sin = [-s1, s2]` (a negation
+    is exact), so one `roll` replaces the slices, the negation and the concatenation."""
+    return (x * cos) + (x.roll(x.shape[-1] // 2, dims=-1) * signed_sin)
 
 
-def _project(packed: PackedLinears | None, modules: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> tuple:
-    """`modules`' outputs on `x`: one GEMM for all on packed weights, else one each (fusing
-    unpacked weights would take a concatenated copy of them, which a colocated engine must not)."""
+def _project(packed: PackedLinears | None, modules: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> torch.Tensor:
+    """`modules`' outputs on `x` side by side: one GEMM for all on packed weights, else one each
+    (fusing unpacked weights would take a concatenated copy of them, which a colocated engine
+    must not)."""
     if packed is not None:
         return packed.fused(modules, x)
-    return tuple(m.forward(x) for m in modules)
+    return torch.cat([m.forward(x) for m in modules], dim=-1)
 
 
 def decode_forward(
@@ -60,22 +62,25 @@ def decode_forward(
     inner, rows = model.model, tokens.shape[0]
     h = inner.embed_tokens.forward(tokens)
     cos, sin = (t.unsqueeze(1) for t in inner.rotary_emb(h, positions))
+    half = sin.shape[-1] // 2
+    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
     first = inner.layers[0].self_attn
-    kv_heads = first.k_proj.out_features // first.head_dim
-    bias = decode_bias(mask, kv_heads, first.q_proj.out_features // first.head_dim // kv_heads, h.dtype)
+    d = first.head_dim
+    heads, kv_heads = first.q_proj.out_features // d, first.k_proj.out_features // d
+    bias = decode_bias(mask, kv_heads, heads // kv_heads, h.dtype)
     for layer, cache in zip(inner.layers, layers):
         attn, mlp = layer.self_attn, layer.mlp
         x = _rms_norm(layer.input_layernorm, h)
-        shape = (rows, 1, -1, attn.head_dim)
-        q, k, v = (t.view(shape) for t in _project(packed, (attn.q_proj, attn.k_proj, attn.v_proj), x))
+        qkv = _project(packed, (attn.q_proj, attn.k_proj, attn.v_proj), x)
+        # q and k side by side, [rows, 1, heads + kv_heads, D]: their heads rotate at once
+        qk, v = (t.view(rows, 1, -1, d) for t in qkv.split(((heads + kv_heads) * d, kv_heads * d), dim=-1))
         if hasattr(attn, "q_norm"):  # qwen3
-            q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
-        heads = q.shape[2]
-        qk = _rotate(torch.cat((q, k), dim=2).transpose(1, 2), cos, sin)  # all heads at once: element-wise
+            qk = torch.cat((_rms_norm(attn.q_norm, qk[:, :, :heads]), _rms_norm(attn.k_norm, qk[:, :, heads:])), dim=2)
+        qk = _rotate(qk, cos, signed_sin).transpose(1, 2)
         keys, values = cache.update(qk[:, heads:], v.transpose(1, 2))
         out = attend(qk[:, :heads], keys, values, bias, attn.scaling)
         h.add_(attn.o_proj.forward(out.view(rows, 1, -1)))  # in place: the residual's own tensor
         x = _rms_norm(layer.post_attention_layernorm, h)
-        gate, up = _project(packed, (mlp.gate_proj, mlp.up_proj), x)
+        gate, up = _project(packed, (mlp.gate_proj, mlp.up_proj), x).chunk(2, dim=-1)
         h.add_(mlp.down_proj.forward(mlp.act_fn(gate).mul_(up)))
     return model.lm_head.forward(_rms_norm(inner.norm, h)[:, -1, :])

@@ -61,8 +61,8 @@ class PackedLinears:
             w = self.packed[module] = pack(module.weight)
         return linear(x, w, module.bias)
 
-    def fused(self, modules: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Each of `modules`' outputs on `x` (views of one GEMM's)."""
+    def fused(self, modules: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> torch.Tensor:
+        """`modules`' outputs on `x` side by side, in their order: one GEMM's."""
         group = self.groups.get(modules)
         if group is None:
             biases = [m.bias for m in modules if m.bias is not None]
@@ -70,7 +70,7 @@ class PackedLinears:
                 raise ValueError("fused linears take a bias on all of them or none")
             weight = pack(torch.cat([m.weight for m in modules]))
             group = self.groups[modules] = (weight, torch.cat(biases).detach() if biases else None)
-        return linear(x, *group).split([m.out_features for m in modules], dim=-1)
+        return linear(x, *group)
 
     def drop(self) -> None:
         """Forget the packed copies (the weights changed, or their memory is wanted back)."""
