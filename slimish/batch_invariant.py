@@ -53,7 +53,7 @@ def log_softmax_and_exp(x: Tensor) -> tuple[Tensor, Tensor]:
     """`log_softmax(x)` bit for bit, with the `exp(x - max)` its logsumexp sums on the way (torch
     computes it as `max + log(sum(exp(x - max)))`, an infinite max taken as 0): the engine's
     sampler draws from those unnormalised probabilities instead of a second `exp` over the
-    vocabulary (tests/test_batch_invariant.py holds the bits)."""
+    vocabulary (tests/test_true_on_policy.py holds the bits)."""
     top = x.amax(dim=-1, keepdim=True)
     top.masked_fill_(top.abs() == float("inf"), 0.0)
     shifted = (x - top).exp_()

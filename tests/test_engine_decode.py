@@ -20,7 +20,7 @@ import torch
 
 from slimish.engine.prefix_cache import PrefixCache
 from slimish.engine.runner import KVBatch, PrefillRequest, Runner, load_model
-from slimish.engine.sampling import CDF_BLOCK, inverse_cdf
+from slimish.engine.sampling import BELOW_ONE, CDF_BLOCK, inverse_cdf
 from slimish.tiny_model import make_tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
@@ -126,7 +126,7 @@ def test_two_level_inverse_cdf_draws_what_one_running_sum_draws() -> None:
             u = u.expand(16)
             one = torch.searchsorted(running, (u * running[:, -1]).unsqueeze(1), right=True).squeeze(1)
             assert torch.equal(inverse_cdf(weights, u), one), (vocab, float(u[0]))
-        top = torch.full((16,), 1.0).nextafter(torch.zeros(()))  # the largest float32 below 1
+        top = torch.full((16,), BELOW_ONE)
         for u in (top, torch.zeros(16)):
             picked = inverse_cdf(weights, u)
             assert bool((weights.gather(1, picked.unsqueeze(1)) > 0).all()), (vocab, picked)

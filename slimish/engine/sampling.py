@@ -18,6 +18,7 @@ from slimish.protocol import TOP_K_OFF, SamplingParams
 # As SGLang: a temperature below this samples greedily (dividing the logits by it would overflow).
 SAMPLING_EPS = 1e-6
 CDF_BLOCK = 256  # tokens per block of `inverse_cdf`'s first level
+BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
 
 
 def temperature_of(p: SamplingParams) -> float:
@@ -150,9 +151,9 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     torch's `cumsum` is a sequential scan (~0.3 ms over 32 x 8192), block sums are vectorised.
     The block is where the running block sums pass u of the total, then the token where the
     block's own running sum passes the rest of that target, as a share of the block's sum. Each
-    target stays below its running sum's last value, as `_first_past` needs: u and the share are
-    below 1 (a quotient of floats a < b rounds below 1), and a float times a float below 1 rounds
-    below the other factor."""
+    target stays below its running sum's last value, as `_first_past` needs: u is below 1, the
+    share (of rounded sums) is held below 1, and a float times a float below 1 rounds below the
+    other factor."""
     rows, vocab = weights.shape
     whole = vocab - vocab % CDF_BLOCK
     sums = weights[:, :whole].reshape(rows, -1, CDF_BLOCK).sum(-1)
@@ -162,7 +163,7 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = u * running[:, -1]
     block = _first_past(running, target)
     before = torch.where(block > 0, running.gather(1, (block - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
-    share = (target - before) / sums.gather(1, block.unsqueeze(1)).squeeze(1)
+    share = ((target - before) / sums.gather(1, block.unsqueeze(1)).squeeze(1)).clamp_(max=BELOW_ONE)
     columns = block.unsqueeze(1) * CDF_BLOCK + torch.arange(CDF_BLOCK, device=weights.device)
     inside = weights.gather(1, columns.clamp(max=vocab - 1)).masked_fill_(columns >= vocab, 0.0).cumsum(-1)
     return block * CDF_BLOCK + _first_past(inside, share * inside[:, -1])
