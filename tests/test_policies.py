@@ -103,6 +103,7 @@ def greedy(router: str, adapter: str, prompt: list[int]) -> list[float]:
     return asyncio.run(go())
 
 
+@pytest.mark.filterwarnings("error:Detected call of `lr_scheduler")  # a skipped step is meant: not warned of
 def test_a_policy_step_moves_and_pushes_only_its_own_adapter(tiny_model_dir: Path, tmp_path_factory) -> None:
     """A batch with the proposer's tokens only: the proposer's adapter moves, the solver's stays
     bit for bit (its schedule still advances, so the next step's check passes), and after the

@@ -83,6 +83,7 @@ def critic_params(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.critic.named_parameters()}
 
 
+@pytest.mark.filterwarnings("error:Detected call of `lr_scheduler")  # a skipped step is meant: not warned of
 def test_critic_warmup_then_ppo_and_resume_restores_the_critic_exactly(tiny_model_dir, tmp_path):
     """Step 1 (critic.warmup_steps=1) trains the critic alone; step 2 both. A second trainer loaded
     from the checkpoint written after step 1 holds equal tensors and takes an identical step 2."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -170,7 +171,12 @@ class TorchTrainer(Trainer):
         return self.optimizer.param_groups[0]["lr"]
 
     def _scheduler_step(self) -> None:
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # An update without an optimiser step (critic warm-up, no trained token, a policy
+            # absent from the batch) advances the schedule as if it had stepped (base._update):
+            # torch warns that the schedule's first value then goes unused, which is the intent.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            self.scheduler.step()
 
     # -- forward, accumulation, optimiser ------------------------------------------------------
 
