@@ -120,7 +120,7 @@ def test_two_level_inverse_cdf_draws_what_one_running_sum_draws() -> None:
         weights[3] = 0.0
         weights[3, -1] = 1.0  # one token, the last
         weights[4] = 0.0
-        weights[4, :2] = 1.0  # a total of 2: just below 1 times it rounds to it
+        weights[4, :2] = 1.0  # the first two tokens only: the rest of both levels zeros
         running = weights.cumsum(-1)
         for u in torch.linspace(0.0, 1.0, 41)[:-1] + 0.5 / 40:
             u = u.expand(16)
