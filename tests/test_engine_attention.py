@@ -91,25 +91,38 @@ def test_rows_that_join_and_leave_decode_as_alone(tiny_model_dir: Path) -> None:
     decode(2)
 
 
-def test_logits_do_not_depend_on_the_capacity_earlier_batches_left(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize(
+    "earlier, kept",
+    [
+        ((20, 5), 32),  # left 32 columns, within DECODE_SPAN x the 16 the rows need: kept, 16 of them masked
+        ((100, 50), 16),  # left 176: past it, the slab starts over at the 16 a fresh batch has
+    ],
+)
+def test_logits_do_not_depend_on_the_capacity_earlier_batches_left(
+    tiny_model_dir: Path, earlier: tuple[int, int], kept: int
+) -> None:
     """The same rows decode to the same bits in a fresh batch and in one whose columns an earlier,
-    longer batch grew (its views span them all, masked): a request's logprobs are reproducible."""
+    longer batch grew (its views span them all, masked, unless there are more than DECODE_SPAN
+    times as many as the rows need: then the slab starts over): a request's logprobs are
+    reproducible, and a short batch does not stream a long one's columns."""
     model = load_model(str(tiny_model_dir), "float32", torch.device("cpu"))
     runner = Runner(model, 4, None)
 
-    def decode(batch: KVBatch, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    def decode(batch: KVBatch, prompts: list[list[int]], steps: int) -> tuple[list[torch.Tensor], int]:
         pre = [runner.prefill(p, None, ()) for p in prompts]
         batch.add([o.slab for o in pre], [len(p) for p in prompts])
         tokens, out = [int(o.logits[-1].argmax()) for o in pre], []
         for _ in range(steps):
             out.append(runner.decode(batch, tokens))
             tokens = [int(t) for t in out[-1].argmax(-1)]
+        capacity = batch.slab.capacity[1]
         batch.keep([])
-        return out
+        return out, capacity
 
-    fresh = decode(KVBatch(model), PROMPTS, 6)
+    fresh, fresh_capacity = decode(KVBatch(model), PROMPTS, 6)
     used = KVBatch(model)
-    decode(used, [list(range(5, 105))], 50)
-    assert used.slab.capacity[1] >= 150
-    again = decode(used, PROMPTS, 6)
+    length, steps = earlier
+    _, earlier_capacity = decode(used, [list(range(5, 5 + length))], steps)
+    again, capacity = decode(used, PROMPTS, 6)
+    assert (fresh_capacity, earlier_capacity > fresh_capacity, capacity) == (16, True, kept)
     assert all(torch.equal(a, b) for a, b in zip(fresh, again))

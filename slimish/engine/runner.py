@@ -73,6 +73,19 @@ def load_model(path: str, dtype: str, device: torch.device) -> PreTrainedModel:
 # give the same bits over any multiple of 16 columns, masked ones included (measured), so a row's
 # logits do not depend on the capacity that earlier batches left (tests/test_engine_attention.py).
 DECODE_GROWTH, DECODE_COLUMNS = 1 / 8, 16
+# A decoding slab left more than DECODE_SPAN times as wide as a batch's columns need (by an earlier,
+# longer batch) starts over at that batch's own capacity: its views span every column, so the
+# batch would stream the earlier one's columns every step (a B=32 step at width ~150 took 1.5-2.2x
+# as long in a slab of 1040 columns as in one of 176; views cut at the live columns, which leave a
+# gap after each matrix, still 1.4-1.6x: benchmarks/README.md). Within 2x it is kept: its masked
+# columns then cost no more than the live ones, and a batch as long as the earlier one need not
+# grow it back, a copy of the slab per 1/8.
+DECODE_SPAN = 2
+
+
+def _decode_columns(cols: int) -> int:
+    """`cols` rounded up to a whole multiple of DECODE_COLUMNS."""
+    return -(-cols // DECODE_COLUMNS) * DECODE_COLUMNS
 
 
 def _grown(need: int, have: int, share: float = 1.0, least: int = 0) -> int:
@@ -114,7 +127,8 @@ class KVSlab:
     span every column of its capacity, masked past `width` (`KVBatch.attention_mask`), so that the
     [columns, head_dim] matrices a step streams lie back to back in memory (views that end at
     `width` leave a gap after each, and stream 25-37% slower); its columns grow by DECODE_GROWTH
-    rather than doubling; and V is stored transposed, [rows, kv_heads, head_dim, columns] (the
+    rather than doubling, and start over where an earlier batch left them more than DECODE_SPAN
+    times what the running one needs; and V is stored transposed, [rows, kv_heads, head_dim, columns] (the
     views are the same shape), which the attention's second product reads 1.6-2x faster
     (`attend`)."""
 
@@ -162,8 +176,10 @@ class KVSlab:
         if exact:
             new_rows, new_cols = rows, cols
         elif self.decoding:
+            if have_cols > DECODE_SPAN * _decode_columns(cols):
+                have_rows = have_cols = 0  # start over, live region kept: see DECODE_SPAN
             grown = _grown(cols, have_cols, DECODE_GROWTH, DECODE_COLUMNS)
-            new_rows, new_cols = _grown(rows, have_rows), -(-grown // DECODE_COLUMNS) * DECODE_COLUMNS
+            new_rows, new_cols = _grown(rows, have_rows), _decode_columns(grown)
         else:
             new_rows, new_cols = _grown(rows, have_rows), _grown(cols, have_cols)
         if new_rows <= have_rows and new_cols <= have_cols:
