@@ -128,9 +128,9 @@ class KVSlab:
     [columns, head_dim] matrices a step streams lie back to back in memory (views that end at
     `width` leave a gap after each, and stream 25-37% slower); its columns grow by DECODE_GROWTH
     rather than doubling, and start over where an earlier batch left them more than DECODE_SPAN
-    times what the running one needs; and V is stored transposed, [rows, kv_heads, head_dim, columns] (the
-    views are the same shape), which the attention's second product reads 1.6-2x faster
-    (`attend`)."""
+    times what the running one needs; and V is stored transposed, [rows, kv_heads, head_dim,
+    columns] (the views are the same shape), which the attention's second product reads 1.6-2x
+    faster (`attend`)."""
 
     def __init__(self, model: PreTrainedModel, decoding: bool = False) -> None:
         cfg = model.config
