@@ -10,7 +10,9 @@ FD_DOC = "serve on this inherited listening socket, not on host:port (a launcher
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS considers free right now (the usual small race is accepted)."""
+    """A port the OS considers free right now, for a child that binds it itself (SGLang): another
+    process may take it first, so a child's health counts only from its own listener
+    (`ServerProcess.wait_healthy`); `listening_socket` holds a port instead."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -3,6 +3,7 @@ built-in engine, the router and SGLang are all started through this."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -12,9 +13,13 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from slimish.net import listening_socket
 from slimish.protocol import auth_headers
+
+log = logging.getLogger(__name__)
+KILL_WAIT_S = 10.0  # how long a SIGKILLed child is waited for before it is left to be reaped later
 
 
 class ServerProcess:
@@ -82,22 +87,47 @@ class ServerProcess:
             os.sched_setaffinity(0, self.cpus)
 
     def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+        """Poll `health_path` until it answers 200 from the child. A child that binds its own port
+        (SGLang, `router --processes N`) can find it taken by another process in the minute it
+        takes to start; that server's 200 is not the child's, so it is not taken as healthy."""
+        deadline, other = time.monotonic() + timeout, ""
         # One client for the polls: each builds an SSL context (~80 ms).
         with httpx.Client(timeout=2.0, headers=auth_headers(self.api_key)) as http:
             while time.monotonic() < deadline:
                 if self.proc is not None and self.proc.poll() is not None:
                     raise RuntimeError(
-                        f"{self.name} on port {self.port} exited with {self.proc.returncode}{self._log_tail()}"
+                        f"{self.name} on port {self.port} exited with {self.proc.returncode}{other}{self._log_tail()}"
                     )
                 try:
                     if http.get(self.url + self.health_path).status_code == 200:
-                        return
+                        if self.proc is None or self.listens() is not False:
+                            return
+                        other = f" (port {self.port} answers from another process: {listeners(self.port)})"
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.1)
         self.stop()
-        raise TimeoutError(f"{self.name} on port {self.port} not healthy within {timeout:.0f}s{self._log_tail()}")
+        raise TimeoutError(
+            f"{self.name} on port {self.port} not healthy within {timeout:.0f}s{other}{self._log_tail()}"
+        )
+
+    def listens(self) -> bool | None:
+        """Whether the child, or a process it started, listens on `port`; None where the OS does
+        not let this process read that."""
+        try:
+            root = psutil.Process(self.proc.pid)
+            tree = [root, *root.children(recursive=True)]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+        for proc in tree:
+            try:
+                if any(_listening(c, self.port) for c in proc.net_connections("inet")):
+                    return True
+            except psutil.NoSuchProcess:
+                continue  # gone since it was listed
+            except psutil.AccessDenied:
+                return None
+        return False
 
     def _log_tail(self) -> str:
         """Where to read why: the child's log, named, and its tail."""
@@ -121,10 +151,20 @@ class ServerProcess:
         return True
 
     def kill(self) -> None:
-        """SIGKILL, as a crash would (fault-injection tests)."""
+        """SIGKILL, as a crash would (fault-injection tests). A child stuck in the kernel (a GPU
+        driver call) dies only when that call returns: it is left to be reaped then, with a
+        warning, rather than failing the stop or the watch loop that called this."""
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait(timeout=10)
+            try:
+                self.proc.wait(timeout=KILL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                log.warning(
+                    "%s (pid %d) did not exit within %.0f s of SIGKILL; left to be reaped later",
+                    self.name,
+                    self.proc.pid,
+                    KILL_WAIT_S,
+                )
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.sock:  # never spawned
@@ -160,14 +200,32 @@ def usable_cpus() -> tuple[int, ...]:
     return tuple(range(os.cpu_count() or 1))
 
 
-def main_thread_exited(pid: int) -> bool:
-    """Whether `pid`'s main thread is a zombie (Linux, /proc): the process has exited or is
-    exiting, whether or not its other threads are gone yet. False where /proc cannot tell."""
+def _listening(conn, port: int) -> bool:
+    return conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port
+
+
+def listeners(port: int) -> str:
+    """The processes listening on `port`, as "pid N (name)", for messages."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        pids = {c.pid for c in psutil.net_connections("inet") if c.pid and _listening(c, port)}
+    except psutil.AccessDenied:
+        return "not readable here"
+    names = []
+    for pid in sorted(pids):
+        try:
+            names.append(f"pid {pid} ({psutil.Process(pid).name()})")
+        except psutil.Error:
+            names.append(f"pid {pid}")
+    return ", ".join(names) or "none found"
+
+
+def main_thread_exited(pid: int) -> bool:
+    """Whether `pid`'s main thread is a zombie: the process has exited or is exiting, whether or
+    not its other threads are gone yet. False where that cannot be read (or no such process)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def die_with_parent() -> None:

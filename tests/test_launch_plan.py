@@ -5,17 +5,23 @@ No GPU here: placement is checked on the command lines the launcher builds and s
 from __future__ import annotations
 
 import argparse
+import http.server
 import json
+import logging
+import os
 import re
 import socket
+import subprocess
+import sys
+import threading
 
 import httpx
 import pytest
 import ray.util
 import torch
 import transformers
-
 from helpers import ROOT
+
 from megatron_bridge.config import from_hf
 from slimish.cli import main
 from slimish.config import load_run_config
@@ -25,10 +31,10 @@ from slimish.launch.commands import rollout_batch_launch
 from slimish.launch.config import LaunchConfig, TeacherConfig
 from slimish.launch.local import engine_process, engine_server, local_engines, router_process
 from slimish.launch.plan import model_params, next_gpu, teacher_launch
-from slimish.processes import ServerProcess
-from slimish.rollout.config import RolloutConfig
 from slimish.launch.sglang import sglang_argv
 from slimish.net import free_port, listening_socket
+from slimish.processes import ServerProcess
+from slimish.rollout.config import RolloutConfig
 
 RECIPES = ROOT / "configs"
 
@@ -255,6 +261,60 @@ def test_a_server_not_healthy_in_time_names_its_log(tmp_path):
         TimeoutError, match=rf"http.server on port {port} not healthy within 2s; read its log, {re.escape(str(log))}"
     ):
         proc.start(timeout=2)
+
+
+class _Healthy(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_another_servers_health_on_a_childs_port_is_not_the_childs(tmp_path):
+    """A child that binds its own port (SGLang, after loading its model) can find it taken by
+    another server in the meantime, whose /health answers 200: that is not the child's health.
+    The wait goes on and its error names who holds the port."""
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Healthy)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    port = other.server_address[1]
+    (tmp_path / "loads_a_model.py").write_text("import time\ntime.sleep(600)\n")
+    child = ServerProcess([], port=port, module="loads_a_model", env={"PYTHONPATH": str(tmp_path)})
+    try:
+        with pytest.raises(TimeoutError, match=rf"port {port} answers from another process: pid {os.getpid()} "):
+            child.start(timeout=2)
+        assert child.proc.poll() is not None  # stopped on the way out
+    finally:
+        other.shutdown()
+        other.server_close()
+
+
+IGNORES_SIGTERM = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(600)"
+)
+
+
+class _StuckInTheKernel(subprocess.Popen):
+    """A child that SIGKILL does not end within any bounded wait, as one inside a GPU driver call:
+    no process can be put in that state here, so the wait says so (it reaps the real child only
+    when unbounded)."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        if timeout is not None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return super().wait()
+
+
+def test_a_child_that_outlives_its_sigkill_is_left_with_a_warning(caplog):
+    """`stop` (SIGTERM, then SIGKILL) and the watch loops' `kill` must not fail on such a child."""
+    child = ServerProcess([], port=0, module="a_gpu_engine")
+    child.proc = _StuckInTheKernel([sys.executable, "-c", IGNORES_SIGTERM], stdout=subprocess.PIPE)
+    assert child.proc.stdout.readline() == b"ready\n"
+    with caplog.at_level(logging.WARNING, logger="slimish.processes"):
+        child.stop(timeout=0.1)
+    assert "did not exit within 10 s of SIGKILL" in caplog.text
+    assert child.proc.wait() == -9  # the SIGKILL was sent
 
 
 # ---- the recipes' dry runs --------------------------------------------------------------------
