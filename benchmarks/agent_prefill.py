@@ -43,13 +43,13 @@ from dataclasses import dataclass, field  # noqa: E402
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
+from engine_throughput import bench_model, cpu_seconds, model_arguments, random_prompts  # noqa: E402  (same directory)
 from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
-from engine_throughput import bench_model, cpu_seconds, model_arguments, random_prompts  # noqa: E402  (same directory)
 from slimish.client import Client, ServerError  # noqa: E402
 from slimish.launch.local import engine_process  # noqa: E402
-from slimish.processes import ServerProcess, start_all  # noqa: E402
 from slimish.net import free_port  # noqa: E402
+from slimish.processes import ServerProcess, start_all  # noqa: E402
 from slimish.protocol import ROUTING_KEY_HEADER, GenerateResponse  # noqa: E402
 from slimish.router.proxy import WORKER_HEADER  # noqa: E402
 

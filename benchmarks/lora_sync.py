@@ -29,10 +29,10 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from weight_sync import small_model  # noqa: E402
 
 from slimish.launch.config import LaunchConfig  # noqa: E402
-from slimish.trainer.config import LoraConfig, WeightSyncConfig  # noqa: E402
 from slimish.launch.local import engine_process, router_process  # noqa: E402
 from slimish.processes import start_all  # noqa: E402
 from slimish.trainer.backend import WeightExport  # noqa: E402
+from slimish.trainer.config import LoraConfig, WeightSyncConfig  # noqa: E402
 from slimish.trainer.lora import adapter_config, adapter_tensors, add_adapter  # noqa: E402
 from slimish.trainer.weight_sync import WeightSync  # noqa: E402
 

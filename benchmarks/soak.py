@@ -53,10 +53,10 @@ from engine_throughput import bench_model, cpu_seconds  # noqa: E402  (same dire
 
 from slimish.config import load_run_config  # noqa: E402
 from slimish.launch.local import engine_process  # noqa: E402
+from slimish.net import free_port  # noqa: E402
+from slimish.processes import ServerProcess, start_all  # noqa: E402
 from slimish.rollout.api import RolloutContext, RolloutRuntime  # noqa: E402
 from slimish.types import Sample  # noqa: E402
-from slimish.processes import ServerProcess, start_all  # noqa: E402
-from slimish.net import free_port  # noqa: E402
 
 MIX = (("generate", 0.70), ("stream", 0.15), ("chat", 0.10), ("bad", 0.05))
 DEFAULTS = {"agents": (1800.0, 32), "router": (120.0, 16)}  # --mode: (--seconds, --concurrency)

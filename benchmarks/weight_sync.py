@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from slimish.trainer.config import WeightSyncConfig  # noqa: E402
+from slimish.colocate import create_store  # noqa: E402
 from slimish.distributed import (  # noqa: E402
     destroy_custom_process_group,
     init_custom_process_group,
@@ -55,9 +55,9 @@ from slimish.launch.local import engine_process  # noqa: E402
 from slimish.processes import start_all  # noqa: E402
 from slimish.tiny_model import make_tiny_model  # noqa: E402
 from slimish.trainer.backend import WeightExport  # noqa: E402
-from slimish.trainer.weight_sync import WeightSync, plan_buckets  # noqa: E402
-from slimish.colocate import create_store  # noqa: E402
 from slimish.trainer.colocated import ColocatedSync  # noqa: E402
+from slimish.trainer.config import WeightSyncConfig  # noqa: E402
+from slimish.trainer.weight_sync import WeightSync, plan_buckets  # noqa: E402
 
 TARGET = 0.9
 COLOCATED_TARGET = 0.05

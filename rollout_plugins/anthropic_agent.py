@@ -13,7 +13,8 @@ from typing import Any
 
 import anthropic
 
-from rollout_plugins.openai_agent import MAX_TURNS, NUDGE, SYSTEM, TLS, TOOLS as OPENAI_TOOLS, calculator
+from rollout_plugins.openai_agent import MAX_TURNS, NUDGE, SYSTEM, TLS, calculator
+from rollout_plugins.openai_agent import TOOLS as OPENAI_TOOLS
 from slimish.rollout.rewards import extract_boxed
 
 # The calculator as an Anthropic tool.

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from slimish.trainer.config import AlgorithmConfig
 from slimish.trainer.advantages import compute_advantages
+from slimish.trainer.config import AlgorithmConfig
 from slimish.trainer.logprobs import entropy_from_logits, logprobs_from_logits
 from slimish.trainer.losses import (
     importance_ratio,
@@ -320,10 +320,9 @@ B, P, T, MAX_COMPLETION = 8, 5, 6, 8
 
 
 def _trl_trainer(kind: str, model_dir, out_dir, reward_fn, **kwargs):
+    import trl
     from datasets import Dataset
     from transformers import AutoTokenizer
-
-    import trl
 
     config_cls, trainer_cls = (trl.GRPOConfig, trl.GRPOTrainer) if kind == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
     args = config_cls(

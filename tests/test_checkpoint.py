@@ -14,11 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_trainer_torch import config, make_groups, params, with_rollout_logprobs
 
 from slimish.trainer import checkpoint
 from slimish.trainer.torch_backend import TorchTrainer
-
-from test_trainer_torch import config, make_groups, params, with_rollout_logprobs
 
 WAIT_S = 60.0
 

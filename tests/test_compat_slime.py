@@ -19,17 +19,17 @@ from typing import Any
 
 import pytest
 from fastapi import FastAPI, Request
+from helpers import ROOT, rollout_once, serving
 from transformers import AutoTokenizer
 
-from helpers import ROOT, rollout_once, serving
 from slimish.client import Client
 from slimish.compat import load_function
 from slimish.compat.slime import adapters, calls, namespace, samples
 from slimish.config import load_run_config
 from slimish.launch.local import Servers
+from slimish.plugins import LoadError
 from slimish.rollout.api import RolloutContext, RolloutRuntime
 from slimish.rollout.evaluation import eval_sets
-from slimish.plugins import LoadError
 from slimish.rollout.rewards import is_group_reward
 from slimish.types import Sample, SampleStatus
 

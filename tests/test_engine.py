@@ -10,10 +10,9 @@ import time
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from helpers import generate, metric_total, post, wait_for
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoModelForCausalLM
 
 from slimish.engine.config import EngineConfig
 from slimish.launch.local import engine_process

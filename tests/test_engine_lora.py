@@ -21,22 +21,22 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from helpers import running_engines, running_router
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from safetensors.torch import load_file
+from test_trainer_torch import config
+from test_weight_sync import start_dying_trainer
 from transformers import AutoModelForCausalLM
 
-from helpers import running_engines, running_router
 from slimish.client import Client, ServerError
-from slimish.engine.config import EngineConfig
 from slimish.distributed import init_custom_process_group, master_store
+from slimish.engine.config import EngineConfig
 from slimish.engine.lora import AdapterError, AdapterRef, LoraManager, read_adapter
 from slimish.moe import PER_EXPERT, fused_experts
 from slimish.trainer.config import WeightSyncConfig
 from slimish.trainer.lora import write_adapter_dir
 from slimish.trainer.torch_backend import TorchTrainer
 from slimish.trainer.weight_sync import WeightSync
-from test_trainer_torch import config
-from test_weight_sync import start_dying_trainer
 
 WAIT_S = 120.0
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}

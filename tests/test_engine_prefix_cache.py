@@ -14,7 +14,6 @@ import asyncio
 import httpx
 import pytest
 import torch
-
 from helpers import generate, post
 
 from slimish.engine.prefix_cache import PrefixCache

@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from family_cases import CASE_IDS, CASES, TURNS, Case, conversation, expected
 from transformers import AutoTokenizer
 
-from family_cases import CASE_IDS, CASES, TURNS, Case, conversation, expected
 from slimish.client import Client
 from slimish.config import load_run_config
 from slimish.formats.model import ModelFormat

@@ -19,11 +19,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import schemathesis
+from fuzzing import BOTH, fuzz
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from fuzzing import BOTH, fuzz
 from slimish.formats.model import ModelFormat
 from slimish.gateway.server import Gateway
 from slimish.gateway.trajectory import Placement, TrajectoryTree

@@ -15,15 +15,15 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from transformers import AutoTokenizer
-
 from family_cases import CASES, TURNS, Case, conversation, expected
 from helpers import run_plugin, with_gateway
+from test_family_formats import run_ctx_chat
+from transformers import AutoTokenizer
+
 from slimish.formats.model import ModelFormat
 from slimish.gateway.server import Gateway
 from slimish.net import free_port
 from slimish.types import Sample, SampleStatus
-from test_family_formats import run_ctx_chat
 
 # Reasoning (Qwen3), Llama 3.1's JSON calls, and GLM-4.6 (reasoning; its turns are closed by the next turn's opener).
 GENERATE_ONLY = True  # the `engine` fixture is the session's shared one (conftest.py): these tests only generate

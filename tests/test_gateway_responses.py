@@ -15,13 +15,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
-
 from family_cases import CASES, Case, conversation
 from helpers import with_gateway
+from test_family_formats import check_turn, run_ctx_chat
+from transformers import AutoTokenizer
+
 from slimish.gateway.server import Gateway
 from slimish.types import Sample
-from test_family_formats import check_turn, run_ctx_chat
 
 GENERATE_ONLY = True  # the `engine` fixture is the session's shared one (conftest.py): these tests only generate
 RESPONSES_CASES = [c for c in CASES if c.name in ("qwen3", "qwen2.5", "deepseek-v3.1")]

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import FakeModel, fake_model_server
 
 from rollout_plugins.harness_task.task import TASK, score, task_files
-from helpers import FakeModel, fake_model_server
 from slimish.gateway.harness import HarnessLimits, HarnessRun, gateway_env, run_harness
 from slimish.net import free_port
 from slimish.types import Sample, SampleStatus

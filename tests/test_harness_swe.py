@@ -18,11 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import model_families
 import pytest
 from helpers import fake_model_server, run_plugin
 from transformers import AutoTokenizer
 
-import model_families
 from rollout_plugins.swe_harness import EXAMPLE_ROW, MINI_ENV, mini_argv, passes_check, rollout
 from slimish.formats.model import ModelFormat
 from slimish.gateway.harness import HarnessLimits, gateway_env, run_harness

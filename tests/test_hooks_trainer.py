@@ -16,11 +16,11 @@ import pytest
 import torch
 from test_trainer_torch import FEATURES, config, make_groups, with_rollout_logprobs
 
-from slimish.rollout.config import DataConfig
-from slimish.trainer.config import AlgorithmConfig
-from slimish.rollout.data import PromptData, is_function_source, load_rows
 from slimish.plugins import LoadError, load_function
+from slimish.rollout.config import DataConfig
+from slimish.rollout.data import PromptData, is_function_source, load_rows
 from slimish.trainer.advantages import compute_advantages, trajectory_advantages
+from slimish.trainer.config import AlgorithmConfig
 from slimish.trainer.losses import loss_normalizer, rl_loss
 from slimish.trainer.torch_backend import TorchTrainer
 

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from helpers import SGLANG_DOUBLE, generate
+
 from slimish.config import load_run_config
 from slimish.launch.config import LaunchConfig
-from slimish.trainer.config import WeightSyncConfig
 from slimish.launch.local import engine_server, local_servers
 from slimish.launch.sglang import MODULE, sglang_argv, sglang_process
 from slimish.trainer.backend import WeightExport
+from slimish.trainer.config import WeightSyncConfig
 from slimish.trainer.weight_sync import WeightSync
 
 WAIT_S = 120.0

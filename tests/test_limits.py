@@ -20,19 +20,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-import slimish
+from helpers import post, running_router, wait_for
 from omegaconf import OmegaConf
 
+import slimish
 from slimish.config import RunConfig, load_run_config
 from slimish.engine.config import EngineConfig
 from slimish.flags import add_config_arguments, describe_config
+from slimish.launch.local import engine_process
 from slimish.router.config import RouterConfig
 from slimish.schema import field_docs
-from slimish.launch.local import engine_process
 from slimish.serving import warn_if_exposed
-
-from helpers import post, running_router, wait_for
 
 LIMITS = {
     "max_prompt_tokens": 48,

@@ -19,11 +19,11 @@ from test_train_faults import SIGKILL_A_CHILD_ENGINE
 from test_trainer_torch import config, make_groups, with_rollout_logprobs
 
 from slimish.client import Client
-from slimish.trainer.config import WeightSyncConfig
 from slimish.metrics import read_metrics
 from slimish.rollout.api import RolloutContext, RolloutRuntime
-from slimish.trainer.torch_backend import TorchTrainer
 from slimish.trainer.backend import WeightExport
+from slimish.trainer.config import WeightSyncConfig
+from slimish.trainer.torch_backend import TorchTrainer
 from slimish.trainer.weight_sync import WeightSync
 from slimish.types import Sample
 

@@ -20,9 +20,9 @@ import torch
 if importlib.util.find_spec("megatron.core") is None:  # find_spec: no ~12 s Megatron import here
     pytest.skip("megatron-core is not installed (pip install -e '.[dev]')", allow_module_level=True)
 
+from helpers import run_quickstart, torchrun_ranks  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from test_trainer_torch import FEATURES, config, ptx_demos, two_steps_batches  # noqa: E402
-from helpers import run_quickstart, torchrun_ranks  # noqa: E402
 from test_weight_sync import served  # noqa: E402
 
 from slimish.launch.local import engine_process  # noqa: E402

@@ -22,10 +22,11 @@ from safetensors.torch import load_file
 if importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed (pip install -e '.[dev]')", allow_module_level=True)
 
+from helpers import torchrun_ranks  # noqa: E402
+
 from megatron_bridge.config import from_hf, load_hf_config  # noqa: E402
 from megatron_bridge.convert import hf_to_shards, shards_to_hf  # noqa: E402
 from megatron_bridge.weights import stage_params  # noqa: E402
-from helpers import torchrun_ranks  # noqa: E402
 from slimish.tiny_model import SIZES, make_tiny_model  # noqa: E402
 
 WORKER = Path(__file__).with_name("megatron_worker.py")

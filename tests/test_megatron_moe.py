@@ -26,10 +26,10 @@ import torch
 if importlib.util.find_spec("megatron.core") is None:  # find_spec: no ~12 s Megatron import here
     pytest.skip("megatron-core is not installed (pip install -e '.[dev]')", allow_module_level=True)
 
+from helpers import torchrun_ranks  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from test_trainer_torch import FEATURES, config, ptx_demos, two_steps_batches  # noqa: E402
-from helpers import torchrun_ranks  # noqa: E402
 
 from slimish.trainer.torch_backend import TorchTrainer  # noqa: E402
 from slimish.types import Sample  # noqa: E402

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
 from model_families import FAMILIES, TEMPLATES, build_family, fit
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 TOOLS = [
     {

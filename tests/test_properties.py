@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slimish.trainer.config import ADVANTAGES, LOSS_REDUCTIONS, AlgorithmConfig
 from slimish.trainer.advantages import compute_advantages
+from slimish.trainer.config import ADVANTAGES, LOSS_REDUCTIONS, AlgorithmConfig
 from slimish.trainer.losses import kl_penalty, loss_normalizer, rl_loss
 from slimish.types import Sample, SampleStatus
 

@@ -24,10 +24,10 @@ from rollout_plugins import tool_agent
 from slimish.buffer import Buffer
 from slimish.client import Client
 from slimish.config import RunConfig, load_run_config
+from slimish.formats.model import ModelFormat
 from slimish.launch.config import LaunchConfig
 from slimish.launch.local import Servers, local_servers
 from slimish.rollout.api import RolloutContext, RolloutRuntime
-from slimish.formats.model import ModelFormat
 from slimish.rollout.data import PromptData
 from slimish.rollout.functions import RolloutFunctions
 from slimish.rollout.manager import RolloutManager

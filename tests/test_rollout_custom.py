@@ -17,17 +17,16 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-
 from helpers import accounted, make_cfg, run_manager, serving
-from slimish.rollout.config import EvalDataset
+
 from slimish.launch.local import Servers
 from slimish.protocol import ROUTING_KEY_HEADER
 from slimish.rollout.api import resumable
+from slimish.rollout.config import EvalDataset
 from slimish.rollout.evaluation import eval_sets, pass_at_k
 from slimish.rollout.manager import RolloutManager
 from slimish.rollout.stats import RolloutStalled
 from slimish.types import Sample, SampleStatus
-
 
 # ---- hand-built multi-turn samples under partial rollout -----------------------------------
 

@@ -14,20 +14,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import accounted, make_cfg, run_manager
 from transformers import AutoTokenizer
 
-from helpers import accounted, make_cfg, run_manager
+from rollout_plugins import math as math_plugin
 from slimish.client import Client
-from slimish.launch.local import Servers
 from slimish.formats.model import ModelFormat
+from slimish.launch.local import Servers
+from slimish.protocol import DEFAULT_WEIGHT_VERSION
 from slimish.rollout.evaluation import eval_sets
 from slimish.rollout.filters import nonzero_std
 from slimish.rollout.manager import RolloutManager
-from slimish.rollout.stats import RolloutStalled
-from slimish.protocol import DEFAULT_WEIGHT_VERSION
 from slimish.rollout.rewards import group_reward, math_reward
+from slimish.rollout.stats import RolloutStalled
 from slimish.types import Sample, SampleStatus
-from rollout_plugins import math as math_plugin
 
 
 async def greedy(url: str, ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:

@@ -14,13 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from helpers import generate, generate_response, running_engines, running_router, wait_for
 
 from slimish.launch.local import engine_process
 from slimish.net import free_port
 from slimish.protocol import ROUTING_KEY_HEADER
 from slimish.router.proxy import WORKER_HEADER
-
-from helpers import generate, generate_response, running_engines, running_router, wait_for
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPT = [5, 17, 42, 99, 7]

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from helpers import running_engines, running_router, wait_for
-from slimish.router.proxy import WORKER_HEADER
 from test_engine_lora import GREEDY, PROMPTS, WAIT_S, adapter_dirs, post  # noqa: F401  (adapter_dirs: a fixture)
+
+from slimish.router.proxy import WORKER_HEADER
 
 LORA_FLAGS = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["all"])
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from helpers import generate, generate_response, metric_total, post, running_router, wait_for
+
 from slimish.launch.local import engine_process
 from slimish.processes import start_all
 from slimish.router.proxy import WORKER_HEADER

@@ -20,16 +20,15 @@ from typing import Iterator
 import httpx
 import psutil
 import pytest
+from helpers import generate_response, running_engines, wait_for
 
-from slimish.router.config import RouterConfig
-from slimish.processes import ServerProcess
 from slimish.net import free_port
+from slimish.processes import ServerProcess
 from slimish.protocol import ROUTING_KEY_HEADER
+from slimish.router.config import RouterConfig
 from slimish.router.policy import rendezvous
 from slimish.router.proxy import PROCESS_HEADER, WORKER_HEADER
 from slimish.router.workers import Worker
-
-from helpers import generate_response, running_engines, wait_for
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 2, "ignore_eos": True}
 ADMIN = {"Authorization": "Bearer adm"}

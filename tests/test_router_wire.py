@@ -13,7 +13,6 @@ import asyncio
 import json
 
 import pytest
-
 import uvloop
 
 from slimish.router.app import create_app

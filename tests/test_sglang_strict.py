@@ -23,23 +23,23 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from helpers import metric_total, running_router, serving, wait_for
 from safetensors.torch import load_file
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-
-from helpers import metric_total, running_router, serving, wait_for
-from slimish.config import load_run_config
-from slimish.trainer.config import WeightSyncConfig
-from slimish.processes import ServerProcess
-from slimish.launch.sglang import MODULE, sglang_process
-from slimish.net import free_port
-from slimish.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from slimish.trainer.backend import WeightExport
-from slimish.trainer.weight_sync import WeightSync, WeightSyncError
 from test_engine_lora import make_adapter, reference
 from test_weight_sync import hf_greedy, hf_model, seeded
+
+from slimish.config import load_run_config
+from slimish.launch.sglang import MODULE, sglang_process
+from slimish.net import free_port
+from slimish.processes import ServerProcess
+from slimish.trainer.backend import WeightExport
+from slimish.trainer.config import WeightSyncConfig
+from slimish.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from slimish.trainer.weight_sync import WeightSync, WeightSyncError
 
 WAIT_S = 120.0
 PROMPT = [5, 17, 42, 99, 7]

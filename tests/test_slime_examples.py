@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from helpers import ROOT, generate, rollout_once
+
 from slimish import cli
 from slimish.compat import load_function
 from slimish.compat.slime import namespace

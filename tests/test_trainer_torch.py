@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import torchrun_ranks  # noqa: E402
 
 from slimish.config import load_run_config
 from slimish.trainer.backend import lr_factor
 from slimish.trainer.batch import micro_batches, shard, split_minibatches
 from slimish.trainer.torch_backend import TorchTrainer
 from slimish.types import Sample
-
-from helpers import torchrun_ranks  # noqa: E402
 
 FEATURES = [
     "algorithm.kl_coef=0.1",

@@ -18,13 +18,13 @@ from typing import Any
 import openai
 import pytest
 import torch
-
 from helpers import running_router
-from slimish.trainer.config import ADVANTAGES
+
 from slimish.formats.model import ModelFormat
 from slimish.gateway.server import Gateway
 from slimish.trainer.advantages import credit_weights, trajectory_advantages
 from slimish.trainer.batch import trajectory_index
+from slimish.trainer.config import ADVANTAGES
 from slimish.types import Sample, SampleStatus
 
 GENERATE_ONLY = True  # the `engine` fixture is the session's shared one (conftest.py): these tests only generate
@@ -150,8 +150,9 @@ def test_a_harness_killed_by_its_budget_is_infra_failed_and_the_run_goes_on(
 ) -> None:
     """Two RL steps in which one trajectory of every group is killed by its time budget: those are
     absent from the loss and the baseline (groups of 3 train), counted, and the run goes on."""
-    from slimish.metrics import read_metrics
     from helpers import ROOT
+
+    from slimish.metrics import read_metrics
 
     plugin = tmp_path / "infra_plugin.py"
     plugin.write_text(INFRA_PLUGIN)

@@ -20,16 +20,16 @@ from datetime import timedelta
 import httpx
 import pytest
 import torch
-
 from helpers import generate, metric_total, running_engines, wait_for
+
 from slimish.config import load_run_config
-from slimish.trainer.config import WeightSyncConfig
 from slimish.distributed import init_custom_process_group, master_store
 from slimish.launch.local import engine_process
+from slimish.rollout.api import sample_from_reply
 from slimish.trainer.backend import WeightExport
+from slimish.trainer.config import WeightSyncConfig
 from slimish.trainer.torch_backend import TorchTrainer
 from slimish.trainer.weight_sync import WeightSync, WeightSyncError
-from slimish.rollout.api import sample_from_reply
 from slimish.types import Sample
 
 WAIT_S = 120.0

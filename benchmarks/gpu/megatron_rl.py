@@ -48,10 +48,10 @@ from smoke import importable, random_prompts, rollouts, served_differs, served_v
 
 from slimish.config import load_run_config
 from slimish.engine.config import EngineConfig
-from slimish.trainer.config import WeightSyncConfig
 from slimish.launch.local import engine_process
 from slimish.launch.sglang import sglang_process
 from slimish.tiny_model import make_tiny_model
+from slimish.trainer.config import WeightSyncConfig
 from slimish.trainer.weight_sync import WeightSync
 
 

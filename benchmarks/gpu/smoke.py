@@ -134,17 +134,16 @@ from omegaconf import OmegaConf  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from slimish.config import RunConfig, load_run_config  # noqa: E402
-from slimish.launch.config import LaunchConfig  # noqa: E402
-from slimish.trainer.config import WeightSyncConfig  # noqa: E402
 from slimish.launch.commands import lora_launch, routing_replay_launch  # noqa: E402
+from slimish.launch.config import LaunchConfig  # noqa: E402
 from slimish.launch.local import engines_only, local_servers  # noqa: E402
 from slimish.metrics import read_metrics  # noqa: E402
 from slimish.rollout.api import sample_from_reply  # noqa: E402
 from slimish.tiny_model import make_tiny_model  # noqa: E402
 from slimish.trainer import make_trainer  # noqa: E402
+from slimish.trainer.config import WeightSyncConfig  # noqa: E402
 from slimish.trainer.weight_sync import WeightSync  # noqa: E402
 from slimish.types import Sample  # noqa: E402
-
 
 # -- check lines -----------------------------------------------------------------------------------
 

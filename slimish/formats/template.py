@@ -17,7 +17,6 @@ import inspect
 import json
 from typing import Any
 
-
 # The probe conversation that tells which form of tool-call arguments a template renders as JSON.
 _PROBE_TOOL = {
     "type": "function",

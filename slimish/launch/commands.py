@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from slimish.launch.sglang import MODULE, sglang_argv
 
 if TYPE_CHECKING:
-    from slimish.launch.config import LaunchConfig
     from slimish.config import RunConfig
+    from slimish.launch.config import LaunchConfig
     from slimish.rollout.config import RolloutConfig
     from slimish.trainer.config import AlgorithmConfig, LoraConfig
 

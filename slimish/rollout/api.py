@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from transformers import AutoConfig, AutoTokenizer
 
 from slimish.client import Client
-from slimish.rollout.config import RolloutConfig
 from slimish.formats.model import ModelFormat
 from slimish.formats.tokens import ChatTokens, same_message
 from slimish.gateway.server import Gateway
 from slimish.moe import replay_shape
 from slimish.protocol import GenerateResponse, reshapes, version_number
+from slimish.rollout.config import RolloutConfig
 from slimish.rollout.teacher import Teacher
 from slimish.types import GenerateResult, Sample, SampleStatus, reply_routes, status_of
 

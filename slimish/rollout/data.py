@@ -21,8 +21,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from slimish.rollout.config import DataConfig
 from slimish.plugins import load_function
+from slimish.rollout.config import DataConfig
 
 TASK_PREFIX = "task:"
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from slimish.rollout.config import RolloutConfig
     from slimish.plugins import Loader
+    from slimish.rollout.config import RolloutConfig
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from slime.rollout.rm_hub.math_dapo_utils import compute_score
 from slime.rollout.sglang_rollout import GenerateState
 from slime.utils.http_utils import post
 from slime.utils.types import Sample
+
 from slimish.rollout.python_tool import run_python
 
 CODE = re.compile(r"<code>(.*?)</code>", re.DOTALL)

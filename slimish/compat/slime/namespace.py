@@ -38,7 +38,7 @@ def use_slime_namespace() -> str:
     try:  # a real slime: its HTTP helpers need its own client set up by its trainer; ours replace them
         http_utils = importlib.import_module("slime.utils.http_utils")
         http_utils.post, http_utils.get = post, get  # type: ignore[attr-defined]
-    except Exception as exc:  # noqa: BLE001: a slime that cannot be imported fails at the user's import, with its own error
+    except Exception as exc:  # noqa: BLE001 (a slime that cannot be imported fails at the user's import, with its own error)
         log.warning("slime is installed but slime.utils.http_utils could not be patched: %s", exc)
     return "installed"
 

@@ -61,8 +61,8 @@ def main(argv: list[str]) -> int:
 
     import uvicorn
 
-    from slimish.engine.server import create_app
     from sglang.strict import StrictSGLang
+    from slimish.engine.server import create_app
 
     cfg = engine_config(args)
     app = StrictSGLang(create_app(cfg), vars(args), os.environ)  # the engine loads before listening

@@ -50,9 +50,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager, nullcontext
 from typing import Any
 
-from slimish.engine.api_generate import FLUSH_OK
 from sglang.routes import BASE_FIELDS, FIELDS, FLUSH_REFUSED, MEMORY_TAGS, RECORDED, ROUTE_PREFIXES, ROUTES
 from sglang.tensors import payload_error, record_call
+from slimish.engine.api_generate import FLUSH_OK
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
