@@ -49,15 +49,15 @@ def log_softmax(x: Tensor) -> Tensor:
     return x - torch.logsumexp(x, dim=-1, keepdim=True)
 
 
-def log_softmax_and_exp(x: Tensor) -> tuple[Tensor, Tensor]:
-    """`log_softmax(x)` bit for bit, with the `exp(x - max)` its logsumexp sums on the way (torch
-    computes it as `max + log(sum(exp(x - max)))`, an infinite max taken as 0): the engine's
-    sampler draws from those unnormalised probabilities instead of a second `exp` over the
-    vocabulary (tests/test_true_on_policy.py holds the bits)."""
+def logsumexp_and_exp(x: Tensor) -> tuple[Tensor, Tensor]:
+    """`torch.logsumexp(x, -1, keepdim=True)` bit for bit, so `x - lse` is `log_softmax(x)`'s bits,
+    with the `exp(x - max)` it sums on the way (torch computes it as `max + log(sum(exp(x - max)))`,
+    an infinite max taken as 0): the engine's sampler draws from those unnormalised probabilities
+    instead of a second `exp` over the vocabulary (tests/test_true_on_policy.py holds the bits)."""
     top = x.amax(dim=-1, keepdim=True)
     top.masked_fill_(top.abs() == float("inf"), 0.0)
     shifted = (x - top).exp_()
-    return x - shifted.sum(dim=-1, keepdim=True).log_().add_(top), shifted
+    return shifted.sum(dim=-1, keepdim=True).log_().add_(top), shifted
 
 
 def _fixed_sum(terms: Tensor, dim: int) -> Tensor:

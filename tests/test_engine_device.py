@@ -47,7 +47,7 @@ def test_a_batch_samples_as_its_rows_alone() -> None:
     torch.manual_seed(7)
     alone = [sample(logits[i : i + 1], [row]) for i, row in enumerate(rows())]
     assert tokens == [t[0] for t, _ in alone] and 2 not in tokens[0:5:2]  # masked below min_new_tokens
-    assert torch.equal(logprobs, torch.cat([lp for _, lp in alone]))
+    assert torch.equal(logprobs.full(), torch.cat([lp.full() for _, lp in alone]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -72,7 +72,7 @@ def test_cuda_forward_and_sampling_match_cpu(tiny_model_dir: Path) -> None:
         params = SamplingParams(temperature=1.0, repetition_penalty=1.2, sampling_seed=3)
         rows = [RowState(params, p, [], {2}, torch.Generator().manual_seed(3)) for p in prompts]
         tokens, logprobs = sample(logits, rows)
-        outs[device] = (logits.cpu(), tokens, logprobs.cpu())
+        outs[device] = (logits.cpu(), tokens, logprobs.full().cpu())
     assert torch.allclose(outs["cpu"][0], outs["cuda"][0], atol=1e-4)
     assert outs["cpu"][1] == outs["cuda"][1]
     assert torch.allclose(outs["cpu"][2], outs["cuda"][2], atol=1e-4)

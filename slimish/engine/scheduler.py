@@ -30,7 +30,7 @@ import torch
 
 from slimish.batch_invariant import log_softmax
 from slimish.engine.runner import KVBatch, PrefillOutput, PrefillRequest, Runner, use_device
-from slimish.engine.sampling import RowState, sample, temperature_of
+from slimish.engine.sampling import Logprobs, RowState, sample, temperature_of
 from slimish.protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -407,11 +407,11 @@ class Scheduler:
         it. The chosen tokens' logprobs are read in one gather: a row read per request cost
         ~2.5 us each, 0.15 ms a step at 64 rows."""
         tokens, logprobs = sample(logits, [r.row_state() for r in reqs])
-        chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+        chosen = logprobs.of(tokens)
         for k, req in enumerate(reqs):
             self._append(req, tokens[k], chosen[k], logprobs, k)
 
-    def _append(self, req: Sequence, token: int, logprob: float, logprobs: torch.Tensor, row: int) -> None:
+    def _append(self, req: Sequence, token: int, logprob: float, logprobs: Logprobs, row: int) -> None:
         """`token` and its `logprob`; row `row` of `logprobs` is its distribution (top logprobs)."""
         req.output_ids.append(token)
         req.versions.append(self.version_of(req.lora))
@@ -421,9 +421,9 @@ class Scheduler:
         if w.return_logprob:
             req.output_logprobs.append(logprob)
             if w.top_logprobs_num > 0:
-                req.output_top_logprobs.append(_top(logprobs[row], w.top_logprobs_num))
+                req.output_top_logprobs.append(_top(logprobs.row(row), w.top_logprobs_num))
             if w.token_ids_logprob:
-                req.output_ids_logprobs.append(_pick(logprobs[row], w.token_ids_logprob))
+                req.output_ids_logprobs.append(_pick(logprobs.row(row), w.token_ids_logprob))
         reason = self._finish_reason(req, token)
         if reason is not None:
             self._finish(req, reason)
