@@ -102,7 +102,8 @@ class ServerProcess:
                     if http.get(self.url + self.health_path).status_code == 200:
                         if self.proc is None or self.listens() is not False:
                             return
-                        other = f" (port {self.port} answers from another process: {listeners(self.port)})"
+                        # named once: reading every process's sockets is not a per-poll cost
+                        other = other or f" (port {self.port} answers from another process: {listeners(self.port)})"
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.1)
